@@ -1,0 +1,762 @@
+"""The FastAPI application: OpenAI-compatible endpoints in front of one :class:`EngineLoop`.
+
+``create_app(engine, config)`` builds the app around an engine that honours the contract in
+docs/contracts.md ("Inference engine"). Every request is validated before it reaches the engine;
+every failure becomes an OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``)
+and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scratchlm.server.chat_template import render_chat
+from scratchlm.server.config import ServerConfig
+from scratchlm.server.engine_loop import EngineLoop, RequestStream, TimedOutput
+from scratchlm.server.metrics import ServerMetrics
+from scratchlm.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+    dump,
+)
+
+log = logging.getLogger("scratchlm.server")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An error answered to the client with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(dump(body), status_code=status, headers=headers)
+
+
+# --------------------------------------------------------------------------------------- middleware
+
+
+class GuardMiddleware:
+    """Pure ASGI: body size limit, strict UTF-8 bodies and the Bearer API key, before any route runs.
+
+    The body is read whole (at most ``max_body_bytes`` + 1 bytes) and replayed to the app.
+    """
+
+    def __init__(self, app: Any, config: ServerConfig):
+        self.app = app
+        self.config = config
+        self.api_key = config.api_key
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if self.api_key is not None and path.startswith(PROTECTED_PREFIXES) and scope["method"] != "OPTIONS":
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.api_key}":
+                await error_response(401, "Invalid or missing API key: send the header `Authorization: Bearer KEY`.",
+                                     "authentication_error", code="invalid_api_key")(scope, receive, send)
+                return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.config.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(int(declared), scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._too_large(size, scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            await error_response(400, f"The request body is not valid UTF-8 (invalid byte at offset {e.start}); "
+                                      "send UTF-8 encoded JSON.", code="invalid_utf8")(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, size: int, scope: dict, receive: Callable, send: Callable) -> None:
+        await error_response(413, f"The request body is too large ({size} bytes or more); the limit is "
+                                  f"{self.config.max_body_bytes} bytes.", code="body_too_large")(scope, receive, send)
+
+
+# --------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share; lives on ``app.state.server``."""
+
+    engine: Any
+    loop: EngineLoop
+    config: ServerConfig
+    model_name: str
+    model_root: str | None
+    sampling_params_cls: type
+    metrics: ServerMetrics
+    max_model_len: int
+    capacity: int  # running batch + queue: beyond it, 429
+    active: int = 0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+
+def _default_sampling_params_cls() -> type:
+    from scratchlm.inference import SamplingParams
+
+    return SamplingParams
+
+
+def create_app(engine: Any, config: ServerConfig | None = None, model_name: str | None = None,
+               model_root: str | None = None, sampling_params_cls: type | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+    config = config or ServerConfig()
+    engine_config = engine.config
+    name = config.served_model_name or model_name or "scratchlm"
+    state = ServerState(
+        engine=engine,
+        loop=EngineLoop(engine),
+        config=config,
+        model_name=name,
+        model_root=model_root,
+        sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
+        metrics=ServerMetrics(name),
+        max_model_len=int(engine_config.max_model_len),
+        capacity=int(engine_config.max_num_seqs) + config.max_queue,
+    )
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        log.info("serving model %r (max_model_len=%d, max_num_seqs=%d, queue=%d)", name, state.max_model_len,
+                 engine_config.max_num_seqs, config.max_queue)
+        try:
+            yield
+        finally:
+            state.loop.stop()
+
+    app = FastAPI(title="scratchlm OpenAI-compatible server", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat on a scratchlm engine.")
+    app.state.server = state
+    _install_error_handlers(app)
+    _install_routes(app, state)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, config=config)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        by_field: dict[str, list[dict]] = {}
+        for err in errors:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            by_field.setdefault(loc[0] if loc else "body", []).append(err)
+        parts, param = [], None
+        for where, errs in list(by_field.items())[:5]:
+            err = errs[0]
+            if err.get("type") == "json_invalid":
+                ctx = err.get("ctx", {})
+                parts.append(f"the body is not valid JSON ({ctx.get('error', 'parse error')})")
+                continue
+            param = param or where
+            got = err.get("input")
+            got_text = "" if isinstance(got, dict | list) else f" (got {json.dumps(got, default=str)[:80]})"
+            if len(errs) > 1 and len({tuple(e.get("loc", ())) for e in errs}) > 1:
+                parts.append(f"{where}: wrong type or value{got_text}: " + "; ".join(
+                    ".".join(str(x) for x in e["loc"][1:]) + ": " + e.get("msg", "") for e in errs[:4]))
+            else:
+                sub = ".".join(str(x) for x in err.get("loc", ())[1:] if x != "body")
+                parts.append(f"{sub or where}: {err.get('msg', 'invalid value')}{got_text}")
+        message = "Invalid request: " + "; ".join(parts)
+        if len(by_field) > 5:
+            message += f"; and {len(by_field) - 5} more fields"
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Not found: {request.method} {request.url.path} (see /docs for the routes)"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}` "
+                            "(see GET /v1/models).", "not_found_error", param="model", code="model_not_found")
+
+
+def _prompt_len(state: ServerState, prompt: str | list[int]) -> int:
+    tok = state.tokenizer
+    if isinstance(prompt, list):
+        return len(prompt)
+    bos = 1 if getattr(tok, "add_bos", False) and getattr(tok, "bos_id", None) is not None else 0
+    return len(tok.encode(prompt)) + bos
+
+
+def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = int(state.tokenizer.vocab_size)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"`{param}` holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param,
+                       code="invalid_token_id")
+
+
+def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    limit = state.max_model_len
+    if prompt_len == 0:
+        raise APIError(400, "The prompt is empty: send at least one token.", param="prompt", code="empty_prompt")
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{prompt_len} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            "completion). Reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+    if req.n > state.config.max_n:
+        raise APIError(400, f"n={req.n} is above this server's limit of {state.config.max_n} (--max-n).", param="n",
+                       code="invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "`stop` strings must not be empty.", param="stop")
+    if req.stop_token_ids:
+        _check_token_ids(state, req.stop_token_ids, "stop_token_ids")
+    kwargs: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop or None,
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    if req.top_k is not None:
+        kwargs["top_k"] = req.top_k
+    if req.min_p is not None:
+        kwargs["min_p"] = req.min_p
+    if req.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = req.repetition_penalty
+    try:
+        return state.sampling_params_cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"Invalid sampling parameters: {e}", code="invalid_value") from e
+
+
+def _admit(state: ServerState, count: int) -> None:
+    if state.active + count > state.capacity:
+        state.metrics.requests_rejected_queue_full += 1
+        raise APIError(429, f"The server is at capacity ({state.active} requests running or queued, limit "
+                            f"{state.capacity}); retry later.", "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(state.config.retry_after_s)})
+
+
+@dataclass
+class _Tracked:
+    """Per-engine-request bookkeeping for latency metrics and deltas."""
+
+    stream: RequestStream
+    prompt_index: int
+    first_time: float | None = None
+    last_time: float | None = None
+    done: bool = False
+    sent_text: dict[int, int] = field(default_factory=dict)  # completion index -> chars already sent
+    sent_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> token ids already sent
+    final: Any = None
+
+
+async def _start(state: ServerState, prompts: list[str | list[int]], params: Any, base_id: str) -> list[_Tracked]:
+    """Submit one engine request per prompt and wait until the engine accepted them all."""
+    _admit(state, len(prompts))
+    tracked = [_Tracked(state.loop.submit(f"{base_id}-{i}", p, params), i) for i, p in enumerate(prompts)]
+    state.active += len(tracked)
+    try:
+        for t in tracked:
+            await t.stream.accepted
+    except BaseException as e:
+        _release(state, tracked, aborted=False)
+        if isinstance(e, ValueError | TypeError):
+            raise APIError(400, f"The engine rejected the request: {e}", code="invalid_value") from e
+        raise
+    return tracked
+
+
+def _release(state: ServerState, tracked: list[_Tracked], aborted: bool) -> None:
+    """Abort what is still running (a disconnected client) and give back the admission slots."""
+    for t in tracked:
+        if not t.done:
+            state.loop.abort(t.stream.request_id)
+            if aborted:
+                state.metrics.requests_aborted_by_client += 1
+            t.done = True
+            state.active -= 1
+
+
+def _observe(state: ServerState, t: _Tracked, item: TimedOutput) -> None:
+    out = item.output
+    has_tokens = any(c.token_ids for c in out.outputs)
+    if has_tokens:
+        if t.first_time is None:
+            t.first_time = item.time
+            state.metrics.time_to_first_token.observe(item.time - t.stream.arrival)
+        elif t.last_time is not None and item.time > t.last_time:
+            state.metrics.inter_token_latency.observe(item.time - t.last_time)
+        t.last_time = item.time
+    if out.finished:
+        t.done = True
+        t.final = out
+        state.active -= 1
+        state.metrics.e2e_request_latency.observe(item.time - t.stream.arrival)
+        for c in out.outputs:
+            state.metrics.request_success[c.finish_reason or "abort"] += 1
+
+
+async def _merged(state: ServerState, tracked: list[_Tracked]) -> AsyncIterator[tuple[_Tracked, TimedOutput]]:
+    """Outputs of several engine requests, as they arrive."""
+    if len(tracked) == 1:
+        t = tracked[0]
+        async for item in t.stream:
+            _observe(state, t, item)
+            yield t, item
+        return
+    queue: asyncio.Queue[tuple[_Tracked, TimedOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(t: _Tracked) -> None:
+        try:
+            async for item in t.stream:
+                await queue.put((t, item))
+        except BaseException as e:  # delivered to the consumer, which re-raises it
+            await queue.put((t, e))
+            return
+        await queue.put((t, None))
+
+    tasks = [asyncio.create_task(pump(t)) for t in tracked]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            t, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            _observe(state, t, item)
+            yield t, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(tracked: list[_Tracked]) -> UsageInfo:
+    prompt = sum(len(t.final.prompt_token_ids) for t in tracked if t.final is not None)
+    completion = sum(len(c.token_ids) for t in tracked if t.final is not None for c in t.final.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _usage_so_far(latest: dict[int, Any]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in latest.values())
+    completion = sum(len(c.token_ids) for o in latest.values() for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                         start: int, offset: int) -> CompletionLogprobs | None:
+    if logprobs is None:
+        return None
+    out = CompletionLogprobs()
+    for tid, lp in zip(token_ids[start:], logprobs[start:]):
+        text = _token_text(state, tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(float(lp[tid]) if tid in lp else None)
+        out.top_logprobs.append({_token_text(state, k): float(v) for k, v in lp.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]] | None, start: int,
+                   top_n: int) -> ChatChoiceLogprobs | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tid, lp in zip(token_ids[start:], logprobs[start:]):
+        text = _token_text(state, tid)
+        tops = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(ChatTokenLogprob(
+            token=text, logprob=float(lp.get(tid, float("-inf"))), bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=(s := _token_text(state, k)), logprob=float(v), bytes=list(s.encode()))
+                          for k, v in tops]))
+    return ChatChoiceLogprobs(content=content)
+
+
+async def _wait_all(state: ServerState, request: Request, tracked: list[_Tracked]) -> None:
+    """Consume every output; abort everything if the client goes away in the meantime."""
+
+    async def consume() -> None:
+        async for _ in _merged(state, tracked):
+            pass
+
+    task = asyncio.create_task(consume())
+    disconnected = False
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return
+            if await request.is_disconnected():
+                log.info("client disconnected; aborting %s", [t.stream.request_id for t in tracked])
+                disconnected = True
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+        _release(state, tracked, aborted=disconnected)
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream_events(state: ServerState, tracked: list[_Tracked],
+                         make_chunks: Callable[[_Tracked, Any], list[dict]],
+                         first_chunks: list[dict], final_usage: Callable[[dict[int, Any]], dict | None]
+                         ) -> AsyncIterator[bytes]:
+    """SSE bytes: the first chunks, one chunk per output delta, the usage chunk, then ``[DONE]``.
+    A client disconnect cancels this generator: its requests are aborted in ``finally``."""
+    latest: dict[int, Any] = {}
+    try:
+        for chunk in first_chunks:
+            yield _sse(chunk)
+        async for t, item in _merged(state, tracked):
+            latest[t.prompt_index] = item.output
+            for chunk in make_chunks(t, item.output):
+                yield _sse(chunk)
+        usage = final_usage(latest)
+        if usage is not None:
+            yield _sse(usage)
+        yield _sse("[DONE]")
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # an engine failure after the headers went out: report it in-band
+        log.exception("stream failed")
+        yield _sse(dump(ErrorResponse(error=ErrorInfo(message=f"{type(e).__name__}: {e}",
+                                                          type="internal_server_error"))))
+        yield _sse("[DONE]")
+    finally:
+        if any(not t.done for t in tracked):
+            log.info("stream closed early; aborting %s", [t.stream.request_id for t in tracked if not t.done])
+        _release(state, tracked, aborted=True)
+
+
+def _streaming_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# --------------------------------------------------------------------------------------- routes
+
+
+def _install_routes(app: FastAPI, state: ServerState) -> None:
+    tok = state.tokenizer
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
+
+    @app.get("/health", summary="200 while the engine loop is alive")
+    async def health() -> Response:
+        if not state.loop.alive:
+            return error_response(503, "the engine loop is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (vLLM-style names)")
+    async def metrics() -> PlainTextResponse:
+        body = state.metrics.render(state.loop.stats(), state.active)
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len, root=state.model_root,
+                         created=int(state.started))
+        return dump(ModelList(data=[card]))
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeRequest) -> dict:
+        _check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Send exactly one of `prompt` (text) or `messages` (chat).", param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise APIError(400, "`messages` is empty: send at least one message.", param="messages")
+            text = render_chat(state.engine, [{"role": m.role, "content": m.text()} for m in req.messages],
+                               req.add_generation_prompt)
+        else:
+            text = req.prompt
+        ids = list(tok.encode(text))
+        if req.add_special_tokens and getattr(tok, "add_bos", False) and tok.bos_id is not None:
+            ids = [tok.bos_id, *ids]
+        return dump(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        _check_model(state, req.model)
+        _check_token_ids(state, req.tokens, "tokens")
+        return dump(DetokenizeResponse(prompt=tok.decode(req.tokens)))
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                         429: {"model": ErrorResponse}})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        _check_model(state, req.model)
+        if req.echo:
+            raise APIError(400, "`echo` is not supported by this server.", param="echo")
+        if req.suffix:
+            raise APIError(400, "`suffix` is not supported by this server.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "`best_of` is not supported (only best_of == n).", param="best_of")
+        prompts = _normalize_prompts(state, req.prompt)
+        lengths = [_prompt_len(state, p) for p in prompts]
+        max_tokens = min(_resolve_max_tokens(state, n, req.max_tokens) for n in lengths)
+        params = _sampling_params(state, req, max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tracked = await _start(state, prompts, params, request_id)
+        n = req.n
+
+        def choice_index(t: _Tracked, c: Any) -> int:
+            return t.prompt_index * n + c.index
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunks(t: _Tracked, out: Any) -> list[dict]:
+                result = []
+                for c in out.outputs:
+                    sent = t.sent_text.get(c.index, 0)
+                    sent_tok = t.sent_tokens.get(c.index, 0)
+                    delta = c.text[sent:]
+                    if not delta and c.finish_reason is None:
+                        continue
+                    lp = _completion_logprobs(state, c.token_ids, c.logprobs, sent_tok, sent)
+                    t.sent_text[c.index], t.sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    choice = CompletionChoice(index=choice_index(t, c), text=delta, logprobs=lp,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    result.append(dump(CompletionResponse(id=request_id, model=state.model_name, choices=[choice])))
+                return result
+
+            def usage_chunk(latest: dict[int, Any]) -> dict | None:
+                if not include_usage:
+                    return None
+                return dump(CompletionResponse(id=request_id, model=state.model_name, choices=[],
+                                               usage=_usage_so_far(latest)))
+
+            return _streaming_response(_stream_events(state, tracked, chunks, [], usage_chunk))
+
+        await _wait_all(state, request, tracked)
+        choices = []
+        for t in tracked:
+            for c in t.final.outputs:
+                choices.append(CompletionChoice(
+                    index=choice_index(t, c), text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=_completion_logprobs(state, c.token_ids, c.logprobs, 0, 0)))
+        choices.sort(key=lambda ch: ch.index)
+        return JSONResponse(dump(CompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                                                    usage=_usage(tracked))))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                         429: {"model": ErrorResponse}})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(state, req.model)
+        if not req.messages:
+            raise APIError(400, "`messages` is empty: send at least one message.", param="messages",
+                           code="empty_messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = render_chat(state.engine, messages, req.add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = _resolve_max_tokens(state, _prompt_len(state, prompt), requested)
+        top_n = req.top_logprobs or 0
+        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tracked = await _start(state, [prompt], params, request_id)
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(choices: list[ChatStreamChoice]) -> dict:
+                return dump(ChatCompletionChunk(id=request_id, model=state.model_name, choices=choices))
+
+            first = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                     for i in range(req.n)]
+
+            def chunks(t: _Tracked, out: Any) -> list[dict]:
+                result = []
+                for c in out.outputs:
+                    sent = t.sent_text.get(c.index, 0)
+                    sent_tok = t.sent_tokens.get(c.index, 0)
+                    delta = c.text[sent:]
+                    if not delta and c.finish_reason is None:
+                        continue
+                    lp = _chat_logprobs(state, c.token_ids, c.logprobs, sent_tok, top_n)
+                    t.sent_text[c.index], t.sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    result.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta or None),
+                                                          logprobs=lp, finish_reason=c.finish_reason)]))
+                return result
+
+            def usage_chunk(latest: dict[int, Any]) -> dict | None:
+                if not include_usage:
+                    return None
+                return dump(ChatCompletionChunk(id=request_id, model=state.model_name, choices=[],
+                                                usage=_usage_so_far(latest)))
+
+            return _streaming_response(_stream_events(state, tracked, chunks, first, usage_chunk))
+
+        await _wait_all(state, request, tracked)
+        out = tracked[0].final
+        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, 0, top_n))
+                   for c in out.outputs]
+        return JSONResponse(dump(ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                                                        usage=_usage(tracked))))
+
+
+def _normalize_prompts(state: ServerState, prompt: Any) -> list[str | list[int]]:
+    """The request's `prompt` as a list of prompts (text or token ids), checked."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif not prompt:
+        raise APIError(400, "`prompt` is empty: send a string, a list of strings or token ids.", param="prompt",
+                       code="empty_prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if len(prompts) > state.config.max_prompts:
+        raise APIError(400, f"{len(prompts)} prompts in one request is above the limit of "
+                            f"{state.config.max_prompts} (--max-prompts).", param="prompt")
+    for p in prompts:
+        if isinstance(p, list):
+            if not p:
+                raise APIError(400, "A token-id prompt is empty.", param="prompt", code="empty_prompt")
+            _check_token_ids(state, p, "prompt")
+    return prompts
+
+
+def api_key_from_env(config: ServerConfig) -> ServerConfig:
+    """`config` with api_key taken from $SCRATCHLM_API_KEY when no flag gave one."""
+    if config.api_key is None and os.environ.get("SCRATCHLM_API_KEY"):
+        from dataclasses import replace
+
+        return replace(config, api_key=os.environ["SCRATCHLM_API_KEY"])
+    return config

@@ -1,0 +1,212 @@
+"""One background thread that owns the engine; asyncio handlers talk to it through queues.
+
+``LLMEngine`` is not thread-safe, so exactly one thread calls it: it takes new requests and aborts
+from a thread-safe inbox between steps, runs ``engine.step()`` while anything is unfinished (that is
+continuous batching: requests from every connection join the running batch at the next step), and
+hands each ``RequestOutput`` back to the event loop with ``loop.call_soon_threadsafe``.
+
+Handlers see a request as a :class:`RequestStream`: ``await stream.accepted`` (raises what
+``add_request`` raised: a bad prompt, a prompt too long), then ``async for out in stream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("scratchlm.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine raised inside step(); the requests that were in flight are failed with this."""
+
+
+@dataclass
+class TimedOutput:
+    """A RequestOutput with the monotonic time at which the engine produced it."""
+
+    output: Any
+    time: float
+
+
+class RequestStream:
+    """Outputs of one engine request, delivered on the event loop."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self._items: asyncio.Queue[TimedOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.arrival = time.monotonic()
+
+    # Called on the event loop (scheduled from the engine thread).
+    def _accept(self, error: BaseException | None) -> None:
+        if self.accepted.done():
+            return
+        if error is None:
+            self.accepted.set_result(None)
+        else:
+            self.accepted.set_exception(error)
+
+    def _put(self, item: TimedOutput | BaseException) -> None:
+        self._items.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[TimedOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TimedOutput]:
+        while not self.finished:
+            item = await self._items.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.output.finished:
+                self.finished = True
+            yield item
+
+
+class EngineLoop:
+    """Runs `engine` in a daemon thread; every method except the thread's own is called from asyncio."""
+
+    def __init__(self, engine: Any, idle_poll_s: float = 0.05):
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
+        self._stats: Any | None = None
+        self._stats_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._run, name="scratchlm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+        """Queue a request for the engine; the returned stream yields its outputs."""
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._inbox.put(("add", (stream, prompt, params)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when it already finished); its blocks are freed at the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> Any | None:
+        """The EngineStats snapshot taken after the latest step (or when the engine went idle)."""
+        with self._stats_lock:
+            return self._stats
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _refresh_stats(self) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:  # stats are informational; never let them kill the loop
+            log.exception("engine.stats() failed")
+            return
+        with self._stats_lock:
+            self._stats = stats
+
+    def _deliver(self, stream: RequestStream, item: TimedOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens any more
+            stream.loop.call_soon_threadsafe(stream._put, item)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            stream, prompt, params = payload
+            try:
+                self.engine.add_request(stream.request_id, prompt, params)
+            except Exception as e:  # a bad request must never take the loop down
+                stream.loop.call_soon_threadsafe(stream._accept, e)
+                return
+            self._streams[stream.request_id] = stream
+            stream.loop.call_soon_threadsafe(stream._accept, None)
+        elif kind == "abort":
+            stream = self._streams.pop(payload, None)
+            if stream is not None:
+                try:
+                    self.engine.abort_request(payload)
+                except Exception:
+                    log.exception("abort_request(%s) failed", payload)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, payload = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self._handle(kind, payload)
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(kind, payload)
+
+    def _run(self) -> None:
+        log.info("engine loop started")
+        was_busy = False
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            if not busy and was_busy:
+                self._refresh_stats()  # the idle state (empty KV pool) is visible in /metrics
+            was_busy = busy
+            self._drain(block=not busy)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.exception("engine.step() failed; failing the %d requests in flight", len(self._streams))
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._fail_all(EngineDeadError(f"the engine failed while running this request: {self.last_error}"))
+                continue
+            now = time.monotonic()
+            self.steps += 1
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                self._deliver(stream, TimedOutput(out, now))
+            self._refresh_stats()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        log.info("engine loop stopped")
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort_request(%s) failed", request_id)
+            self._deliver(stream, error)
+        self._streams.clear()
