@@ -1,0 +1,147 @@
+"""Fused ops: `matmul_layernorm(A, B)` = layernorm(A @ B) and `matmul_softmax(A, B)` = softmax(A @ B),
+each with a hand-derived backward.
+
+What fusion buys here: one forward node instead of two; the layer norm keeps its mean and 1/std from the
+forward pass (the unfused backward recomputes the variance from the matmul output); the backward of the
+normalisation is one ATen kernel (`native_layer_norm_backward`, `_softmax_backward_data`) feeding the two
+matmuls, instead of separate node evaluations. Second-order gradients through a fused backward are derived
+from the unfused definition (`composite_gradient`), so they stay correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .evaluator import composite_gradient
+from .graph import Node, Op
+from .ops import _layernorm_composite, _name, matmul, mean, mul, softmax, sub, sum_op, sum_to, transpose
+
+aten = torch.ops.aten
+
+
+def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError("matmul needs inputs with at least 2 dims")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"inner dimensions differ: {a.shape[-1]} (last of A) vs {b.shape[-2]} (2nd-last of B)")
+
+
+def _matmul_input_grads(node: Node, dz: Node) -> list[Node]:
+    a, b = node.inputs[0], node.inputs[1]
+    return [sum_to(matmul(dz, transpose(b, -1, -2)), a), sum_to(matmul(transpose(a, -1, -2), dz), b)]
+
+
+# ----------------------------------------------------------------------------------------------- matmul_layernorm
+class _MatMulLayerNormForwardOp(Op):
+    """Computes (z = A @ B, y = layernorm(z), mean, rstd) once; a tuple value used by the two ops below."""
+
+    name = "matmul_layernorm_forward"
+
+    def __call__(self, a: Node, b: Node, shape: tuple[int, ...], eps: float) -> Node:
+        return Node([a, b], self, {"normalized_shape": shape, "eps": eps}, _name("matmul_layernorm_fwd", a, b))
+
+    def compute(self, node, input_values):
+        a, b = input_values
+        _check_matmul(a, b)
+        z = torch.matmul(a, b)
+        shape = node.attrs["normalized_shape"]
+        if tuple(z.shape[z.dim() - len(shape):]) != shape:
+            raise ValueError(f"normalized_shape {shape} does not match the trailing dims of A @ B {tuple(z.shape)}")
+        y, mu, rstd = aten.native_layer_norm(z, list(shape), None, None, node.attrs["eps"])
+        return (y, z, mu, rstd)
+
+    def gradient(self, node, output_grad):
+        raise RuntimeError("matmul_layernorm_forward is internal; differentiate matmul_layernorm")
+
+
+class MatMulLayerNormOp(Op):
+    """layernorm(A @ B) over the last len(normalized_shape) dims (no affine weight)."""
+
+    name = "matmul_layernorm"
+
+    def __call__(self, a: Node, b: Node, normalized_shape: Sequence[int] | int, eps: float = 1e-5) -> Node:
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        packed = _matmul_layernorm_forward(a, b, shape, eps)
+        return Node([a, b, packed], self, {"normalized_shape": shape, "eps": eps}, _name("matmul_layernorm", a, b))
+
+    def compute(self, node, input_values):
+        return input_values[2][0]
+
+    def gradient(self, node, output_grad):
+        dz = _matmul_layernorm_grad_z(node, output_grad)
+        return [*_matmul_input_grads(node, dz), None]
+
+
+class _MatMulLayerNormGradZOp(Op):
+    """dL/dz for y = layernorm(z): r (g - mean(g) - y mean(g y)) (see ops.LayerNormGradOp), one ATen kernel
+    from the saved mean and rstd."""
+
+    name = "matmul_layernorm_grad_z"
+
+    def __call__(self, node: Node, g: Node) -> Node:
+        a, b, packed = node.inputs
+        return Node([a, b, packed, g], self, dict(node.attrs), _name("matmul_layernorm_grad_z", g))
+
+    def compute(self, node, input_values):
+        _, _, (y, z, mu, rstd), g = input_values
+        shape = list(node.attrs["normalized_shape"])
+        dz, _, _ = aten.native_layer_norm_backward(g, z, shape, mu, rstd, None, None, [True, False, False])
+        return dz
+
+    def gradient(self, node, output_grad):
+        shape, eps = node.attrs["normalized_shape"], node.attrs["eps"]
+        dims = tuple(range(-len(shape), 0))
+
+        def composite(a, b, packed, g):
+            y, rstd = _layernorm_composite(matmul(a, b), len(shape), eps)
+            return mul(rstd, sub(sub(g, mean(g, dims, keepdim=True)), mul(y, mean(mul(g, y), dims, keepdim=True))))
+
+        return composite_gradient(node, output_grad, composite)
+
+
+# ----------------------------------------------------------------------------------------------- matmul_softmax
+class MatMulSoftmaxOp(Op):
+    """softmax(A @ B, dim)."""
+
+    name = "matmul_softmax"
+
+    def __call__(self, a: Node, b: Node, dim: int = -1) -> Node:
+        return Node([a, b], self, {"dim": dim}, _name("matmul_softmax", a, b))
+
+    def compute(self, node, input_values):
+        a, b = input_values
+        _check_matmul(a, b)
+        z = torch.matmul(a, b)
+        return aten._softmax(z, node.attrs["dim"] % z.dim(), False)
+
+    def gradient(self, node, output_grad):
+        return _matmul_input_grads(node, _matmul_softmax_grad_z(node, output_grad))
+
+
+class _MatMulSoftmaxGradZOp(Op):
+    """dL/dz for y = softmax(z): y (g - sum(g y)) (see ops.SoftmaxGradOp), one ATen kernel."""
+
+    name = "matmul_softmax_grad_z"
+
+    def __call__(self, node: Node, g: Node) -> Node:
+        return Node([node, g], self, dict(node.attrs), _name("matmul_softmax_grad_z", g))
+
+    def compute(self, node, input_values):
+        y, g = input_values
+        return aten._softmax_backward_data(g, y, node.attrs["dim"] % y.dim(), y.dtype)
+
+    def gradient(self, node, output_grad):
+        dim = node.attrs["dim"]
+        # y here is the matmul_softmax node; expressing through softmax(...) keeps second order exact
+        return composite_gradient(node, output_grad, lambda y, g: mul(y, sub(g, sum_op(mul(g, y), dim, keepdim=True))))
+
+
+_matmul_layernorm_forward = _MatMulLayerNormForwardOp()
+_matmul_layernorm_grad_z = _MatMulLayerNormGradZOp()
+_matmul_softmax_grad_z = _MatMulSoftmaxGradZOp()
+matmul_layernorm = MatMulLayerNormOp()
+matmul_softmax = MatMulSoftmaxOp()
+
+__all__ = ["matmul_layernorm", "matmul_softmax", "softmax"]
