@@ -16,6 +16,7 @@ from .nn_ops import (
     causal_mask,
     cross_entropy,
     embedding,
+    linear,
     log_softmax,
     merge_heads,
     one_hot_like,
@@ -64,7 +65,7 @@ from .ops import (
 __all__ = [
     "Evaluator", "GraphRunError", "Node", "Op", "Variable", "add", "add_by_const", "broadcast", "causal_mask",
     "constant", "cross_entropy", "div", "div_by_const", "embedding", "exp", "expand_as", "gradients",
-    "gradients_or_none", "greater", "layernorm", "log", "log_softmax", "matmul", "matmul_layernorm",
+    "gradients_or_none", "greater", "layernorm", "linear", "log", "log_softmax", "matmul", "matmul_layernorm",
     "matmul_softmax", "mean", "merge_heads", "mul", "mul_by_const", "neg", "one_hot_like", "ones_like",
     "placeholder", "power", "rdiv_by_const", "relu", "repeat_kv", "reshape", "reshape_as", "rms_normalize",
     "rmsnorm", "rotary", "rotary_tables", "rotate_pairs", "sigmoid", "silu", "softmax", "split_heads", "sqrt",

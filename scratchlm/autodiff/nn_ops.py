@@ -192,6 +192,67 @@ class _TimesClassesOp(Op):
         return [mul_by_const_like_classes(output_grad, node.inputs[1]), None]
 
 
+
+# ----------------------------------------------------------------------------------------------- linear
+class LinearOp(Op):
+    """x @ weight^T (+ bias): x (..., in), weight (out, in) as torch.nn.Linear stores it."""
+
+    name = "linear"
+
+    def __call__(self, x: Node, weight: Node, bias: Node | None = None) -> Node:
+        inputs = [x, weight] if bias is None else [x, weight, bias]
+        return Node(inputs, self, name=_name("linear", x, weight))
+
+    def compute(self, node, input_values):
+        x, w = input_values[0], input_values[1]
+        if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"linear needs x (..., in) and weight (out, in) with matching in, "
+                             f"got x {tuple(x.shape)} and weight {tuple(w.shape)}")
+        return torch.nn.functional.linear(x, w, input_values[2] if len(input_values) == 3 else None)
+
+    def gradient(self, node, output_grad):
+        x, w = node.inputs[0], node.inputs[1]
+        grads = [linear_grad_input(output_grad, w), linear_grad_weight(output_grad, x)]
+        if len(node.inputs) == 3:
+            grads.append(sum_to(output_grad, node.inputs[2]))
+        return grads
+
+
+class LinearGradInputOp(Op):
+    """dx = g @ weight: (..., out) @ (out, in) -> (..., in)."""
+
+    name = "linear_grad_input"
+
+    def __call__(self, g: Node, weight: Node) -> Node:
+        return Node([g, weight], self, name=_name("linear_grad_input", g))
+
+    def compute(self, node, input_values):
+        return torch.matmul(input_values[0], input_values[1])
+
+    def gradient(self, node, output_grad):
+        g, w = node.inputs
+        # d/dg: og @ w^T = linear(og, w); d/dw: g^T og summed over leading dims
+        return [linear(output_grad, w), linear_grad_weight(g, output_grad)]
+
+
+class LinearGradWeightOp(Op):
+    """dW = g^T x with all leading dims flattened: (N, out)^T (N, in) -> (out, in), one 2-D matmul."""
+
+    name = "linear_grad_weight"
+
+    def __call__(self, g: Node, x: Node) -> Node:
+        return Node([g, x], self, name=_name("linear_grad_weight", g, x))
+
+    def compute(self, node, input_values):
+        g, x = input_values
+        return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # (out, in)
+
+    def gradient(self, node, output_grad):
+        g, x = node.inputs
+        # dW[o, i] = sum_n g[n, o] x[n, i]: d/dg = x @ og^T = linear(x, og); d/dx = g @ og
+        return [linear(x, output_grad), linear_grad_input(g, output_grad)]
+
+
 # ----------------------------------------------------------------------------------------------- embedding
 class EmbeddingOp(Op):
     """weight[ids]: (V, D) gathered by integer ids (...) -> (..., D)."""
@@ -315,16 +376,17 @@ class RotatePairsOp(Op):
 
 def rotary_tables(
     positions: torch.Tensor, head_dim: int, theta: float = 10000.0, layout: str = "adjacent",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, angle_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, (..., T, 1, head_dim), to feed `rotary` for x of shape (..., T, H, head_dim).
 
-    Frequencies are theta^(-2i/head_dim); each pair's angle is repeated on both of its dims.
+    Frequencies are theta^(-2i/head_dim); each pair's angle is repeated on both of its dims. Angles are
+    computed in `angle_dtype` (float32, as scratchlm.model and HF do) and the tables cast to `dtype`.
     """
     if head_dim % 2:
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
-    angles = positions.to(torch.float64)[..., None] * freqs  # (..., T, D/2)
+    exponent = torch.arange(0, head_dim, 2, dtype=angle_dtype, device=positions.device) / head_dim
+    angles = positions.to(angle_dtype)[..., None] * (1.0 / theta**exponent)  # (..., T, D/2)
     if layout == "adjacent":
         angles = angles.repeat_interleave(2, dim=-1)  # (..., T, D)
     elif layout == "half":
@@ -439,6 +501,9 @@ one_hot_like = OneHotLikeOp()
 cross_entropy = CrossEntropyOp()
 cross_entropy_grad = CrossEntropyGradOp()
 mul_by_const_like_classes = _TimesClassesOp()
+linear = LinearOp()
+linear_grad_input = LinearGradInputOp()
+linear_grad_weight = LinearGradWeightOp()
 embedding = EmbeddingOp()
 embedding_grad = EmbeddingGradOp()
 rms_normalize = RMSNormalizeOp()
@@ -451,7 +516,7 @@ repeat_kv = RepeatKVOp()
 repeat_kv_grad = RepeatKVGradOp()
 
 __all__ = [
-    "sigmoid", "silu", "log_softmax", "cross_entropy", "embedding", "rmsnorm", "rms_normalize",
+    "linear", "sigmoid", "silu", "log_softmax", "cross_entropy", "embedding", "rmsnorm", "rms_normalize",
     "rotate_pairs", "rotary", "rotary_tables", "causal_mask", "split_heads", "merge_heads", "repeat_kv",
     "sum_to", "one_hot_like",
 ]

@@ -1,0 +1,48 @@
+"""The trainer's gradient engine backed by this package (`scratchlm train --engine autodiff`).
+
+`scratchlm.training.engines` defines the contract: ``loss_and_grads(model, x, y, loss_scale) -> loss``
+accumulates d(loss * loss_scale)/d(param) into ``param.grad`` and returns the detached float32 loss.
+Here the loss and every gradient come from the LM's ad graph (`scratchlm.autodiff.lm`); torch.autograd
+is not involved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lm import LMGraph, build_lm_graph, model_params
+
+
+class AutodiffEngine:
+    """Keeps one LM graph per model config, so the graph is built once and reused every step."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[str, LMGraph] = {}
+
+    def graph_for(self, model: torch.nn.Module) -> LMGraph:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise TypeError(f"the autodiff engine needs a scratchlm TransformerLM (with .config), "
+                            f"got {type(model).__name__}")
+        key = repr(config)
+        if key not in self._graphs:
+            self._graphs[key] = build_lm_graph(config)
+        return self._graphs[key]
+
+    def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        graph = self.graph_for(model)
+        with torch.no_grad():
+            loss, grads = graph.loss_and_grads(model_params(model), x, y)
+            for name, param in model.named_parameters():
+                g = grads[name]
+                g = g * loss_scale if loss_scale != 1.0 else g
+                if param.grad is None:
+                    param.grad = g.to(param.dtype).clone()
+                else:
+                    param.grad.add_(g.to(param.dtype))
+        return loss.detach().float()
+
+
+def loss_and_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """One call of the engine contract; builds the graph for this call (use `AutodiffEngine` to reuse it)."""
+    return AutodiffEngine()(model, x, y, loss_scale)
