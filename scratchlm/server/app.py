@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scratchlm.server.chat_template import render_chat
 from scratchlm.server.config import ServerConfig
 from scratchlm.server.engine_loop import EngineLoop, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
@@ -597,8 +596,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if req.messages is not None:
             if not req.messages:
                 raise APIError(400, "`messages` is empty: send at least one message.", param="messages")
-            text = render_chat(state.engine, [{"role": m.role, "content": m.text()} for m in req.messages],
-                               req.add_generation_prompt)
+            try:
+                text = state.engine.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
         else:
             text = req.prompt
         ids = list(tok.encode(text))
@@ -683,8 +685,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            prompt = render_chat(state.engine, messages, req.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            prompt = state.engine.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = _resolve_max_tokens(state, _prompt_len(state, prompt), requested)

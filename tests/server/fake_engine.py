@@ -96,6 +96,10 @@ class EngineStats:
     generation_tokens_total: int
 
 
+def chat_prompt(messages: list[dict]) -> str:
+    return "\n".join(m["content"] for m in messages)
+
+
 def echo_token(prompt_ids: list[int], index: int, position: int) -> int:
     body = [t for t in prompt_ids if t < 256] or [ord("x")]
     return body[(index + position) % len(body)]
@@ -143,7 +147,8 @@ class FakeEngine:
         self.step_batches: list[int] = []  # running batch size at each step (continuous batching proof)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        raise AssertionError("the fake tokenizer has no chat template; the server must use its fallback")
+        """Like the real engine on a model without a template: the contents joined by newlines."""
+        return chat_prompt(messages)
 
     # -- contract
     def add_request(self, request_id: str, prompt: str | list[int], params: FakeSamplingParams) -> None:

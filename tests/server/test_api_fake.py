@@ -13,10 +13,9 @@ import openai
 import pytest
 
 from scratchlm.server import ServerConfig
-from scratchlm.server.chat_template import plain_chat_prompt
 from scratchlm.server.metrics import parse_prometheus
 from tests.server.conftest import fake_server
-from tests.server.fake_engine import FakeEngineConfig, expected_text
+from tests.server.fake_engine import FakeEngineConfig, chat_prompt, expected_text
 
 MODEL = "fake-echo"
 
@@ -85,10 +84,10 @@ def test_completion_logprobs(fake):
     assert all(len(t) == 2 for t in lp.top_logprobs)
 
 
-def test_chat_uses_fallback_template_and_streams(fake):
+def test_chat_uses_engine_template_and_streams(fake):
     srv, _ = fake
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    prompt = plain_chat_prompt(messages)
+    prompt = chat_prompt(messages)
     res = client(srv).chat.completions.create(model=MODEL, messages=messages, max_tokens=9)
     assert res.choices[0].message.content == expected_text(prompt, 9)[0]
     assert res.choices[0].message.role == "assistant"
@@ -146,7 +145,7 @@ def test_models_health_tokenize(fake):
     r = httpx.post(srv.url + "/detokenize", json={"tokens": list("hé".encode())})
     assert r.json() == {"prompt": "hé"}
     r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "q"}]})
-    assert r.json()["tokens"][1:] == list(plain_chat_prompt([{"role": "user", "content": "q"}]).encode())
+    assert r.json()["tokens"][1:] == list(chat_prompt([{"role": "user", "content": "q"}]).encode())
 
 
 def test_playground_page_served(fake):
