@@ -28,9 +28,9 @@ def lm_parameter_names(config: Any) -> list[str]:
     for i in range(config.n_layers):
         p = f"layers.{i}."
         names.append(p + "attn_norm.weight")
-        names += [p + f"attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         if config.qkv_bias:
             names += [p + f"attn.{n}_bias" for n in ("q", "k", "v")]
+        names += [p + f"attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         names.append(p + "ffn_norm.weight")
         names += [p + f"ffn.{n}.weight" for n in ("w1", "w2", "w3")]
     names.append("norm.weight")
@@ -84,9 +84,10 @@ class LMGraph:
         loss, *grads = self._evaluator.run(self.feed(params, tokens, targets, positions))
         return loss, dict(zip(self.grads, grads))
 
-    def logits_value(self, params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    def logits_value(self, params: dict[str, torch.Tensor], tokens: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only: logits (B, T, vocab)."""
-        return Evaluator([self.logits]).run(self.feed(params, tokens))[0]
+        return Evaluator([self.logits]).run(self.feed(params, tokens, positions=positions))[0]
 
 
 def build_lm_graph(config: Any, with_grads: bool = True) -> LMGraph:
