@@ -1,0 +1,115 @@
+"""Paged attention over the block-table KV cache, written with torch ops, for the model's `attn` hook.
+
+A step's tokens are one flattened, unpadded batch (B = 1, T = N tokens): first the decode
+queries (one token each), then the prefill chunks. The backend
+
+1. writes this step's K/V into the cache at `slot_mapping` (slot = block * block_size + offset);
+2. decode queries: gathers each sequence's blocks by its block table into (B, L, Hkv, D), masks
+   keys at >= context length, and computes grouped-query attention in one batched matmul;
+3. prefill chunks: one sequence at a time, keys = the sequence's cached prefix (gathered by block
+   table) + the chunk, causal with an offset. A chunk with no cached prefix uses its own K/V.
+
+All metadata travels in `AttentionMetadata`; nothing global.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from scratchlm.inference.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk: rows [query_start, query_start + query_len) of the flat batch."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens in the cache after this step (cached prefix + this chunk)
+    block_table: torch.Tensor  # (num_blocks_of_seq,) long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (N,) long: cache slot of every token of the step
+    num_decode_tokens: int  # the first rows are decode queries, one per sequence
+    decode_block_tables: torch.Tensor | None  # (B_dec, max_blocks) long, padded with block 0
+    decode_context_lens: torch.Tensor | None  # (B_dec,) long, including the new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention:
+    """The `attn(layer_idx, q, k, v)` backend of one step: metadata + the cache it reads and writes."""
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+        self.cache = cache
+        self.meta = meta
+        self._decode_mask: torch.Tensor | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != 1:
+            raise ValueError(f"paged attention expects one flattened batch (B=1), got q of shape {tuple(q.shape)}")
+        q, k, v = q[0], k[0], v[0]  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
+        meta = self.meta
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (num_blocks, bs, Hkv, D)
+        hkv, d = k_cache.shape[-2:]
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0] and not meta.prefills:
+            return self._decode(q, k_cache, v_cache).unsqueeze(0)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
+        for p in meta.prefills:
+            rows = slice(p.query_start, p.query_start + p.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+        return out.unsqueeze(0)  # (1, N, H, D)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""
+        meta = self.meta
+        b, h, d = q.shape
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        tables = meta.decode_block_tables
+        length = tables.shape[1] * bs
+        keys = k_cache[tables].view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
+        values = v_cache[tables].view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
+        qg = q.view(b, hkv, h // hkv, d).to(keys.dtype)  # (B, Hkv, G, D)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))  # (B, Hkv, G, L)
+        if self._decode_mask is None:
+            pos = torch.arange(length, device=q.device)
+            self._decode_mask = (pos[None, :] >= meta.decode_context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
+        scores.masked_fill_(self._decode_mask, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # (B, H, D)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 p: PrefillChunk) -> torch.Tensor:
+        """q (T, H, D), this chunk's k/v (T, Hkv, D); keys = cached prefix + chunk -> (T, H, D)."""
+        t, h, d = q.shape
+        hkv = k.shape[1]
+        offset = p.context_len - t  # tokens before the chunk
+        if offset == 0:
+            keys, values = k, v  # (T, Hkv, D)
+        else:
+            n_blocks = -(-p.context_len // k_cache.shape[1])
+            table = p.block_table[:n_blocks]
+            keys = k_cache[table].reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
+            values = v_cache[table].reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
+        qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+        kh = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)
+        vh = values.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)
+        if offset == 0:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=h != hkv)
+        else:
+            q_pos = torch.arange(offset, p.context_len, device=q.device)[:, None]
+            allowed = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos  # (T, S)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=h != hkv)
+        return out[0].transpose(0, 1)  # (T, H, D)

@@ -1,0 +1,56 @@
+"""`EngineConfig`: the knobs of the serving engine (typed dataclass: CLI flags and TOML files)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches, caches and computes."""
+
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step (continuous batch size)"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "token budget of one step: decodes + prefill chunks (chunked prefill)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output in tokens; None = the model's max_seq_len"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    kv_cache_memory: int = field(
+        default=1 << 30, metadata={"help": "bytes of memory for the paged KV cache (sets the number of blocks)"}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes (chained block hashes)"}
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "weights and KV cache dtype (fp32 is fastest on most CPUs)"}
+    )
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1, ..."})
+    seed: int = field(default=0, metadata={"help": "seeds the generators of requests that give no seed"})
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            problems.append(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            problems.append(f"device={self.device!r} is not a torch device (cpu, cuda, cuda:0, ...)")
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,353 @@
+"""`LLMEngine` (add_request / abort_request / step) and the offline `LLM` API on top of it.
+
+One step is three lines, as in nano-vllm: `schedule()` -> `run()` -> `postprocess()`.
+The engine owns no global state: the scheduler, block manager, KV cache and runner are its fields.
+It is not thread-safe: one loop owns it (the server's background loop, or `LLM.generate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scratchlm.inference.block_manager import BlockManager
+from scratchlm.inference.config import EngineConfig
+from scratchlm.inference.kv_cache import KVCache, num_blocks_for_budget
+from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOutput
+from scratchlm.inference.params import SamplingParams
+from scratchlm.inference.runner import ModelRunner, build_model_input
+from scratchlm.inference.sampler import Sampler, SamplingRow
+from scratchlm.inference.scheduler import Scheduler, SchedulerOutput
+from scratchlm.inference.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    """A request: its prompt and its n sequences (samples). Samples 1..n-1 fork from sample 0
+    once the prompt is computed, sharing its full KV blocks."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The streaming-capable engine; see docs/contracts.md and docs/engine.md."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, model_config: Any, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        c = self.config
+        dtype = c.torch_dtype
+        device = torch.device(c.device)
+        self.max_model_len = c.max_model_len or model_config.max_seq_len
+        num_blocks = num_blocks_for_budget(
+            c.kv_cache_memory, model_config.n_layers, model_config.n_kv_heads, model_config.head_dim, c.block_size,
+            dtype,
+        )
+        # Never more blocks than max_num_seqs full-length sequences can use (saves memory on small models).
+        num_blocks = min(num_blocks, c.max_num_seqs * -(-self.max_model_len // c.block_size) + 1)
+        if num_blocks * c.block_size < self.max_model_len:
+            log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
+                        self.max_model_len, num_blocks * c.block_size, num_blocks, c.block_size)
+            self.max_model_len = num_blocks * c.block_size
+        model = model.to(device=device, dtype=dtype).eval()
+        self.cache = KVCache.allocate(model_config.n_layers, num_blocks, c.block_size, model_config.n_kv_heads,
+                                      model_config.head_dim, dtype, device)
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._rng = random.Random(c.seed)
+        self._next_seq_id = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        log.info("engine: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
+                 num_blocks, c.block_size, self.cache.k.numel() * 2 * self.cache.k.element_size() / 2**20,
+                 self.max_model_len, c.dtype, device)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a model (HF dir, .gguf, llama2.c .bin, scratchlm checkpoint; None = the default model)."""
+        from scratchlm.defaults import default_model_path
+        from scratchlm.model import load
+
+        config = config or EngineConfig()
+        path = Path(model_path) if model_path is not None else default_model_path()
+        loaded = load(path, dtype=config.torch_dtype, device=config.device)
+        return cls(loaded.model, loaded.tokenizer, loaded.config, config)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids); ids are checked against the vocabulary."""
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            bos = getattr(self.tokenizer, "bos_id", None)
+            if getattr(self.tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+            text = prompt
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; errors (duplicate id, bad prompt, too long) raise ValueError."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        text, ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                f"(prompt + at least one generated token)"
+            )
+        needed = self.block_manager.blocks_needed(len(ids) + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {needed} KV blocks, the cache has {self.block_manager.num_blocks}"
+                f"; raise kv_cache_memory"
+            )
+        req = Request(request_id, text, ids, params)
+        for i in range(params.n):
+            req.seqs.append(Sequence(
+                seq_id=self._new_seq_id(), request_id=request_id, index=i, params=params, prompt_ids=list(ids),
+                arrival=self._next_seq_id, generator=self._generator(params, i),
+            ))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        self._prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks now; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                if seq.status is SequenceStatus.WAITING and seq not in self.scheduler.waiting:
+                    seq.status = SequenceStatus.FINISHED  # a fork that never started
+                    seq.finish_reason = "abort"
+                else:
+                    self.scheduler.finish(seq, "abort")
+        req.aborted = True
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> run -> postprocess; returns the outputs of requests that progressed."""
+        plan = self.scheduler.schedule()
+        logits = self._run(plan)
+        return self._postprocess(plan, logits)
+
+    def _run(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[int]] | None:
+        if plan.is_empty and not plan.block_copies:
+            return None
+        inp, rows = build_model_input(plan, self.block_manager.block_size)
+        logits = self.runner.execute(inp)
+        self.scheduler.commit(plan)
+        return logits, rows
+
+    def _postprocess(self, plan: SchedulerOutput, result: tuple[torch.Tensor, list[int]] | None) -> list[RequestOutput]:
+        progressed: dict[str, Request] = {}
+        for req in self._aborted:
+            progressed[req.request_id] = req
+        self._aborted = []
+        if result is not None:
+            logits, rows = result
+            sample_rows: list[SamplingRow] = []
+            logit_rows: list[int] = []
+            targets: list[tuple[Sequence, Request]] = []
+            for entry, row in zip(plan.scheduled, rows):
+                if row < 0:
+                    continue
+                seq = entry.seq
+                req = self.requests[seq.request_id]
+                group = [seq]
+                if req.params.n > 1 and not req.forked and seq.index == 0:
+                    group = req.seqs  # sample 0 finished the prompt: all n samples draw from its logits
+                for s in group:
+                    sample_rows.append(self._sampling_row(s))
+                    logit_rows.append(row)
+                    targets.append((s, req))
+            if targets:
+                index = torch.tensor(logit_rows, device=logits.device)
+                result_ = self.sampler(logits.index_select(0, index), sample_rows)
+                for seq, req in targets:  # forks first, while sample 0 surely still holds its blocks
+                    if seq.index > 0 and not req.forked:
+                        self._fork(req.seqs[0], seq)
+                for i, (seq, req) in enumerate(targets):
+                    seq.append_token(result_.token_ids[i])
+                    if result_.logprobs is not None and seq.logprobs is not None:
+                        seq.logprobs.append(result_.logprobs[i])
+                    self._generation_tokens_total += 1
+                    self._check_stop(seq)
+                    progressed[req.request_id] = req
+                for _, req in targets:
+                    if req.params.n > 1:
+                        req.forked = True
+        outputs = []
+        for req in progressed.values():
+            outputs.append(self._request_output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        g = torch.Generator(device=self.config.device)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        g.manual_seed((seed + 1_000_003 * index) % (1 << 63))
+        return g
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        banned: list[int] = []
+        if len(seq.output_ids) < p.min_tokens:
+            eos = getattr(self.tokenizer, "eos_id", None)
+            banned = list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
+        return SamplingRow(p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's computed prompt: full blocks shared, the partial last block copied."""
+        bs = self.block_manager.block_size
+        n_tokens = parent.num_computed_tokens
+        n_full = n_tokens // bs
+        shared = parent.block_table[:n_full]
+        partial = parent.block_table[n_full:]
+        if len(partial) > self.block_manager.num_free_blocks:
+            self.scheduler.add(child)  # no room: it will recompute its prompt (mostly from the prefix cache)
+            return
+        self.block_manager.take(shared)
+        child.block_table = list(shared)
+        if partial:
+            (dst,) = self.block_manager.allocate(1)
+            child.block_table.append(dst)
+            self.scheduler.pending_copies.append((partial[0], dst))
+        child.block_hashes = list(parent.block_hashes[:n_full])
+        child.num_computed_tokens = n_tokens
+        self.scheduler.add_running(child)
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        token = seq.output_ids[-1]
+        n_out = len(seq.output_ids)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        by_token = False
+        if n_out >= p.min_tokens:
+            eos = getattr(self.tokenizer, "eos_id", None)
+            if not p.ignore_eos and token == eos:
+                reason, by_token = "stop", True
+            elif token in p.stop_token_ids:
+                reason, stop_reason, by_token = "stop", token, True
+        ids = seq.output_ids[:-1] if by_token else seq.output_ids
+        old_len = len(seq.text)
+        self._detokenize(seq, ids, final=reason is not None)
+        if reason is None and p.stop and n_out >= p.min_tokens:
+            longest = max(len(s) for s in p.stop)
+            start = max(0, old_len - longest + 1)
+            hits = [(seq.text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
+                reason, stop_reason = "stop", s
+        if reason is None:
+            if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if reason == "length":
+                self._detokenize(seq, ids, final=True)
+            self.scheduler.finish(seq, reason, stop_reason)
+
+    def _detokenize(self, seq: Sequence, ids: list[int], final: bool) -> None:
+        """Incremental detokenization: append the text of new tokens, holding back incomplete UTF-8."""
+        if seq.read_offset >= len(ids) and not final:
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(ids[seq.prefix_offset : seq.read_offset])
+        new = decode(ids[seq.prefix_offset :])
+        if final or (len(new) > len(prefix) and not new.endswith("\ufffd")):
+            seq.text += new[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    @staticmethod
+    def _visible_text(seq: Sequence) -> str:
+        """Text safe to show: while running, hold back a tail that could still become a stop string."""
+        text = seq.text
+        if seq.is_finished or not seq.params.stop or seq.params.include_stop_str_in_output:
+            return text
+        hold = 0
+        for s in seq.params.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index, text=self._visible_text(s), token_ids=list(s.output_ids),
+                finish_reason=s.finish_reason, logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished)
+
+    # --- introspection -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role", "content"}]) with the tokenizer's Jinja chat template."""
+        from scratchlm.inference.chat_template import render_chat
+
+        return render_chat(self.tokenizer, messages, add_generation_prompt)

@@ -1,0 +1,86 @@
+"""`LLM`: the offline, vLLM-style API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from scratchlm.inference.config import EngineConfig
+from scratchlm.inference.engine import LLMEngine
+from scratchlm.inference.outputs import RequestOutput
+from scratchlm.inference.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model and generate for a list of prompts with continuous batching.
+
+    `model` is an HF directory, a .gguf, a llama2.c .bin, a scratchlm checkpoint, or None for the
+    default model (SmolLM2-135M-Instruct). Keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_options: Any):
+        self.engine = LLMEngine.from_pretrained(model, EngineConfig(**engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = engine
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a string, a list of token ids, or a list of either)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = [f"llm-{id(self)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            engine.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(prompts) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in ids and out.request_id not in done:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in done:
+                    engine.abort_request(rid)
+        return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

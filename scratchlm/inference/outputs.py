@@ -1,0 +1,44 @@
+"""What the engine returns: `RequestOutput` with one `CompletionOutput` per sample, and `EngineStats`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `text` and `token_ids` are cumulative (streaming: take the delta)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int  # full blocks looked up in the prefix cache
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,0 +1,118 @@
+"""`SamplingParams`: how one request is sampled and when it stops (vLLM / OpenAI semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping options. Invalid values raise a `ValueError` at construction.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    top_k: keep the k most likely tokens (None or 0 or -1 = all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; the boundary token is kept.
+    min_p: drop tokens whose probability is below min_p * (probability of the most likely token).
+    seed: seeds this request's own generator, so its samples do not depend on the rest of the batch.
+    max_tokens: the most tokens to generate (None = up to the engine's max_model_len).
+    min_tokens: EOS, stop_token_ids and stop strings are ignored before this many tokens.
+    stop: strings that end the generation; removed from the text unless include_stop_str_in_output.
+    stop_token_ids: token ids that end the generation (kept in token_ids, like EOS).
+    ignore_eos: keep generating past the tokenizer's EOS.
+    n: number of samples for the prompt; they share the prompt's KV blocks.
+    logprobs: None, or the number of top alternatives to return next to each sampled token's logprob.
+    presence_penalty / frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
+    repetition_penalty: HF semantics (> 0; 1 = off), over prompt and generated tokens.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}: got {getattr(self, name)!r}, expected {expected}")
+
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+                raise bad(name, "a number")
+            return float(v)
+
+        def integer(name: str, allow_none: bool) -> int | None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(name, "an integer" + (" or None" if allow_none else ""))
+            return v
+
+        if not 0.0 <= number("temperature") <= 100.0:
+            raise bad("temperature", "a number in [0, 100] (0 = greedy)")
+        top_k = integer("top_k", True)
+        if top_k is not None and top_k < -1:
+            raise bad("top_k", "None, -1 or 0 (all tokens), or a positive integer")
+        if top_k is not None and top_k <= 0:
+            self.top_k = None
+        if not 0.0 < number("top_p") <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise bad("min_p", "a number in [0, 1]")
+        integer("seed", True)
+        max_tokens = integer("max_tokens", True)
+        if max_tokens is not None and max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1 or None")
+        min_tokens = integer("min_tokens", False)
+        if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+            raise bad("min_tokens", f"an integer in [0, max_tokens={max_tokens}]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "None, a non-empty string or a list of non-empty strings")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        n = integer("n", False)
+        if n < 1:
+            raise bad("n", "an integer >= 1")
+        logprobs = integer("logprobs", True)
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise bad("logprobs", "None or an integer in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        if not 0.0 < number("repetition_penalty") <= 10.0:
+            raise bad("repetition_penalty", "a number in (0, 10] (1 = off)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

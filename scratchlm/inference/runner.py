@@ -1,0 +1,102 @@
+"""The model runner: one forward per step over a flattened, unpadded batch with explicit metadata.
+
+`ModelInput` is plain Python data (lists of ints), built by the engine from the scheduler's plan,
+so a runner could live in another process (the parallelism work ships it over a pipe). The runner
+turns it into tensors, copies forked blocks, runs the model once with the paged-attention backend
+and returns logits only for the positions that are sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from scratchlm.inference.kv_cache import KVCache
+from scratchlm.inference.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    """Everything one forward needs. Rows: decode tokens first, then prefill chunks."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    num_decode_tokens: int
+    decode_block_tables: list[list[int]]
+    decode_context_lens: list[int]
+    prefills: list[tuple[int, int, int, list[int]]]  # (query_start, query_len, context_len, block_table)
+    logits_indices: list[int]  # rows whose logits are returned, in order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInput, list[int]]:
+    """The runner input of a plan, and for each scheduled entry its logits row (-1 if not sampled)."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []
+    logits_indices: list[int] = []
+    rows: list[int] = []
+    # Decodes (one new token) first, then chunks: the attention backend relies on this order.
+    order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].num_new_tokens != 1)
+    row_of = [-1] * len(plan.scheduled)
+    num_decode = 0
+    for i in order:
+        s = plan.scheduled[i]
+        seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+        table = seq.block_table
+        q_start = len(token_ids)
+        token_ids.extend(seq.token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if n == 1:
+            num_decode += 1
+            dec_tables.append(table)
+            dec_lens.append(start + 1)
+        else:
+            prefills.append((q_start, n, start + n, list(table)))
+        if s.samples:
+            row_of[i] = len(logits_indices)
+            logits_indices.append(len(token_ids) - 1)
+    width = max((len(t) for t in dec_tables), default=0)
+    dec_tables = [t + [0] * (width - len(t)) for t in dec_tables]
+    inp = ModelInput(token_ids, positions, slots, num_decode, dec_tables, dec_lens, prefills, logits_indices,
+                     list(plan.block_copies))
+    rows = row_of
+    return inp, rows
+
+
+class ModelRunner:
+    """Holds the model and its KV cache; `execute(ModelInput)` -> logits (len(logits_indices), vocab)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device | str = "cpu"):
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        self.cache.copy_blocks(inp.block_copies)
+        if not inp.token_ids:
+            return torch.empty(0, 0, device=self.device)
+        nd = inp.num_decode_tokens
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(inp.slot_mapping),
+            num_decode_tokens=nd,
+            decode_block_tables=self._tensor(inp.decode_block_tables) if nd else None,
+            decode_context_lens=self._tensor(inp.decode_context_lens) if nd else None,
+            prefills=[PrefillChunk(qs, ql, cl, self._tensor(bt)) for qs, ql, cl, bt in inp.prefills],
+        )
+        tokens = self._tensor(inp.token_ids)[None, :]  # (1, N)
+        positions = self._tensor(inp.positions)  # (N,)
+        attn = PagedAttention(self.cache, meta)
+        return self.model(tokens, positions, attn=attn, logits_index=self._tensor(inp.logits_indices))

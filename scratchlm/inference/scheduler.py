@@ -1,0 +1,180 @@
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
+
+One policy covers prefill and decode (as vLLM v1): every sequence has `num_computed_tokens`, and a
+step feeds each scheduled sequence some of its uncomputed tokens, within a token budget
+(`max_num_batched_tokens`) and at most `max_num_seqs` sequences.
+
+1. Running sequences first, oldest first: a decode takes 1 token, an unfinished prefill takes the
+   next chunk that fits the budget (chunked prefill, mixed with the decodes in the same step).
+   When the pool has no block for one, the newest running sequence is *preempted by recompute*:
+   its blocks are freed and it returns to the front of the waiting queue; later it recomputes its
+   prompt + output (mostly from the prefix cache) and continues with the same tokens.
+2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks last. A new
+   sequence first takes the cached blocks of its prefix; a fully cached prompt still computes its
+   last block, so that the last token has logits to sample (and cached blocks are never written).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scratchlm.inference.block_manager import BlockManager
+from scratchlm.inference.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (so a token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step: decodes first (1 token each), then prefill chunks."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"scheduler needs max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
+                f"got {max_num_seqs} and {max_num_batched_tokens}"
+            )
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # --- queue management ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark `seq` finished and free its blocks at once (finish, stop or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    # --- the step plan ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+
+        self.running.sort(key=lambda s: s.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            need = self.blocks.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_table)
+            while need > self.blocks.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing after it can run either
+            if need > 0:
+                seq.block_table.extend(self.blocks.allocate(need))
+            entry = ScheduledSequence(seq, num_new)
+            (decodes if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens else prefills).append(entry)
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                cached, hashes = [], []
+                if not seq.block_table:
+                    max_cached = (len(seq) - 1) // self.blocks.block_size
+                    cached, hashes = self.blocks.match_prefix(seq.token_ids, max_cached)
+                start = len(cached) * self.blocks.block_size if cached else seq.num_computed_tokens
+                num_new = min(len(seq) - start, budget)
+                need = self.blocks.blocks_needed(start + num_new) - len(cached) - len(seq.block_table)
+                if need > self.blocks.num_free_after_take(cached):
+                    break
+                self.waiting.popleft()
+                if cached:
+                    self.blocks.take(cached)
+                    seq.block_table = list(cached)
+                    seq.block_hashes = list(hashes)
+                    seq.num_computed_tokens = start
+                if need > 0:
+                    seq.block_table.extend(self.blocks.allocate(need))
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                prefills.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+
+        out.scheduled = decodes + prefills
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the forward: advance progress and register newly full blocks in the prefix cache."""
+        bs = self.blocks.block_size
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            n_full = seq.num_computed_tokens // bs
+            while len(seq.block_hashes) < n_full:
+                k = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else -1
+                tokens = seq.token_ids[k * bs : (k + 1) * bs]
+                seq.block_hashes.append(self.blocks.register(seq.block_table[k], parent, tokens))
+
+    def owners(self) -> dict[int, list[int]]:
+        """seq id -> block table of every sequence that holds blocks (for invariant checks)."""
+        return {s.seq_id: s.block_table for s in [*self.running, *self.waiting] if s.block_table}
