@@ -604,8 +604,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         else:
             text = req.prompt
         ids = list(tok.encode(text))
-        if req.add_special_tokens and getattr(tok, "add_bos", False) and tok.bos_id is not None:
-            ids = [tok.bos_id, *ids]
+        bos = getattr(tok, "bos_id", None)
+        if req.add_special_tokens and getattr(tok, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
         return dump(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids))
 
     @app.post("/detokenize", response_model=DetokenizeResponse)

@@ -82,9 +82,10 @@ class ServerMetrics:
             scalar("counter", "prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens_total)
             scalar("counter", "generation_tokens_total", "Number of generation tokens processed.",
                    stats.generation_tokens_total)
-            scalar("counter", "prefix_cache_queries_total", "Prefix-cache queries, in tokens.",
+            scalar("counter", "prefix_cache_queries_total", "Prefix-cache lookups of full KV blocks.",
                    stats.prefix_cache_queries)
-            scalar("counter", "prefix_cache_hits_total", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
+            scalar("counter", "prefix_cache_hits_total", "Prefix-cache lookups that found the block (reused).",
+                   stats.prefix_cache_hits)
             scalar("counter", "num_preemptions_total", "Cumulative number of preemptions by the scheduler.",
                    stats.num_preemptions)
         scalar("gauge", "num_requests_active", "Requests admitted by the server and not yet finished.", num_active)
