@@ -16,7 +16,7 @@ import torch
 
 from .evaluator import composite_gradient
 from .graph import Node, Op
-from .ops import _layernorm_composite, _name, matmul, mean, mul, softmax, sub, sum_op, sum_to, transpose
+from .ops import _layernorm_composite, _name, matmul, matmul_grad_b, mean, mul, softmax, sub, sum_op, sum_to, transpose
 
 aten = torch.ops.aten
 
@@ -30,7 +30,7 @@ def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _matmul_input_grads(node: Node, dz: Node) -> list[Node]:
     a, b = node.inputs[0], node.inputs[1]
-    return [sum_to(matmul(dz, transpose(b, -1, -2)), a), sum_to(matmul(transpose(a, -1, -2), dz), b)]
+    return [sum_to(matmul(dz, transpose(b, -1, -2)), a), matmul_grad_b(a, dz, b)]
 
 
 # ----------------------------------------------------------------------------------------------- matmul_layernorm

@@ -503,8 +503,26 @@ class MatMulOp(Op):
 
     def gradient(self, node, output_grad):
         a, b = node.inputs
-        return [sum_to(matmul(output_grad, transpose(b, -1, -2)), a),
-                sum_to(matmul(transpose(a, -1, -2), output_grad), b)]
+        return [sum_to(matmul(output_grad, transpose(b, -1, -2)), a), matmul_grad_b(a, output_grad, b)]
+
+
+class MatMulGradBOp(Op):
+    """d(a @ b)/db contracted with g: sum_to(a^T @ g, b). When b is 2-D and a is batched, the batch dims are
+    flattened into one (k, N) @ (N, n) product instead of a batched product followed by a sum."""
+
+    name = "matmul_grad_b"
+
+    def __call__(self, a: Node, g: Node, b: Node) -> Node:
+        return Node([a, g, b], self, name=_name("matmul_grad_b", a, g))
+
+    def compute(self, node, input_values):
+        a, g, b = input_values
+        if b.dim() == 2 and a.dim() > 2:
+            return a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, g.shape[-1])  # (k, n)
+        return sum_to_shape(torch.matmul(a.transpose(-1, -2), g), b.shape)
+
+    def gradient(self, node, output_grad):
+        return composite_gradient(node, output_grad, lambda a, g, b: sum_to(matmul(transpose(a, -1, -2), g), b))
 
 
 # ----------------------------------------------------------------------------------------------- softmax, layernorm
@@ -628,6 +646,7 @@ constant = ConstantOp()
 sum_op = SumOp()
 mean = MeanOp()
 matmul = MatMulOp()
+matmul_grad_b = MatMulGradBOp()
 softmax = SoftmaxOp()
 softmax_grad = SoftmaxGradOp()
 layernorm = LayerNormOp()
