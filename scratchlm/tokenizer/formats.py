@@ -1,0 +1,346 @@
+"""Tokenizer file formats: GPT-2 / CS336 files, HF ``tokenizer.json`` directories, GGUF vocabularies.
+
+Byte-level BPE files store tokens as printable strings through GPT-2's byte-to-unicode table
+(byte 0x20 -> 'Ġ', ...). Special / added tokens are stored as their raw text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from scratchlm.tokenizer.bpe import Tokenizer
+from scratchlm.tokenizer.gguf_meta import read_gguf_metadata
+from scratchlm.tokenizer.pretokenize import DIGITS_PATTERN, GPT2_PATTERN, PRESETS, PreTokenizer
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_to_str(token: bytes) -> str:
+    """Token bytes -> GPT-2 printable string."""
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def str_to_token(s: str, where: str = "") -> bytes:
+    """GPT-2 printable string -> token bytes (clear error on a character outside the table)."""
+    table = unicode_to_bytes()
+    try:
+        return bytes(table[c] for c in s)
+    except KeyError as e:
+        raise ValueError(
+            f"{where}token {s!r} has character {e.args[0]!r} outside GPT-2's byte-to-unicode table "
+            "(is this a byte-level BPE file?)"
+        ) from None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path, what: str):
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({what}): {e}") from e
+
+
+# ---------------------------------------------------------------------------- GPT-2 / CS336 files
+def read_vocab_merges(vocab_path: str | Path, merges_path: str | Path) -> tuple[dict[int, bytes], list]:
+    """Read ``encoder.json``/``vocab.json`` (token string -> id) and ``vocab.bpe``/``merges.txt``."""
+    encoder = _read_json(Path(vocab_path), "vocabulary JSON (token -> id)")
+    if not isinstance(encoder, dict):
+        raise ValueError(f"{vocab_path}: expected a JSON object mapping token strings to ids")
+    vocab: dict[int, bytes] = {}
+    for s, i in encoder.items():
+        if not isinstance(i, int):
+            raise ValueError(f"{vocab_path}: id of token {s!r} is {i!r}, expected an integer")
+        try:
+            vocab[i] = str_to_token(s)
+        except ValueError:
+            vocab[i] = s.encode("utf-8")  # an added/special token stored as raw text
+    merges_path = Path(merges_path)
+    if not merges_path.is_file():
+        raise FileNotFoundError(f"merges file not found: {merges_path}")
+    merges = []
+    with open(merges_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line or (lineno == 1 and line.startswith("#version")):
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"{merges_path}:{lineno}: expected 'left right', got {line!r}")
+            merges.append((str_to_token(parts[0], f"{merges_path}:{lineno}: "),
+                           str_to_token(parts[1], f"{merges_path}:{lineno}: ")))
+    return vocab, merges
+
+
+def load_gpt2_files(encoder_json: str | Path, vocab_bpe: str | Path, special_tokens: list[str] | None = None
+                    ) -> Tokenizer:
+    """GPT-2's ``encoder.json`` + ``vocab.bpe``. Special tokens default to ``<|endoftext|>`` when the
+    vocabulary has it (as tiktoken's ``gpt2`` encoding); it is also BOS and EOS."""
+    vocab, merges = read_vocab_merges(encoder_json, vocab_bpe)
+    eot = b"<|endoftext|>"
+    eot_id = next((i for i, b in vocab.items() if b == eot), None)
+    if special_tokens is None:
+        special_tokens = ["<|endoftext|>"] if eot_id is not None else []
+    return Tokenizer(vocab, merges, special_tokens, bos_id=eot_id, eos_id=eot_id)
+
+
+def save_vocab_merges(tok: Tokenizer, vocab_path: str | Path, merges_path: str | Path) -> None:
+    """Write ``vocab.json``/``encoder.json`` and ``merges.txt``/``vocab.bpe`` (atomically)."""
+    encoder = {token_to_str(b): i for i, b in sorted(tok.vocab.items())}
+    if len(encoder) != len(tok.vocab):
+        raise ValueError("the vocabulary has duplicate token bytes; it cannot be written as token -> id JSON")
+    _atomic_write_text(Path(vocab_path), json.dumps(encoder, ensure_ascii=False))
+    lines = ["#version: 0.2"] + [f"{token_to_str(a)} {token_to_str(b)}" for a, b in tok.merges]
+    _atomic_write_text(Path(merges_path), "\n".join(lines) + "\n")
+
+
+def save_gpt2_files(tok: Tokenizer, directory: str | Path) -> None:
+    """GPT-2 layout: ``encoder.json`` + ``vocab.bpe``."""
+    save_vocab_merges(tok, Path(directory) / "encoder.json", Path(directory) / "vocab.bpe")
+
+
+def save_cs336_files(tok: Tokenizer, directory: str | Path) -> None:
+    """CS336 layout: ``vocab.json`` + ``merges.txt`` (same encoding as GPT-2's files)."""
+    save_vocab_merges(tok, Path(directory) / "vocab.json", Path(directory) / "merges.txt")
+
+
+# ---------------------------------------------------------------------------- HF tokenizer.json
+def _pretokenizer_to_hf(pre: PreTokenizer) -> dict:
+    if pre.stages == (GPT2_PATTERN,):
+        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    steps = []
+    for stage in pre.stages:
+        if stage == DIGITS_PATTERN:
+            steps.append({"type": "Digits", "individual_digits": True})
+        else:
+            steps.append({"type": "Split", "pattern": {"Regex": stage}, "behavior": "Isolated", "invert": False})
+    steps.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False})
+    return {"type": "Sequence", "pretokenizers": steps}
+
+
+def _pretokenizer_from_hf(spec: dict | None, where: str) -> PreTokenizer:
+    stages: list[str] = []
+    byte_level = False
+
+    def walk(node: dict) -> None:
+        nonlocal byte_level
+        kind = node.get("type")
+        if kind == "Sequence":
+            for child in node.get("pretokenizers", []):
+                walk(child)
+        elif kind == "ByteLevel":
+            if node.get("add_prefix_space"):
+                raise ValueError(f"{where}: ByteLevel add_prefix_space=true is not supported")
+            byte_level = True
+            if node.get("use_regex", True):
+                stages.append(GPT2_PATTERN)
+        elif kind == "Digits":
+            stages.append(DIGITS_PATTERN if node.get("individual_digits") else r"\p{N}+")
+        elif kind == "Split":
+            if node.get("behavior") != "Isolated" or node.get("invert"):
+                raise ValueError(f"{where}: only Split with behavior=Isolated, invert=false is supported, got {node}")
+            pattern = node.get("pattern", {})
+            if "Regex" in pattern:
+                stages.append(pattern["Regex"])
+            elif "String" in pattern:
+                import regex
+
+                stages.append(regex.escape(pattern["String"]))
+            else:
+                raise ValueError(f"{where}: Split pattern {pattern!r} not understood")
+        else:
+            raise ValueError(
+                f"{where}: pre-tokenizer {kind!r} is not supported (expected ByteLevel, Digits, Split, Sequence)"
+            )
+
+    if spec is None:
+        raise ValueError(f"{where}: no pre_tokenizer; only byte-level BPE tokenizers are supported")
+    walk(spec)
+    if not byte_level:
+        raise ValueError(f"{where}: not a byte-level BPE tokenizer (no ByteLevel pre-tokenizer)")
+    if not stages:
+        raise ValueError(f"{where}: the pre-tokenizer has no regex stage")
+    return PreTokenizer(tuple(stages))
+
+
+def save_hf_tokenizer_json(tok: Tokenizer, path: str | Path) -> None:
+    """Write an HF ``tokenizer.json`` that ``tokenizers.Tokenizer.from_file`` loads and that encodes
+    identically (special tokens become special added tokens)."""
+    specials = set(tok.special_ids.values())
+    vocab = {token_to_str(b): i for i, b in sorted(tok.vocab.items()) if i not in specials}
+    added = [
+        {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for s, i in sorted(tok.special_ids.items(), key=lambda kv: kv[1])
+    ]
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _pretokenizer_to_hf(tok.pretokenizer),
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                           "use_regex": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+            "ignore_merges": tok.ignore_merges,
+            "vocab": vocab,
+            "merges": [[token_to_str(a), token_to_str(b)] for a, b in tok.merges],
+        },
+    }
+    _atomic_write_text(Path(path), json.dumps(data, ensure_ascii=False))
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_hf_dir(path: str | Path) -> Tokenizer:
+    """A byte-level BPE ``tokenizer.json`` (+ optional ``tokenizer_config.json``: chat_template,
+    bos/eos tokens, add_bos_token) as saved by ``transformers``; `path` may also be the JSON file."""
+    path = Path(path)
+    directory = path.parent if path.is_file() else path
+    tj_path = path if path.is_file() else path / "tokenizer.json"
+    data = _read_json(tj_path, "HF tokenizer.json")
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"{tj_path}: model type {model.get('type')!r} is not supported (expected BPE)")
+    if model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise ValueError(f"{tj_path}: BPE options byte_fallback/continuing_subword_prefix/end_of_word_suffix "
+                         "are not supported (only byte-level BPE)")
+    if data.get("normalizer") is not None:
+        raise ValueError(f"{tj_path}: normalizers are not supported (got {data['normalizer'].get('type')!r})")
+    pre = _pretokenizer_from_hf(data.get("pre_tokenizer"), str(tj_path))
+    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    vocab: dict[int, bytes] = {}
+    for s, i in model.get("vocab", {}).items():
+        vocab[i] = s.encode("utf-8") if s in added else str_to_token(s, f"{tj_path}: ")
+    for s, i in added.items():
+        vocab[i] = s.encode("utf-8")
+    merges = []
+    for m in model.get("merges", []):
+        a, b = m.split(" ") if isinstance(m, str) else m
+        merges.append((str_to_token(a, f"{tj_path}: merge "), str_to_token(b, f"{tj_path}: merge ")))
+    config = {}
+    if (directory / "tokenizer_config.json").is_file():
+        config = _read_json(directory / "tokenizer_config.json", "tokenizer_config.json")
+    token_ids = {b: i for i, b in vocab.items()}
+
+    def find(name: str) -> int | None:
+        content = _token_content(config.get(name))
+        return None if content is None else token_ids.get(content.encode("utf-8"))
+
+    chat_template = config.get("chat_template")
+    if isinstance(chat_template, list):  # named templates: take "default"
+        chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
+    if chat_template is None and (directory / "chat_template.jinja").is_file():
+        chat_template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    bos_id = find("bos_token")
+    add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
+    post = data.get("post_processor") or {}
+    if "add_bos_token" not in config and bos_id is not None:
+        add_bos = _post_processor_adds(post, bos_id)
+    return Tokenizer(vocab, merges, list(added), pretokenizer=pre, bos_id=bos_id, eos_id=find("eos_token"),
+                     chat_template=chat_template, add_bos=add_bos, ignore_merges=bool(model.get("ignore_merges")))
+
+
+def _post_processor_adds(post: dict, bos_id: int) -> bool:
+    """Whether an HF TemplateProcessing post-processor starts single sequences with `bos_id`."""
+    nodes = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for node in nodes:
+        if node.get("type") == "TemplateProcessing":
+            first = (node.get("single") or [{}])[0]
+            name = first.get("SpecialToken", {}).get("id")
+            ids = (node.get("special_tokens", {}).get(name) or {}).get("ids", [])
+            return bool(ids) and ids[0] == bos_id
+    return False
+
+
+# ---------------------------------------------------------------------------- GGUF
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+def from_gguf(path: str | Path) -> Tokenizer:
+    """The BPE vocabulary stored in a GGUF file's metadata (``tokenizer.ggml.model = gpt2``):
+    tokens, merges, control/user-defined tokens as special tokens, bos/eos ids, add_bos, chat template
+    and the pre-tokenizer named by ``tokenizer.ggml.pre`` (gpt2, smollm, llama-bpe, qwen2, ...)."""
+    meta = read_gguf_metadata(path)
+
+    def scalar(key, default=None):
+        return meta.get(key, default)
+
+    def strings(key):
+        return meta.get(key, [])
+
+    model = scalar("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported here")
+    pre_name = scalar("tokenizer.ggml.pre", "default")
+    if pre_name not in PRESETS:
+        raise ValueError(f"{path}: pre-tokenizer {pre_name!r} is not supported; known: {sorted(PRESETS)}")
+    tokens = strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the metadata")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
+    vocab: dict[int, bytes] = {}
+    specials: list[str] = []
+    for i, (s, t) in enumerate(zip(tokens, types)):
+        if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED):
+            vocab[i] = s.encode("utf-8")
+            specials.append(s)
+        else:
+            vocab[i] = str_to_token(s, f"{path}: ")
+    merges = []
+    for m in strings("tokenizer.ggml.merges"):
+        a, b = m.split(" ")
+        merges.append((str_to_token(a, f"{path}: merge "), str_to_token(b, f"{path}: merge ")))
+    bos, eos = scalar("tokenizer.ggml.bos_token_id"), scalar("tokenizer.ggml.eos_token_id")
+    return Tokenizer(
+        vocab, merges, specials, pretokenizer=PreTokenizer(PRESETS[pre_name]),
+        bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+        chat_template=scalar("tokenizer.chat_template"), add_bos=bool(scalar("tokenizer.ggml.add_bos_token", False)),
+    )
