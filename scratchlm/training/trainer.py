@@ -134,11 +134,12 @@ class Trainer:
     """One training run. ``Trainer(cfg, model_overrides).train()``.
 
     `model_overrides` are `ModelConfig` fields; `vocab_size` defaults to the tokenizer's (or the
-    corpus sidecar's) vocabulary and `max_seq_len` to `context_length`.
+    corpus sidecar's) vocabulary and `max_seq_len` to `context_length`. `tokenizer` (an object with
+    the contracts.md tokenizer interface) takes precedence over `cfg.tokenizer`.
     """
 
     def __init__(self, cfg: TrainConfig, model_overrides: dict[str, Any] | None = None,
-                 dist_ctx: DistContext | None = None):
+                 dist_ctx: DistContext | None = None, tokenizer: Any = None):
         from scratchlm.model import ModelConfig, TransformerLM
 
         self.cfg = cfg
@@ -161,12 +162,14 @@ class Trainer:
             self.val_data.check_fits(1)
 
         # tokenizer and model shape
-        tok_path = cfg.tokenizer or self.train_data.meta.get("tokenizer")
-        if tok_path is not None and cfg.tokenizer is None and not Path(tok_path).exists():
-            log.warning("tokenizer %s named by %s.json not found; training without a tokenizer",
-                        tok_path, self.train_data.path)
-            tok_path = None
-        self.tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            tok_path = cfg.tokenizer or self.train_data.meta.get("tokenizer")
+            if tok_path is not None and cfg.tokenizer is None and not Path(tok_path).exists():
+                log.warning("tokenizer %s named by %s.json not found; training without a tokenizer",
+                            tok_path, self.train_data.path)
+                tok_path = None
+            self.tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
         overrides = dict(model_overrides or {})
         data_vocab = self.train_data.vocab_size
         tok_vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
