@@ -1,0 +1,54 @@
+"""Checkpoint loaders (`load`) and the HF exporter (`export_hf`).
+
+`load(path)` recognises the format from the path itself (directory with config.json, GGUF magic,
+torch zip, llama2.c header), never from the file name alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scratchlm.model.loading.checkpoint import load_checkpoint_model, read_checkpoint, save_model
+from scratchlm.model.loading.common import CheckpointError, LoadedModel, build_model
+from scratchlm.model.loading.export import export_hf
+from scratchlm.model.loading.gguf_file import load_gguf
+from scratchlm.model.loading.hf import load_hf_dir
+from scratchlm.model.loading.llama2c import load_llama2c
+
+FORMATS = "an HF directory (config.json + *.safetensors), a .gguf file, a llama2.c .bin or a scratchlm .pt checkpoint"
+
+
+def detect_format(path: str | Path) -> str:
+    """'hf', 'gguf', 'scratchlm' or 'llama2c' for `path`; raises a clear error otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path not found: {path} (expected {FORMATS})")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf"
+        raise CheckpointError(f"{path}: directory has no config.json (expected {FORMATS})")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return "gguf"
+    if magic == b"PK\x03\x04":  # torch.save's zip container
+        return "scratchlm"
+    if path.suffix == ".gguf":
+        raise CheckpointError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    if path.suffix in (".pt", ".pth", ".ckpt"):
+        raise CheckpointError(f"{path}: not a torch checkpoint (bad magic {magic!r}); truncated or corrupt?")
+    if path.suffix == ".bin":
+        return "llama2c"
+    raise CheckpointError(f"{path}: unrecognised model file (expected {FORMATS})")
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a model, its tokenizer and config from any supported format, built on meta and filled in place."""
+    loaders = {"hf": load_hf_dir, "gguf": load_gguf, "scratchlm": load_checkpoint_model, "llama2c": load_llama2c}
+    return loaders[detect_format(path)](path, dtype=dtype, device=device)
+
+
+__all__ = ["CheckpointError", "LoadedModel", "build_model", "detect_format", "export_hf", "load", "load_gguf",
+           "load_hf_dir", "load_llama2c", "load_checkpoint_model", "read_checkpoint", "save_model"]
