@@ -202,8 +202,12 @@ def _pretokenizer_from_hf(spec: dict | None, where: str) -> PreTokenizer:
 def save_hf_tokenizer_json(tok: Tokenizer, path: str | Path) -> None:
     """Write an HF ``tokenizer.json`` that ``tokenizers.Tokenizer.from_file`` loads and that encodes
     identically (special tokens become special added tokens)."""
-    specials = set(tok.special_ids.values())
-    vocab = {token_to_str(b): i for i, b in sorted(tok.vocab.items()) if i not in specials}
+    # HF takes an added token's id from the model vocab when its content is there (else it appends
+    # a new id), so special tokens go into the vocab too, under their raw text.
+    specials = {i: s for s, i in tok.special_ids.items()}
+    vocab = {specials[i] if i in specials else token_to_str(b): i for i, b in sorted(tok.vocab.items())}
+    if len(vocab) != len(tok.vocab):
+        raise ValueError("the vocabulary has duplicate token strings; it cannot be written as tokenizer.json")
     added = [
         {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True}
