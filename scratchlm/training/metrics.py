@@ -64,8 +64,9 @@ def plot_loss_curve(records: list[dict[str, Any]], path: str | Path, title: str 
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None,
-                        repeats: int = 5) -> float:
-    """Best achieved FLOP/s of a square matmul on `device` (the MFU denominator), measured now."""
+                        repeats: int = 10) -> float:
+    """Best achieved FLOP/s of a square matmul on `device` with the current thread setting (the MFU
+    denominator), measured now: best of `repeats`, so that a busy machine still shows its peak."""
     n = size or (4096 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
