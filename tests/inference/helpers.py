@@ -1,0 +1,71 @@
+"""Small models and a toy tokenizer for engine tests (real models are in test_oracles.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+from scratchlm.model import ModelConfig, TransformerLM
+
+
+class CharTokenizer:
+    """Token i <-> character chr(65 + i): enough for stop strings and streaming on random models."""
+
+    def __init__(self, vocab_size: int, eos_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.bos_id = None
+        self.eos_id = eos_id
+        self.add_bos = False
+        self.chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [(ord(c) - 65) % self.vocab_size for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(65 + i) for i in ids)
+
+
+def tiny_model(seed: int = 0, vocab: int = 48, n_heads: int = 4, n_kv_heads: int = 2, d_model: int = 32,
+               n_layers: int = 2, max_seq_len: int = 96) -> tuple[TransformerLM, ModelConfig]:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      max_seq_len=max_seq_len)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the init's, so greedy ties are rare
+        model.tok_embeddings.weight.mul_(4.0)
+    return model, cfg
+
+
+def block_bytes(cfg: ModelConfig, block_size: int) -> int:
+    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 4
+
+
+def make_engine(model, cfg, num_blocks: int = 64, eos_id: int | None = None, **options) -> LLMEngine:
+    block_size = options.get("block_size", 16)
+    config = EngineConfig(kv_cache_memory=num_blocks * block_bytes(cfg, block_size), **options)
+    return LLMEngine(model, CharTokenizer(cfg.vocab_size, eos_id), cfg, config)
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: recompute the whole sequence every token with plain causal attention."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def run_all(engine: LLMEngine, check=None) -> dict[str, list[int]]:
+    """Step until done; returns request id -> generated ids of sample 0."""
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            if r.finished:
+                out[r.request_id] = r.outputs[0].token_ids
+        if check is not None:
+            check(engine)
+    return out
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -1,0 +1,141 @@
+"""The sampler against Hugging Face's logits processors, a chi-square test and reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from scratchlm.inference import SamplingParams
+from scratchlm.inference.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+)
+
+V = 50
+
+
+def logits(seed: int = 0, rows: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 3
+
+
+@pytest.mark.parametrize("k", [1, 3, 17, V])
+def test_top_k_matches_hf(k: int) -> None:
+    x = logits()
+    ours = apply_top_k(x, torch.full((4,), k))
+    theirs = TopKLogitsWarper(top_k=k)(None, x.clone())
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.9, 0.999])
+def test_top_p_matches_hf(p: float) -> None:
+    x = logits(1)
+    ours = apply_top_p(x, torch.full((4,), p))
+    theirs = TopPLogitsWarper(top_p=p)(None, x.clone())
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 1.0])
+def test_min_p_matches_hf(p: float) -> None:
+    x = logits(2)
+    ours = apply_min_p(x, torch.full((4,), p))
+    theirs = MinPLogitsWarper(min_p=p)(None, x.clone())
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_hf(penalty: float) -> None:
+    x = logits(3)
+    ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(3))
+    seen = torch.zeros(4, V, dtype=torch.bool).scatter_(1, ids, True)
+    ours = apply_repetition_penalty(x, seen, torch.full((4,), penalty))
+    theirs = RepetitionPenaltyLogitsProcessor(penalty=penalty)(ids, x.clone())
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_presence_frequency_follow_openai_formula() -> None:
+    x = logits(4, rows=1)
+    out = [3, 3, 3, 7]
+    counts = torch.bincount(torch.tensor(out), minlength=V).float()[None]
+    ours = apply_presence_frequency(x, counts, torch.tensor([0.5]), torch.tensor([0.25]))
+    expected = x.clone()
+    expected[0, 3] -= 0.5 + 3 * 0.25
+    expected[0, 7] -= 0.5 + 1 * 0.25
+    torch.testing.assert_close(ours, expected)
+
+
+def test_sampler_chains_processors_like_hf() -> None:
+    """Full chain on one row: repetition -> temperature -> top-k -> top-p; the kept support is HF's."""
+    x = logits(5, rows=1) / 3
+    prompt, output = [1, 2, 3], [4, 5]
+    params = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.3, seed=0)
+    ids = torch.tensor([prompt + output])
+    hf = x.clone()
+    for proc in (RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(10),
+                 TopPLogitsWarper(0.8)):
+        hf = proc(ids, hf)
+    support = set(torch.nonzero(hf[0] > float("-inf")).flatten().tolist())
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(0)
+    drawn = {sampler(x, [SamplingRow(params, g, prompt, output)]).token_ids[0] for _ in range(300)}
+    assert len(support) > 1
+    assert drawn <= support and len(drawn) > 1
+
+
+def test_chi_square_matches_softmax_over_temperature() -> None:
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(6)) * 1.5
+    temperature = 0.8
+    params = SamplingParams(temperature=temperature, seed=123)
+    g = torch.Generator().manual_seed(123)
+    sampler = Sampler()
+    n = 4000
+    draws = torch.tensor([sampler(x, [SamplingRow(params, g, [], [])]).token_ids[0] for _ in range(n)])
+    observed = torch.bincount(draws, minlength=8).double()
+    expected = torch.softmax(x[0].double() / temperature, -1) * n
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    x = logits(7, rows=3)
+    p = SamplingParams(temperature=1.0, seed=9)
+    sampler = Sampler()
+
+    def draw(rows_before: int) -> list[int]:
+        g = torch.Generator().manual_seed(9)
+        out = []
+        for _ in range(20):
+            other = [SamplingRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(_), [], [])
+                     for _ in range(rows_before)]
+            res = sampler(torch.cat([x[:rows_before], x[2:3]]), [*other, SamplingRow(p, g, [], [])])
+            out.append(res.token_ids[-1])
+        return out
+
+    assert draw(0) == draw(2)
+    assert len(set(draw(0))) > 1
+
+
+def test_greedy_min_tokens_ban_and_logprobs() -> None:
+    x = logits(8, rows=2)
+    top = int(x[0].argmax())
+    res = Sampler()(x, [SamplingRow(SamplingParams(temperature=0, logprobs=3), None, [], [], banned_ids=[top]),
+                        SamplingRow(SamplingParams(temperature=0), None, [], [])])
+    assert res.token_ids[0] != top and res.token_ids[1] == int(x[1].argmax())
+    lp = torch.log_softmax(x[0], -1)
+    entry = res.logprobs[0]
+    assert len(entry) == 4 and entry[res.token_ids[0]] == pytest.approx(float(lp[res.token_ids[0]]), abs=1e-6)
+    for t in lp.topk(3).indices.tolist():
+        assert entry[t] == pytest.approx(float(lp[t]), abs=1e-6)
+    assert res.logprobs[1] is None
