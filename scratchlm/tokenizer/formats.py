@@ -348,3 +348,34 @@ def from_gguf(path: str | Path) -> Tokenizer:
         bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
         chat_template=scalar("tokenizer.chat_template"), add_bos=bool(scalar("tokenizer.ggml.add_bos_token", False)),
     )
+
+
+# ---------------------------------------------------------------------------- any of the above
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer from whatever `path` is: a directory with ``tokenizer.json`` (HF, also what
+    ``scratchlm tokenizer train`` writes), ``vocab.json`` + ``merges.txt`` (CS336), ``encoder.json`` +
+    ``vocab.bpe`` (GPT-2); a ``.gguf`` file; a llama2.c tokenizer ``.bin``."""
+    from scratchlm.tokenizer.llama2c import Llama2cTokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return load_hf_dir(path)
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return Tokenizer.from_files(path / "vocab.json", path / "merges.txt")
+        if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
+            return load_gpt2_files(path / "encoder.json", path / "vocab.bpe")
+        raise FileNotFoundError(
+            f"{path}: no tokenizer found (expected tokenizer.json, vocab.json + merges.txt, "
+            "or encoder.json + vocab.bpe)"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    if path.suffix == ".gguf":
+        return from_gguf(path)
+    if path.name == "tokenizer.json":
+        return load_hf_dir(path)
+    if path.suffix == ".bin":
+        return Llama2cTokenizer.from_file(path)
+    raise ValueError(f"{path}: unknown tokenizer file type (expected a directory, .gguf, tokenizer.json or "
+                     "a llama2.c .bin)")
