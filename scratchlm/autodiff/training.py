@@ -32,14 +32,21 @@ class AutodiffEngine:
     def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> torch.Tensor:
         graph = self.graph_for(model)
         with torch.no_grad():
-            loss, grads = graph.loss_and_grads(model_params(model), x, y)
+            params = model_params(model)
+            loss, grads = graph.loss_and_grads(params, x, y)
+            # a gradient tensor may be handed over as .grad unless it shares memory with a fed tensor
+            taken = {t.untyped_storage().data_ptr() for t in (*params.values(), x, y)}
             for name, param in model.named_parameters():
-                g = grads[name]
-                g = g * loss_scale if loss_scale != 1.0 else g
-                if param.grad is None:
-                    param.grad = g.to(param.dtype).clone()
-                else:
-                    param.grad.add_(g.to(param.dtype))
+                g = grads[name].to(param.dtype)
+                if param.grad is not None:
+                    param.grad.add_(g, alpha=loss_scale)
+                    continue
+                if loss_scale != 1.0:
+                    g = g * loss_scale
+                elif g.untyped_storage().data_ptr() in taken:
+                    g = g.clone()
+                taken.add(g.untyped_storage().data_ptr())
+                param.grad = g
         return loss.detach().float()
 
 

@@ -50,6 +50,7 @@ class MnistConfig:
     limit_train: int | None = field(default=None, metadata={"help": "use only this many training images (quick runs)"})
     seed: int = field(default=0, metadata={"help": "seed of the split, the init and the batch order"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads"})
+    device: str = field(default="cpu", metadata={"help": "torch device for data and parameters (cpu, cuda, ...)"})
     progress: bool = field(default=True, metadata={"help": "show a tqdm progress bar"})
     plot: Path | None = field(default=None, metadata={"help": "write the loss / accuracy curve to this PNG"})
 
@@ -207,9 +208,11 @@ def train_mnist(cfg: MnistConfig) -> MnistResult:
     (xtr, ytr), (xte, yte) = split(images, labels, cfg.train_size, cfg.seed)
     if cfg.limit_train is not None:
         xtr, ytr = xtr[: cfg.limit_train], ytr[: cfg.limit_train]
+    dev = torch.device(cfg.device)
+    xtr, ytr, xte, yte = xtr.to(dev), ytr.to(dev), xte.to(dev), yte.to(dev)
     d = cfg.model_dim
     lr = cfg.lr if cfg.lr is not None else (0.02 if cfg.design == "pa1" else 2e-3)
-    values = init_params(cfg.design, d, cfg.seed)
+    values = {k: v.to(dev) for k, v in init_params(cfg.design, d, cfg.seed).items()}
     params = {k: ad.Variable(k) for k in values}
     x, y = ad.Variable("images"), ad.Variable("labels")
     logits = (pa1_logits if cfg.design == "pa1" else best_logits)(x, params, d)
@@ -237,12 +240,12 @@ def train_mnist(cfg: MnistConfig) -> MnistResult:
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(xtr), generator=gen)
         for i in range(steps_per_epoch):
-            idx = order[i * cfg.batch_size: (i + 1) * cfg.batch_size]
+            idx = order[i * cfg.batch_size: (i + 1) * cfg.batch_size].to(dev)
             step += 1
             feed = {params[k]: values[k] for k in params} | {x: xtr[idx], y: ytr[idx]}
             if cfg.design != "pa1":
                 feed |= {state[n]: state_values[n] for n in state}
-                feed[lr_t] = torch.tensor(lr * math.sqrt(1 - 0.999**step) / (1 - 0.9**step))
+                feed[lr_t] = torch.tensor(lr * math.sqrt(1 - 0.999**step) / (1 - 0.9**step), device=dev)
             out = step_eval.run(feed)
             losses.append(float(out[0]))
             values = dict(zip(params, out[1: 1 + len(params)]))
