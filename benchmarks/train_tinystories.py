@@ -20,7 +20,6 @@ Bits per byte = total nats / ln 2 / UTF-8 bytes, each model in its native format
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -72,19 +71,6 @@ def stories260k_bpb(data: Path, max_stories: int | None) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def encode_file(tok, src: Path, out: Path, vocab_size: int, tokenizer_name: str) -> dict:
-    """Encode a text file to `out` (.bin, uint16) + `out.json` sidecar (contracts.md format)."""
-    text = src.read_text(encoding="utf-8")
-    ids = np.fromiter(tok.encode_iterable(text.splitlines(keepends=True)), dtype=np.int64)
-    if vocab_size > 65536:
-        raise SystemExit("this benchmark writes uint16 token files: vocab_size must be <= 65536")
-    ids.astype(np.uint16).tofile(out)
-    meta = {"dtype": "uint16", "count": int(len(ids)), "vocab_size": vocab_size, "tokenizer": tokenizer_name,
-            "source": [str(src)], "bytes": len(text.encode("utf-8"))}
-    out.with_name(out.name + ".json").write_text(json.dumps(meta))
-    return meta
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=1800.0,
@@ -102,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
 
     from scratchlm.tokenizer import Tokenizer, train_bpe
+    from scratchlm.tokenizer.encode_corpus import encode_corpus
     from scratchlm.training.config import load_run_config
     from scratchlm.training.trainer import Trainer
 
@@ -117,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. tokenizer
     specials = ["<|endoftext|>"]
-    vocab, merges = train_bpe(str(corpus), args.vocab_size, specials)
+    vocab, merges = train_bpe(str(corpus), args.vocab_size, specials, progress=False)
     tok = Tokenizer(vocab, merges, specials)
     t_tok = time.perf_counter() - t_start
     log.info("tokenizer: %d ids in %.1f s", tok.vocab_size, t_tok)
     # 2. token files
     valid_lower = work / "valid_lower.txt"
     valid_lower.write_text(valid_cased.read_text(encoding="utf-8").lower(), encoding="utf-8")
-    train_meta = encode_file(tok, corpus, work / "train.bin", tok.vocab_size, "bpe (this run)")
-    val_meta = encode_file(tok, valid_lower, work / "valid.bin", tok.vocab_size, "bpe (this run)")
+    train_meta = encode_corpus(tok, [corpus], work / "train.bin", tokenizer_name="bpe (this run)", progress=False)
+    val_meta = encode_corpus(tok, [valid_lower], work / "valid.bin", tokenizer_name="bpe (this run)", progress=False)
     t_prep = time.perf_counter() - t_start
     log.info("encoded: %d train / %d validation tokens (%.2f / %.2f bytes per token) at %.1f s",
              train_meta["count"], val_meta["count"], train_meta["bytes"] / train_meta["count"],
