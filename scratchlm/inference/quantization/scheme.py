@@ -1,0 +1,137 @@
+"""Quantization schemes: what a name like ``int4-g32-asym`` means, and per-layer formats.
+
+A *scheme* says how to quantize a float model (which bits, group size, symmetry, whether the
+output head / token embedding are quantized too). A `LayerFormat` says how one weight matrix is
+stored; a quantized model records one per quantized module, so checkpoints (and GGUF files whose
+tensors mix Q4_1 and Q8_0) reload without guessing.
+
+Weight formats (K = d_in, N = d_out, g = group size, G = ceil(K / g) groups per row):
+
+- ``int8``: qweight int8 (N, K), scales float32 (N, G); w = scale * q, q in [-127, 127].
+  Per output channel is g = K (one scale per row); GGUF Q8_0 is g = 32.
+- ``int4``: qweight uint8 (N, K / 2) of packed nibbles, scales float16 (N, G), and for the
+  asymmetric variant mins float16 (N, G). Symmetric: w = d * (q - 8) (llama.cpp Q4_0);
+  asymmetric: w = d * q + m (Q4_1); q in [0, 15]. Nibbles are laid out per 32-weight chunk as in
+  GGUF: byte i (0..15) of a chunk holds weight i in its low 4 bits and weight i + 16 in its high 4
+  bits, so K must be a multiple of 32 and g a multiple of 32. When g does not divide K the last
+  group of a row is shorter (576 = 4 x 128 + 64 for SmolLM2's g = 128).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+CHUNK = 32  # int4 nibble packing unit (GGUF block size)
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """How one weight matrix is stored. `group_size` None means one group per row (per channel)."""
+
+    bits: Literal[8, 4]
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def groups(self, d_in: int) -> int:
+        """Number of scale groups per row for a row of `d_in` weights."""
+        g = self.group_size or d_in
+        return -(-d_in // g)
+
+    def check(self, d_in: int, where: str) -> None:
+        """Raise ValueError naming `where` if a (d_out, d_in) matrix cannot be stored in this format."""
+        if self.bits not in (8, 4):
+            raise ValueError(f"{where}: bits={self.bits!r} must be 8 or 4")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+            raise ValueError(f"{where}: group_size={g!r} must be a positive int or None (per channel)")
+        if self.bits == 4:
+            if g is None or g % CHUNK:
+                raise ValueError(f"{where}: int4 group_size={g!r} must be a positive multiple of {CHUNK} "
+                                 f"(nibbles are packed in blocks of {CHUNK})")
+            if d_in % CHUNK:
+                raise ValueError(f"{where}: int4 needs d_in to be a multiple of {CHUNK}, got d_in={d_in}; "
+                                 f"use int8 for this model")
+        elif g is not None and d_in % g:
+            raise ValueError(f"{where}: int8 group_size={g} does not divide d_in={d_in}; use a divisor of {d_in} "
+                             f"or None (per channel)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerFormat:
+        try:
+            return cls(bits=int(data["bits"]), group_size=data.get("group_size"),
+                       symmetric=bool(data.get("symmetric", True)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid layer format {data!r}: {e}") from None
+
+    def bits_per_weight(self, d_in: int) -> float:
+        """Stored bits per weight, scales included (e.g. 4.5 for sym int4 g32)."""
+        g = self.group_size or d_in
+        if self.bits == 8:
+            return 8 + 32 / g
+        return 4 + (16 if self.symmetric else 32) / g
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A named way to quantize every linear layer of a float model.
+
+    quantize_head: also quantize the output head (for tied models a quantized copy of the
+    embedding is made for the head; the lookup table stays float unless quantize_embedding).
+    """
+
+    name: str
+    linear: LayerFormat
+    quantize_head: bool = True
+    quantize_embedding: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "linear": self.linear.to_dict(), "quantize_head": self.quantize_head,
+                "quantize_embedding": self.quantize_embedding}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantScheme:
+        try:
+            return cls(name=str(data["name"]), linear=LayerFormat.from_dict(data["linear"]),
+                       quantize_head=bool(data.get("quantize_head", True)),
+                       quantize_embedding=bool(data.get("quantize_embedding", False)))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"invalid quantization scheme {data!r}: {e}") from None
+
+
+SCHEME_HELP = ("int8 (per output channel) | int4[-gN][-sym|-asym] (default g32, asym), e.g. int4-g128-sym; "
+               "append +emb to quantize the token embedding too, +nohead to keep the output head float")
+_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead))*)$")
+
+
+def parse_scheme(name: str) -> QuantScheme:
+    """`QuantScheme` from a name such as ``int8``, ``int4``, ``int4-g128-sym``, ``int8+emb``.
+
+    Raises ValueError naming what was wrong and the accepted forms.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"quantization scheme must be a string, got {type(name).__name__}")
+    m = _PATTERN.match(name.strip().lower())
+    if m is None:
+        raise ValueError(f"unknown quantization scheme {name!r}; expected {SCHEME_HELP}")
+    kind, group, sym, flags = m.groups()
+    if kind == "int8":
+        if sym == "asym":
+            raise ValueError(f"{name!r}: int8 is symmetric only (per output channel, or -gN groups)")
+        fmt = LayerFormat(bits=8, group_size=int(group) if group else None, symmetric=True)
+    else:
+        g = int(group) if group else 32
+        if g <= 0 or g % CHUNK:
+            raise ValueError(f"{name!r}: int4 group size {g} must be a positive multiple of {CHUNK}")
+        fmt = LayerFormat(bits=4, group_size=g, symmetric=(sym == "sym"))
+    canonical = kind if kind == "int8" and not group else (
+        f"int8-g{group}" if kind == "int8" else f"int4-g{fmt.group_size}-{'sym' if fmt.symmetric else 'asym'}")
+    return QuantScheme(name=canonical + flags, linear=fmt, quantize_head="+nohead" not in flags,
+                       quantize_embedding="+emb" in flags)
+
+
+SCHEMES = ("int8", "int4-g32-sym", "int4-g32-asym", "int4-g128-sym", "int4-g128-asym")

@@ -1,0 +1,161 @@
+"""Quantize a float model ("transform the state dict, then swap the modules") and save / load the result.
+
+    from scratchlm.inference.quantization import quantize_model
+    qmodel = quantize_model(model, "int4-g32-asym")       # a QuantizedTransformerLM
+    save_quantized("smollm2-int4.pt", qmodel, tokenizer)   # scheme + per-module formats inside
+    model, tokenizer, config = load_quantized("smollm2-int4.pt")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from scratchlm.inference.quantization.modules import (
+    EMBEDDING,
+    HEAD,
+    QuantizedTransformerLM,
+    linear_names,
+    quantize_weight,
+)
+from scratchlm.inference.quantization.scheme import LayerFormat, QuantScheme, parse_scheme
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.loading.common import CheckpointError, LoadedModel
+
+log = logging.getLogger(__name__)
+
+FORMAT = "scratchlm-quantized"
+FORMAT_VERSION = 1
+
+
+def layout_for(config: ModelConfig, scheme: QuantScheme) -> dict[str, LayerFormat]:
+    """Module path -> LayerFormat for every module `scheme` quantizes; checks every shape first."""
+    layout = {name: scheme.linear for name in linear_names(config)}
+    if scheme.quantize_head:
+        layout[HEAD] = scheme.linear
+    if scheme.quantize_embedding:
+        layout[EMBEDDING] = scheme.linear
+    problems = []
+    for name, fmt in layout.items():
+        d_in = config.d_ff if name.endswith(".w2") else (
+            config.n_heads * config.head_dim if name.endswith(".o_proj") else config.d_model)
+        try:
+            fmt.check(d_in, name)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError(f"scheme {scheme.name!r} does not fit this model: " + "; ".join(problems[:3]) +
+                         (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""))
+    return layout
+
+
+@torch.no_grad()
+def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: dict[str, LayerFormat]
+                        ) -> dict[str, Tensor]:
+    """A float `TransformerLM` state dict -> the state dict of `QuantizedTransformerLM(config, layout)`."""
+    out = dict(state)
+    for name in tqdm([n for n in layout if n not in (HEAD, EMBEDDING)], desc="quantizing", unit="layer",
+                     leave=False, disable=None):
+        w = out.pop(f"{name}.weight")
+        for key, t in quantize_weight(w, layout[name]).items():
+            out[f"{name}.{key}"] = t
+    emb = state["tok_embeddings.weight"]
+    if HEAD in layout:
+        head_w = out.pop("lm_head.weight", None)
+        source = emb if head_w is None else head_w
+        head = quantize_weight(source, layout[HEAD])
+        for key, t in head.items():
+            out[f"{HEAD}.{key}"] = t
+    if EMBEDDING in layout:
+        out.pop("tok_embeddings.weight")
+        tied_and_same = HEAD in layout and "lm_head.weight" not in state and layout[HEAD] == layout[EMBEDDING]
+        emb_q = head if tied_and_same else quantize_weight(emb, layout[EMBEDDING])
+        for key, t in emb_q.items():
+            out[f"{EMBEDDING}.{key}"] = t  # tied: the same tensors as the head's (stored once)
+    return out
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def quantize_model(model: nn.Module, scheme: str | QuantScheme) -> QuantizedTransformerLM:
+    """Quantize a `TransformerLM` (weight-only) into a new `QuantizedTransformerLM` on the same device.
+
+    `scheme`: a name (`parse_scheme`: int8, int4-g32-asym, ...) or a QuantScheme. Raises ValueError
+    when a layer's shape does not fit the scheme (e.g. int4 with d_in not a multiple of 32).
+    """
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    config = model.config
+    layout = layout_for(config, scheme)
+    state = quantize_state_dict(model.state_dict(), config, layout)
+    dtype = _float_dtype(model)
+    with torch.device("meta"):
+        qmodel = QuantizedTransformerLM(config, layout, scheme_name=scheme.name, dtype=dtype)
+    qmodel.load_state_dict(state, strict=True, assign=True)
+    log.info("quantized model with %s: %d modules, %.1f MiB of weights", scheme.name, len(layout),
+             qmodel.weight_bytes() / 2**20)
+    return qmodel.eval()
+
+
+def save_quantized(path: str | Path, model: QuantizedTransformerLM, tokenizer: Any = None) -> Path:
+    """Write a quantized checkpoint atomically (temp file + os.replace), scheme and layout inside."""
+    if not isinstance(model, QuantizedTransformerLM):
+        raise TypeError(f"save_quantized needs a QuantizedTransformerLM, got {type(model).__name__}")
+    path = Path(path)
+    tok_state = None
+    if tokenizer is not None:
+        from scratchlm.tokenizer import tokenizer_to_state
+
+        tok_state = tokenizer_to_state(tokenizer)
+    ckpt = {
+        "format": FORMAT, "version": FORMAT_VERSION, "scheme": model.scheme_name,
+        "layout": {name: fmt.to_dict() for name, fmt in model.layout.items()},
+        "model_config": model.config.to_dict(), "model": model.state_dict(), "tokenizer": tok_state,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_quantized(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+                   ) -> LoadedModel:
+    """Load a checkpoint written by `save_quantized` -> LoadedModel(QuantizedTransformerLM, tokenizer, config)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"quantized checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{path}: not a quantized scratchlm checkpoint (expected format {FORMAT!r}, "
+                              f"found {found!r})")
+    try:
+        config = ModelConfig.from_dict(dict(ckpt["model_config"]))
+        layout = {name: LayerFormat.from_dict(d) for name, d in ckpt["layout"].items()}
+        with torch.device("meta"):
+            model = QuantizedTransformerLM(config, layout, scheme_name=str(ckpt.get("scheme", "custom")),
+                                           dtype=dtype)
+        model.load_state_dict(ckpt["model"], strict=True, assign=True)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: quantized checkpoint does not fit its recorded layout ({e})") from None
+    tokenizer = None
+    if ckpt.get("tokenizer") is not None:
+        from scratchlm.tokenizer import tokenizer_from_state
+
+        tokenizer = tokenizer_from_state(ckpt["tokenizer"])
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model, tokenizer, config)
