@@ -11,8 +11,9 @@ from typing import Any
 
 
 def load_tokenizer(path: str | Path):
-    """A tokenizer from `path`: a scratchlm checkpoint (.pt), an HF ``tokenizer.json`` (or a folder
-    holding one), or the files of `scratchlm tokenizer train`. Clear error for anything else."""
+    """A tokenizer from `path`: a scratchlm checkpoint (.pt) holding one, or anything the tokenizer
+    layer's `formats.load_tokenizer` reads (a folder written by `scratchlm tokenizer train`, an HF
+    ``tokenizer.json`` folder, CS336 / GPT-2 files, a .gguf)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer not found: {path}")
@@ -25,17 +26,9 @@ def load_tokenizer(path: str | Path):
         if state is None:
             raise ValueError(f"{path}: the checkpoint holds no tokenizer")
         return tk.tokenizer_from_state(state)
-    loader = getattr(tk, "load_tokenizer", None)
-    if loader is not None:
-        return loader(path)
-    from scratchlm.tokenizer import formats
+    from scratchlm.tokenizer.formats import load_tokenizer as load_files
 
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return formats.load_hf_dir(path)
-    if path.name.endswith(".json"):
-        return formats.load_hf_dir(path.parent)
-    raise ValueError(f"{path}: not a tokenizer this trainer can read (expected a tokenizer.json or a folder "
-                     "written by `scratchlm tokenizer train`)")
+    return load_files(path)
 
 
 def tokenizer_state(tok) -> dict[str, Any]:
