@@ -298,3 +298,27 @@ def test_third_order_exp_chain():
         (g,) = ad.gradients(ad.sum_op(g), [x])
     x0 = rand(4)
     torch.testing.assert_close(ad.Evaluator([g]).run({x: x0})[0], 8 * torch.exp(2 * x0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_reductions_on_random_shapes_and_dims(shape, data):
+    nd = len(shape)
+    dims = data.draw(st.lists(st.integers(-nd, nd - 1), min_size=1, max_size=nd, unique_by=lambda d: d % nd))
+    keep = data.draw(st.booleans())
+    x = rand(*shape, seed=9)
+    check_op(lambda a: ad.sum_op(a, tuple(dims), keep), lambda a: a.sum(tuple(dims), keepdim=keep), [x])
+    check_op(lambda a: ad.mean(a, tuple(dims), keep), lambda a: a.mean(tuple(dims), keepdim=keep), [x])
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_normalisations_on_random_shapes(shape, data):
+    x = rand(*shape, seed=10)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    check_op(lambda a: ad.softmax(a, dim), lambda a: torch.softmax(a, dim), [x])
+    check_op(lambda a: ad.log_softmax(a, dim), lambda a: torch.log_softmax(a, dim), [x])
+    n = data.draw(st.integers(1, len(shape)))
+    norm = tuple(shape[-n:])
+    check_op(lambda a: ad.layernorm(a, norm, 1e-5), lambda a: torch.nn.functional.layer_norm(a, norm, eps=1e-5), [x],
+             rtol=1e-7, atol=1e-8)
