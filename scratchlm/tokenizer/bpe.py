@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 
 from scratchlm.tokenizer.pretokenize import PreTokenizer, SpecialSplitter
@@ -20,6 +20,7 @@ _CACHE_MAX_PIECE = 64
 _CACHE_MAX_ENTRIES = 1 << 20
 # Above this many symbols, BPE uses a heap instead of repeated linear scans.
 _HEAP_THRESHOLD = 48
+_NO_RANK = 1 << 62
 
 
 class _PieceCache(dict):
@@ -103,6 +104,8 @@ class Tokenizer:
             except KeyError as e:
                 raise ValueError(f"merge #{rank} {a!r} + {b!r}: token {e.args[0]!r} is not in the vocab") from None
             self.merge_ranks.setdefault(key, (rank, merged))
+        self.pair_rank = {pair: r for pair, (r, _) in self.merge_ranks.items()}
+        self.pair_merged = {pair: m for pair, (_, m) in self.merge_ranks.items()}
         self._byte_ids = [self.token_to_id.get(bytes([b])) for b in range(256)]
         self._id_to_bytes = self.vocab  # alias used by decode
         self._cache = _PieceCache(self._encode_piece)
@@ -145,28 +148,30 @@ class Tokenizer:
             return tuple(ids)
         if len(ids) > _HEAP_THRESHOLD:
             return tuple(self._bpe_heap(ids))
-        ranks = self.merge_ranks
+        # Short pre-token: rank every adjacent pair (C-level map/min), merge the best, repeat.
+        rank_get, merged_of, inf = self.pair_rank.get, self.pair_merged, _NO_RANK
         while True:
-            best = None
-            best_rank = None
-            for pair in zip(ids, ids[1:]):
-                r = ranks.get(pair)
-                if r is not None and (best_rank is None or r[0] < best_rank):
-                    best, best_rank = pair, r[0]
-            if best is None:
+            pairs = list(zip(ids, ids[1:]))
+            ranks = list(map(rank_get, pairs, repeat(inf)))
+            best = min(ranks)
+            if best == inf:
                 return tuple(ids)
-            merged = ranks[best][1]
-            a, b = best
-            out = []
-            i, n = 0, len(ids)
-            while i < n:
-                if i < n - 1 and ids[i] == a and ids[i + 1] == b:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
+            i = ranks.index(best)
+            merged = merged_of[pairs[i]]
+            if ranks.count(best) == 1:
+                ids[i : i + 2] = [merged]
+            else:  # the same pair several times: merge left to right, without overlaps
+                a, b = pairs[i]
+                out = ids[:i]
+                n = len(ids)
+                while i < n:
+                    if i < n - 1 and ids[i] == a and ids[i + 1] == b:
+                        out.append(merged)
+                        i += 2
+                    else:
+                        out.append(ids[i])
+                        i += 1
+                ids = out
             if len(ids) < 2:
                 return tuple(ids)
 

@@ -31,11 +31,13 @@ log = logging.getLogger(__name__)
 _worker_tokenizer: Tokenizer | None = None  # one per worker process, set by the pool initializer
 
 
-def _init_worker(state: dict[str, Any]) -> None:
+def _init_worker(tok_or_state: Tokenizer | dict[str, Any]) -> None:
+    """Forked workers inherit the parent's Tokenizer as is (nothing pickled or rebuilt); spawned ones
+    rebuild it from its state dict."""
     global _worker_tokenizer
     from scratchlm.tokenizer import tokenizer_from_state
 
-    _worker_tokenizer = tokenizer_from_state(state)
+    _worker_tokenizer = tok_or_state if isinstance(tok_or_state, Tokenizer) else tokenizer_from_state(tok_or_state)
 
 
 def _encode_range(path: str, start: int, end: int, dtype: str) -> np.ndarray:
@@ -93,16 +95,17 @@ def encode_corpus(
     try:
         with os.fdopen(fd, "wb") as f:
             if workers == 1:
-                _init_worker(tokenizer_to_state(tok))
+                _init_worker(tok)
                 for t in tasks:
                     ids = _encode_range(*t)
                     ids.tofile(f)
                     count += len(ids)
                     bar.update(t[2] - t[1])
             else:
-                ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+                fork = "fork" in mp.get_all_start_methods()
+                ctx = mp.get_context("fork" if fork else "spawn")
                 with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                         initargs=(tokenizer_to_state(tok),)) as pool:
+                                         initargs=(tok if fork else tokenizer_to_state(tok),)) as pool:
                     pending: deque = deque()
                     for t in tasks:
                         pending.append((t, pool.submit(_encode_range, *t)))
