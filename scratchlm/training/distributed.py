@@ -70,12 +70,14 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> 
 
 
 def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum of `t` over ranks (a new tensor; `t` itself on one process)."""
+    """Sum of `t` over ranks (a new tensor on `t`'s device; `t` itself on one process). NCCL only
+    reduces CUDA tensors, so a CPU tensor (a loss sum, evaluation counters) travels through the GPU."""
     if not ctx.enabled:
         return t
-    t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    out = t.to(device, copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
 
 
 def broadcast_parameters(model: torch.nn.Module, ctx: DistContext) -> None:
