@@ -6,6 +6,7 @@
 See docs/quantization.md.
 """
 
+from scratchlm.inference.quantization.gguf_packed import load_gguf_packed
 from scratchlm.inference.quantization.modules import QuantEmbedding, QuantizedTransformerLM, QuantLinear
 from scratchlm.inference.quantization.scheme import SCHEMES, LayerFormat, QuantScheme, parse_scheme
 from scratchlm.inference.quantization.transform import (
@@ -18,5 +19,6 @@ from scratchlm.inference.quantization.transform import (
 
 __all__ = [
     "SCHEMES", "LayerFormat", "QuantEmbedding", "QuantLinear", "QuantScheme", "QuantizedTransformerLM",
-    "layout_for", "load_quantized", "parse_scheme", "quantize_model", "quantize_state_dict", "save_quantized",
+    "layout_for", "load_gguf_packed", "load_quantized", "parse_scheme", "quantize_model", "quantize_state_dict",
+    "save_quantized",
 ]

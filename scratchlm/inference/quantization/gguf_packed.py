@@ -1,0 +1,133 @@
+"""Load a GGUF file keeping its Q8_0 / Q4_0 / Q4_1 weights packed (no dequantization at load).
+
+The raw blocks are read with the `gguf` package's reader and split into planes without touching
+the 4-/8-bit codes (`scheme.py` formats):
+
+- Q4_0 block (18 bytes: fp16 d, 16 bytes of nibbles)  -> int4 symmetric g32:  w = d (q - 8)
+- Q4_1 block (20 bytes: fp16 d, fp16 m, 16 bytes)     -> int4 asymmetric g32: w = d q + m
+- Q8_0 block (34 bytes: fp16 d, 32 x int8)            -> int8 g32 (d widened to float32 exactly)
+
+The nibble order inside a block is GGUF's, which is the layout our kernels read, so the codes are
+copied byte for byte. Tensors of any other type (F32 norms, K-quants) are dequantized as usual.
+SmolLM2-135M ships Q4_1 linears and a Q8_0 token embedding that is also its (tied) output head:
+both the lookup and the head then use the same packed Q8_0 tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from scratchlm.inference.quantization.modules import EMBEDDING, HEAD, QuantizedTransformerLM
+from scratchlm.inference.quantization.scheme import LayerFormat
+from scratchlm.model.loading.common import CheckpointError, LoadedModel, optional_tokenizer, require_file
+from scratchlm.model.loading.dequant import dequantize
+from scratchlm.model.loading.gguf_file import _LAYER_NAMES, _TOP_NAMES, config_from_gguf, unpermute_qk
+
+log = logging.getLogger(__name__)
+
+PACKED_TYPES = {"Q4_0": (18, LayerFormat(4, 32, True)), "Q4_1": (20, LayerFormat(4, 32, False)),
+                "Q8_0": (34, LayerFormat(8, 32, True))}
+
+
+def unpack_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> dict[str, Tensor]:
+    """Raw GGUF blocks of a (rows, cols) matrix -> {qweight, scales[, mins]} in our planes (codes untouched)."""
+    block_bytes, _ = PACKED_TYPES[type_name]
+    if cols % 32:
+        raise ValueError(f"{type_name} tensor with {cols} columns: not a multiple of the 32-weight block")
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1))
+    expected = rows * (cols // 32) * block_bytes
+    if data.numel() != expected:
+        raise ValueError(f"{type_name} tensor ({rows}, {cols}) has {data.numel()} bytes, expected {expected}")
+    blocks = data.view(rows, cols // 32, block_bytes)  # (N, G, bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, -1)  # (N, G)
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)  # (N, K)
+        return {"qweight": q, "scales": d.float()}
+    out = {"qweight": blocks[..., -16:].reshape(rows, cols // 2).contiguous(), "scales": d}  # (N, K/2)
+    if type_name == "Q4_1":
+        out["mins"] = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, -1)
+    return out
+
+
+def _config(reader: Any, source: str):
+    """ModelConfig + arch through the model layer's `config_from_gguf` (either of its signatures)."""
+    if len(inspect.signature(config_from_gguf).parameters) == 2:  # config_from_gguf(reader, source)
+        return config_from_gguf(reader, source)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    names = {t.name: SimpleNamespace(shape=tuple(int(x) for x in reversed(t.shape.tolist()))) for t in reader.tensors}
+    return config_from_gguf(meta, names, source)  # config_from_gguf(meta, tensors by name, source)
+
+
+def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+                     ) -> LoadedModel:
+    """A llama/qwen2 GGUF as a `QuantizedTransformerLM` whose Q8_0/Q4_0/Q4_1 tensors stay packed."""
+    from gguf import GGUFReader
+
+    path = require_file(Path(path), "GGUF file")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    config, arch = _config(reader, str(path))
+    state: dict[str, Tensor] = {}
+    layout: dict[str, LayerFormat] = {}
+    for t in tqdm(reader.tensors, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
+        name, local = t.name, ""
+        if name in _TOP_NAMES:
+            ours = _TOP_NAMES[name]
+        elif name.startswith("blk.") and name.split(".", 2)[2] in _LAYER_NAMES:
+            _, idx, local = name.split(".", 2)
+            ours = f"layers.{idx}.{_LAYER_NAMES[local]}"
+        else:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not a llama/qwen2 weight)")
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGML lists dims fastest-first
+        type_name = t.tensor_type.name
+        heads = None
+        if arch == "llama" and local.startswith(("attn_q.", "attn_k.")):
+            heads = config.n_heads if local.startswith("attn_q.") else config.n_kv_heads
+        if type_name in PACKED_TYPES and len(shape) == 2 and ours.endswith("weight") and ours != "norm.weight":
+            try:
+                planes = unpack_gguf_blocks(t.data, type_name, *shape)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+            if heads is not None:  # undo llama.cpp's q/k row permutation: rows move, codes do not change
+                planes = {k: unpermute_qk(v, heads) for k, v in planes.items()}
+            module = ours.removesuffix(".weight")
+            if module == "lm_head":
+                module = HEAD
+            layout[module] = PACKED_TYPES[type_name][1]
+            for key, v in planes.items():
+                state[f"{module}.{key}"] = v
+            continue
+        try:
+            w = dequantize(t.data, type_name, shape)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        state[ours] = w.to(dtype)
+    if EMBEDDING in layout and config.tie_embeddings:  # the tied head computes with the packed embedding
+        layout[HEAD] = layout[EMBEDDING]
+        for key in ("qweight", "scales", "mins"):
+            if f"{EMBEDDING}.{key}" in state:
+                state[f"{HEAD}.{key}"] = state[f"{EMBEDDING}.{key}"]
+    kinds = sorted({f"int{f.bits}-g{f.group_size}-{'sym' if f.symmetric else 'asym'}" for f in layout.values()})
+    with torch.device("meta"):
+        model = QuantizedTransformerLM(config, layout, scheme_name="gguf:" + ",".join(kinds), dtype=dtype)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit the model config ({e})") from None
+    log.info("loaded GGUF %s packed: %d packed modules (%s)", path.name, len(layout), ", ".join(kinds))
+    has_tokens = "tokenizer.ggml.tokens" in reader.fields
+    tokenizer = optional_tokenizer("formats.from_gguf", path) if has_tokens else None
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer, config)
