@@ -631,6 +631,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = min(_resolve_max_tokens(state, n, req.max_tokens) for n in lengths)
         params = _sampling_params(state, req, max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         tracked = await _start(state, prompts, params, request_id)
         n = req.n
 
@@ -650,9 +651,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                         continue
                     lp = _completion_logprobs(state, c.token_ids, c.logprobs, sent_tok, sent)
                     t.sent_text[c.index], t.sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    choice = CompletionChoice(index=choice_index(t, c), text=delta, logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    result.append(dump(CompletionResponse(id=request_id, model=state.model_name, choices=[choice])))
+                    # plain dicts (the CompletionResponse shape): this runs once per token and stream
+                    choice = {"index": choice_index(t, c), "text": delta, "logprobs": None if lp is None else dump(lp),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    result.append({"id": request_id, "object": "text_completion", "created": created,
+                                   "model": state.model_name, "choices": [choice], "usage": None})
                 return result
 
             def usage_chunk(latest: dict[int, Any]) -> dict | None:
@@ -694,6 +697,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         top_n = req.top_logprobs or 0
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         tracked = await _start(state, [prompt], params, request_id)
 
         if req.stream:
@@ -715,8 +719,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                         continue
                     lp = _chat_logprobs(state, c.token_ids, c.logprobs, sent_tok, top_n)
                     t.sent_text[c.index], t.sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    result.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta or None),
-                                                          logprobs=lp, finish_reason=c.finish_reason)]))
+                    # plain dicts (the ChatCompletionChunk shape): this runs once per token and stream
+                    choice = {"index": c.index, "delta": {"content": delta or None},
+                              "logprobs": None if lp is None else dump(lp), "finish_reason": c.finish_reason}
+                    result.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": state.model_name, "choices": [choice], "usage": None})
                 return result
 
             def usage_chunk(latest: dict[int, Any]) -> dict | None:

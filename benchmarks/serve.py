@@ -1,0 +1,357 @@
+"""`scratchlm bench serve`: the OpenAI server under load, against the offline engine on the same workload.
+
+A client with vLLM's `benchmark_serving` metric definitions:
+- request throughput = completed requests / wall time; output throughput = output tokens / wall time;
+- TTFT = time from sending a request to its first streamed token;
+- TPOT = (e2e latency - TTFT) / (output tokens - 1), per request;
+- ITL = the gaps between successive streamed chunks (one chunk per engine step and request);
+each reported as mean, median and p99. ``--max-concurrency`` caps the requests in flight,
+``--request-rate`` draws Poisson arrivals (inf = all at once).
+
+Contenders, interleaved (offline, server, offline, server, ...), same requests, same thread count:
+- ``offline``: ``LLM.generate`` on all requests in this process (the engine's own ceiling);
+- ``scratchlm serve``: a `scratchlm serve` subprocess, driven over HTTP with streaming;
+- ``vllm serve``: from the engine benchmark's ``.peers/vllm`` virtual environment when it exists
+  (skipped with a note otherwise), same HF export of the model.
+
+Workload (the engine issue's): fixed seed, 32 requests, prompt lengths U[16, 256] of random token ids,
+output lengths U[16, 128], ``ignore_eos``, greedy.
+
+    python -m benchmarks.serve                         # SmolLM2-135M-Instruct, 32 requests, 32 clients
+    python -m benchmarks.serve --model ../shared/data/models/stories260K/stories260K.bin --repeats 3
+    python -m benchmarks.serve --url http://127.0.0.1:8000 --model-name X   # just measure a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, Report, set_threads
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    name: str
+    duration: float
+    requests: list[RequestResult]
+
+    @property
+    def completed(self) -> int:
+        return sum(r.ok for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.requests if r.ok)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.duration
+
+    @property
+    def request_s(self) -> float:
+        return self.completed / self.duration
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int, prompt_len: tuple[int, int],
+                  output_len: tuple[int, int]) -> list[Job]:
+    rng = random.Random(seed)
+    low = min(3, vocab_size - 1)  # skip the lowest ids (special tokens in most vocabularies)
+    return [Job([rng.randrange(low, vocab_size) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
+            for _ in range(num_requests)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ------------------------------------------------------------------------------------------ the client
+
+
+async def _one(client, url: str, model: str, job: Job, api_key: str | None) -> RequestResult:
+    body = {"model": model, "prompt": job.prompt_ids, "max_tokens": job.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    result = RequestResult(ok=False)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage chunk / no tokens"
+    except Exception as e:  # a failed request is reported, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def drive(url: str, model: str, jobs: list[Job], max_concurrency: int | None, request_rate: float,
+                seed: int, api_key: str | None = None) -> tuple[float, list[RequestResult]]:
+    """Send `jobs` (Poisson arrivals at `request_rate`/s, at most `max_concurrency` in flight)."""
+    import httpx
+
+    rng = random.Random(seed + 1)
+    semaphore = asyncio.Semaphore(max_concurrency or len(jobs))
+    limits = httpx.Limits(max_connections=len(jobs) + 4, max_keepalive_connections=len(jobs) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
+        async def limited(job: Job) -> RequestResult:
+            async with semaphore:
+                return await _one(client, url, model, job, api_key)
+
+        tasks = []
+        start = time.perf_counter()
+        for job in jobs:
+            tasks.append(asyncio.create_task(limited(job)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        return time.perf_counter() - start, list(results)
+
+
+# ------------------------------------------------------------------------------------------ contenders
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s")
+
+
+def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "scratchlm", "serve", model, "--port", str(port), "--threads", str(threads),
+           "--max-num-seqs",
+           str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning", "--served-model-name", "bench"]
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 600)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def find_vllm() -> Path | None:
+    for root in (REPO_ROOT, REPO_ROOT.parent):
+        candidate = root / ".peers" / "vllm" / "bin" / "vllm"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def run_offline(llm, jobs: list[Job]) -> RunResult:
+    from scratchlm.inference import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
+    start = time.perf_counter()
+    outs = llm.generate([j.prompt_ids for j in jobs], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    return RunResult("offline LLM.generate", duration,
+                     [RequestResult(True, output_tokens=len(o.outputs[0].token_ids)) for o in outs])
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def latency_rows(name: str, run: RunResult) -> list[list[str]]:
+    ok = [r for r in run.requests if r.ok]
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
+    itl = [x * 1e3 for r in ok for x in r.itl]
+
+    def stats(v: list[float]) -> list[str]:
+        return [f"{statistics.fmean(v):.1f}", f"{statistics.median(v):.1f}", f"{percentile(v, 99):.1f}"] if v else \
+            ["-", "-", "-"]
+
+    return [[name, metric, *stats(v)] for metric, v in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=32, help="requests in flight at most")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf = all)")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch/OpenMP threads of every contender (on a busy 2-core machine 2 threads can be "
+                             "many times slower than 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each contender")
+    parser.add_argument("--url", default=None, help="only measure this running server (no offline, no peers)")
+    parser.add_argument("--model-name", default=None, help="model name for --url")
+    parser.add_argument("--api-key", default=None, help="Bearer key for --url")
+    parser.add_argument("--no-write", action="store_true", help="print the report without writing results/")
+    args = parser.parse_args(argv)
+
+    set_threads(args.threads)
+    if args.url:
+        import httpx
+
+        name = args.model_name or httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        vocab = int(os.environ.get("BENCH_VOCAB", "512"))
+        jobs = make_workload(args.num_requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+        duration, results = asyncio.run(drive(args.url, name, jobs, args.max_concurrency, args.request_rate,
+                                              args.seed, args.api_key))
+        run = RunResult(args.url, duration, results)
+        print(f"{run.completed}/{len(jobs)} ok, {run.output_tok_s:.1f} output tok/s, {run.request_s:.2f} req/s")
+        for row in latency_rows(args.url, run):
+            print(row)
+        return 0
+
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import LLM
+
+    model = args.model or str(default_model_path())
+    print(f"loading {model} for the offline engine ...", file=sys.stderr)
+    llm = LLM(model, max_num_seqs=args.max_concurrency)
+    vocab = llm.engine.model_config.vocab_size
+    max_len = llm.engine.max_model_len
+    jobs = make_workload(args.num_requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len))
+    jobs = [Job(j.prompt_ids[: max_len - j.max_tokens - 1], j.max_tokens) for j in jobs]  # fit short contexts
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "scratchlm-bench-serve.log"
+    print(f"starting `scratchlm serve` (log: {log_path}) ...", file=sys.stderr)
+    proc, url = start_scratchlm_server(model, args.threads, args.max_concurrency, log_path)
+    runs: dict[str, list[RunResult]] = {"offline LLM.generate": [], "scratchlm serve": []}
+    try:
+        # warm-up both (first calls allocate and compile nothing, but touch every page)
+        run_offline(llm, jobs[:4])
+        asyncio.run(drive(url, "bench", jobs[:4], args.max_concurrency, math.inf, args.seed))
+        for r in range(args.repeats):
+            off = run_offline(llm, jobs)
+            runs["offline LLM.generate"].append(off)
+            duration, results = asyncio.run(drive(url, "bench", jobs, args.max_concurrency, args.request_rate,
+                                                  args.seed))
+            srv = RunResult("scratchlm serve", duration, results)
+            runs["scratchlm serve"].append(srv)
+            failed = [x.error for x in results if not x.ok]
+            print(f"  repeat {r + 1}/{args.repeats}: offline {off.output_tok_s:.1f} tok/s, server "
+                  f"{srv.output_tok_s:.1f} tok/s ({srv.completed}/{len(jobs)} ok){' ' + failed[0] if failed else ''}"
+                  f"; load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    finally:
+        stop(proc)
+
+    notes = []
+    vllm = find_vllm()
+    if vllm is None:
+        notes.append("`vllm serve` skipped: no `.peers/vllm` virtual environment (the engine benchmark's "
+                     "`--setup-peers` creates it).")
+    else:
+        notes.append(f"`vllm serve` found at {vllm} but not run by this version of the benchmark.")
+    try:
+        import llama_cpp  # noqa: F401
+
+        notes.append("llama-cpp-python is installed, but its server is not driven by this version of the benchmark.")
+    except ImportError:
+        notes.append("llama.cpp server skipped: llama-cpp-python is not installed.")
+
+    report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
+    report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
+               f"(random token ids, seed {args.seed}), output lengths U{tuple(args.output_len)}, `ignore_eos`, "
+               f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
+               f"{args.threads} threads per contender; {args.repeats} interleaved repeats (median and best).")
+    base = statistics.median(r.output_tok_s for r in runs["offline LLM.generate"])
+    rows = []
+    for name, rs in runs.items():
+        toks = [r.output_tok_s for r in rs]
+        reqs = [r.request_s for r in rs]
+        rows.append([name, f"{sum(r.completed for r in rs)}/{len(jobs) * len(rs)}", f"{statistics.median(toks):.1f}",
+                     f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}", f"{statistics.median(toks) / base:.3f}"])
+    report.table(["contender", "completed", "output tok/s (median)", "output tok/s (best)", "req/s (median)",
+                  "ratio to offline (median)"], rows, caption="Throughput")
+    server_runs = runs["scratchlm serve"]
+    median_run = sorted(server_runs, key=lambda r: r.output_tok_s)[len(server_runs) // 2]
+    report.table(["contender", "metric (ms)", "mean", "median", "p99"], latency_rows("scratchlm serve", median_run),
+                 caption="Latency of the median server run (vLLM definitions)")
+    ratio = statistics.median(r.output_tok_s for r in server_runs) / base
+    report.add(f"**Server / offline output throughput: {ratio:.3f}x** (target >= 0.9x).")
+    report.add("\n".join(f"- {n}" for n in notes))
+    if args.no_write:
+        print(report.render())
+    else:
+        report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
