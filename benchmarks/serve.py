@@ -217,6 +217,40 @@ def find_vllm() -> Path | None:
     return None
 
 
+def export_for_vllm(model: str, out_dir: Path) -> Path:
+    """An HF directory of `model` (weights, config.json, tokenizer.json) that vLLM loads; cached in out_dir."""
+    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+        return out_dir
+    from scratchlm.model import load
+    from scratchlm.model.loading.export import export_hf
+
+    loaded = load(model)
+    export_hf(loaded.model, loaded.config, loaded.tokenizer, out_dir)
+    tok = loaded.tokenizer
+    special = {}
+    for key, attr in (("bos_token", "bos_id"), ("eos_token", "eos_id")):
+        if getattr(tok, attr, None) is not None:
+            special[key] = tok.decode([getattr(tok, attr)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "model_max_length": 8192,
+              **special}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def start_vllm_server(vllm: Path, hf_dir: Path, threads: int, max_num_seqs: int, log_path: Path
+                      ) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    cmd = [str(vllm), "serve", str(hf_dir), "--port", str(port), "--served-model-name", "bench", "--max-num-seqs",
+           str(max_num_seqs), "--dtype", "float32", "--max-model-len", "2048"]
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=hf_dir)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 900)
+    return proc, url
+
+
 def run_offline(llm, jobs: list[Job]) -> RunResult:
     from scratchlm.inference import SamplingParams
 
@@ -261,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="only measure this running server (no offline, no peers)")
     parser.add_argument("--model-name", default=None, help="model name for --url")
     parser.add_argument("--api-key", default=None, help="Bearer key for --url")
+    parser.add_argument("--no-vllm", action="store_true", help="do not start `vllm serve` even if .peers/vllm exists")
     parser.add_argument("--no-write", action="store_true", help="print the report without writing results/")
     args = parser.parse_args(argv)
 
@@ -289,35 +324,56 @@ def main(argv: list[str] | None = None) -> int:
     max_len = llm.engine.max_model_len
     jobs = make_workload(args.num_requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     jobs = [Job(j.prompt_ids[: max_len - j.max_tokens - 1], j.max_tokens) for j in jobs]  # fit short contexts
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "scratchlm-bench-serve.log"
-    print(f"starting `scratchlm serve` (log: {log_path}) ...", file=sys.stderr)
-    proc, url = start_scratchlm_server(model, args.threads, args.max_concurrency, log_path)
-    runs: dict[str, list[RunResult]] = {"offline LLM.generate": [], "scratchlm serve": []}
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    notes = []
+    servers: dict[str, str] = {}
+    procs: list[subprocess.Popen] = []
+    runs: dict[str, list[RunResult]] = {"offline LLM.generate": []}
     try:
-        # warm-up both (first calls allocate and compile nothing, but touch every page)
+        print(f"starting `scratchlm serve` (log: {tmp / 'scratchlm-bench-serve.log'}) ...", file=sys.stderr)
+        proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
+                                                                  tmp / "scratchlm-bench-serve.log")
+        procs.append(proc)
+        vllm = None if args.no_vllm else find_vllm()
+        if args.no_vllm:
+            notes.append("`vllm serve` not run (--no-vllm).")
+        elif vllm is None:
+            notes.append("`vllm serve` skipped: no `.peers/vllm` virtual environment (the engine benchmark's "
+                         "`--setup-peers` creates it).")
+        else:
+            try:
+                hf_dir = export_for_vllm(model, tmp / f"scratchlm-hf-export-{Path(model).stem}")
+                print(f"starting `vllm serve` on {hf_dir} (log: {tmp / 'vllm-bench-serve.log'}) ...", file=sys.stderr)
+                proc, servers["vllm serve"] = start_vllm_server(vllm, hf_dir, args.threads, args.max_concurrency,
+                                                                tmp / "vllm-bench-serve.log")
+                procs.append(proc)
+                notes.append(f"`vllm serve` from {vllm.parent.parent} on an HF export of the same weights (fp32).")
+            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+                notes.append(f"`vllm serve` failed to start ({e}); see {tmp / 'vllm-bench-serve.log'}.")
+        for name in servers:
+            runs[name] = []
+        # warm-up every contender
         run_offline(llm, jobs[:4])
-        asyncio.run(drive(url, "bench", jobs[:4], args.max_concurrency, math.inf, args.seed))
+        for url in servers.values():
+            asyncio.run(drive(url, "bench", jobs[:4], args.max_concurrency, math.inf, args.seed))
         for r in range(args.repeats):
             off = run_offline(llm, jobs)
             runs["offline LLM.generate"].append(off)
-            duration, results = asyncio.run(drive(url, "bench", jobs, args.max_concurrency, args.request_rate,
-                                                  args.seed))
-            srv = RunResult("scratchlm serve", duration, results)
-            runs["scratchlm serve"].append(srv)
-            failed = [x.error for x in results if not x.ok]
-            print(f"  repeat {r + 1}/{args.repeats}: offline {off.output_tok_s:.1f} tok/s, server "
-                  f"{srv.output_tok_s:.1f} tok/s ({srv.completed}/{len(jobs)} ok){' ' + failed[0] if failed else ''}"
-                  f"; load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+            line = [f"offline {off.output_tok_s:.1f} tok/s"]
+            for name, url in servers.items():
+                duration, results = asyncio.run(drive(url, "bench", jobs, args.max_concurrency, args.request_rate,
+                                                      args.seed))
+                run = RunResult(name, duration, results)
+                runs[name].append(run)
+                failed = [x.error for x in results if not x.ok]
+                line.append(f"{name} {run.output_tok_s:.1f} tok/s ({run.completed}/{len(jobs)} ok"
+                            f"{', ' + failed[0] if failed else ''})")
+            print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(line) + f"; load {os.getloadavg()[0]:.2f}",
+                  file=sys.stderr)
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
 
-    notes = []
-    vllm = find_vllm()
-    if vllm is None:
-        notes.append("`vllm serve` skipped: no `.peers/vllm` virtual environment (the engine benchmark's "
-                     "`--setup-peers` creates it).")
-    else:
-        notes.append(f"`vllm serve` found at {vllm} but not run by this version of the benchmark.")
     try:
         import llama_cpp  # noqa: F401
 
@@ -339,12 +395,19 @@ def main(argv: list[str] | None = None) -> int:
                      f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}", f"{statistics.median(toks) / base:.3f}"])
     report.table(["contender", "completed", "output tok/s (median)", "output tok/s (best)", "req/s (median)",
                   "ratio to offline (median)"], rows, caption="Throughput")
-    server_runs = runs["scratchlm serve"]
-    median_run = sorted(server_runs, key=lambda r: r.output_tok_s)[len(server_runs) // 2]
-    report.table(["contender", "metric (ms)", "mean", "median", "p99"], latency_rows("scratchlm serve", median_run),
-                 caption="Latency of the median server run (vLLM definitions)")
-    ratio = statistics.median(r.output_tok_s for r in server_runs) / base
+    latency = []
+    for name in servers:
+        rs = runs[name]
+        median_run = sorted(rs, key=lambda r: r.output_tok_s)[len(rs) // 2]
+        latency += latency_rows(name, median_run)
+    report.table(["contender", "metric (ms)", "mean", "median", "p99"], latency,
+                 caption="Latency of each server's median run (vLLM definitions)")
+    ratio = statistics.median(r.output_tok_s for r in runs["scratchlm serve"]) / base
     report.add(f"**Server / offline output throughput: {ratio:.3f}x** (target >= 0.9x).")
+    if "vllm serve" in runs and runs["vllm serve"]:
+        ours = statistics.median(r.output_tok_s for r in runs["scratchlm serve"])
+        theirs = statistics.median(r.output_tok_s for r in runs["vllm serve"])
+        report.add(f"**scratchlm serve / vllm serve output throughput: {ours / theirs:.3f}x** (target >= 1.0x).")
     report.add("\n".join(f"- {n}" for n in notes))
     if args.no_write:
         print(report.render())
