@@ -370,8 +370,16 @@ class _Tracked:
 async def _start(state: ServerState, prompts: list[str | list[int]], params: Any, base_id: str) -> list[_Tracked]:
     """Submit one engine request per prompt and wait until the engine accepted them all."""
     _admit(state, len(prompts))
-    tracked = [_Tracked(state.loop.submit(f"{base_id}-{i}", p, params), i) for i, p in enumerate(prompts)]
-    state.active += len(tracked)
+
+    def done() -> None:
+        state.active -= 1
+
+    tracked = []
+    for i, p in enumerate(prompts):
+        stream = state.loop.submit(f"{base_id}-{i}", p, params)
+        stream.on_done = done
+        state.active += 1
+        tracked.append(_Tracked(stream, i))
     try:
         for t in tracked:
             await t.stream.accepted
@@ -391,7 +399,7 @@ def _release(state: ServerState, tracked: list[_Tracked], aborted: bool) -> None
             if aborted:
                 state.metrics.requests_aborted_by_client += 1
             t.done = True
-            state.active -= 1
+        t.stream.close()
 
 
 def _observe(state: ServerState, t: _Tracked, item: TimedOutput) -> None:
@@ -407,7 +415,6 @@ def _observe(state: ServerState, t: _Tracked, item: TimedOutput) -> None:
     if out.finished:
         t.done = True
         t.final = out
-        state.active -= 1
         state.metrics.e2e_request_latency.observe(item.time - t.stream.arrival)
         for c in out.outputs:
             state.metrics.request_success[c.finish_reason or "abort"] += 1

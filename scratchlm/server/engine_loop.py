@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,15 @@ class RequestStream:
         self._items: asyncio.Queue[TimedOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.arrival = time.monotonic()
+        self.on_done: Callable[[], None] | None = None  # called once: finished, failed or released
+        self._closed = False
+
+    def close(self) -> None:
+        """Mark the request over (idempotent); runs `on_done` once, even if nobody reads the stream."""
+        if not self._closed:
+            self._closed = True
+            if self.on_done is not None:
+                self.on_done()
 
     # Called on the event loop (scheduled from the engine thread).
     def _accept(self, error: BaseException | None) -> None:
@@ -58,6 +67,8 @@ class RequestStream:
 
     def _put(self, item: TimedOutput | BaseException) -> None:
         self._items.put_nowait(item)
+        if isinstance(item, BaseException) or item.output.finished:
+            self.close()
 
     def __aiter__(self) -> AsyncIterator[TimedOutput]:
         return self._iterate()
