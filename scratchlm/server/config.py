@@ -17,7 +17,7 @@ class ServerConfig:
                   "(also read from $SCRATCHLM_API_KEY)"},
     )
     served_model_name: str | None = field(
-        default=None, metadata={"help": "the model name clients send and see in /v1/models (default: file stem)"}
+        default=None, metadata={"help": "the model name clients send and see in /v1/models; None = the file's stem"}
     )
     max_queue: int = field(
         default=256,
@@ -39,6 +39,8 @@ class ServerConfig:
         for name in ("max_queue", "max_n", "max_prompts", "max_body_bytes", "retry_after_s"):
             if getattr(self, name) < (0 if name in ("max_queue", "retry_after_s") else 1):
                 problems.append(f"{name}={getattr(self, name)} (expected a positive integer)")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            problems.append(f"log_level={self.log_level!r} (expected debug, info, warning, error or critical)")
         if self.api_key is not None and not self.api_key:
             problems.append("api_key is empty (omit it to serve without a key)")
         if problems:
