@@ -101,3 +101,19 @@ def test_gradient_clipping_matches_torch():
 def test_gradient_clipping_skips_params_without_grad():
     p = torch.nn.Parameter(torch.ones(3))
     assert float(gradient_clipping([p], 1.0)) == 0.0
+
+
+def test_time_budget_drives_the_cosine():
+    from types import SimpleNamespace
+
+    from scratchlm.training import TrainConfig
+    from scratchlm.training.trainer import Trainer
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=1000, max_time_s=100.0)
+    lr_at = lambda step, elapsed: Trainer.lr_at(SimpleNamespace(cfg=cfg), step, elapsed)  # noqa: E731
+    assert lr_at(5, 50.0) == pytest.approx(0.5)  # warm-up follows steps only
+    assert lr_at(20, 0.0) == pytest.approx(get_lr_cosine_schedule(20, 1.0, 0.1, 10, 1000))  # steps lead
+    assert lr_at(20, 50.0) == pytest.approx(0.55)  # half the time gone: half-way down the cosine
+    assert lr_at(20, 100.0) == pytest.approx(0.1) and lr_at(20, 500.0) == pytest.approx(0.1)
+    untimed = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=1000)
+    assert Trainer.lr_at(SimpleNamespace(cfg=untimed), 20, 1e9) == get_lr_cosine_schedule(20, 1.0, 0.1, 10, 1000)
