@@ -64,9 +64,12 @@ def _child(args: argparse.Namespace) -> None:
         tok.train([args.input], trainer)
         size = tok.get_vocab_size()
     seconds = time.perf_counter() - t0
-    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_kb / 1024, "vocab": size}))
+    # VmHWM is this process's own high-water mark (ru_maxrss would carry the parent's over exec).
+    hwm_kb = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                  if line.startswith("VmHWM:"))
+    worker_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"seconds": seconds, "peak_mb": hwm_kb / 1024, "worker_peak_mb": worker_kb / 1024,
+                      "vocab": size}))
 
 
 def _run_child(name: str, path: Path, vocab_size: int, threads: int) -> dict:
@@ -96,8 +99,9 @@ def main() -> None:
     report = Report("tokenizer_train", "BPE training: scratchlm train_bpe vs HF tokenizers BpeTrainer",
                     sys.argv[1:])
     report.add(f"Threads: {args.threads} (scratchlm worker processes for pre-tokenization; HF RAYON_NUM_THREADS). "
-               "Each run is a fresh process; time is measured inside it (imports excluded), peak memory is the "
-               "max RSS of the process or its largest worker. Runs alternate scratchlm / HF.")
+               "Each run is a fresh process; time is measured inside it (imports excluded); peak memory is the "
+               "process's VmHWM and, for scratchlm, the largest pre-tokenization worker's max RSS (workers are "
+               "forked, so it includes pages shared with the parent). Runs alternate scratchlm / HF.")
     with tempfile.TemporaryDirectory() as tmp:
         workloads = []
         if args.only in (None, "tinystories"):
@@ -111,17 +115,21 @@ def main() -> None:
         for title, path, vocab_size in workloads:
             timings = {n: Timing(n) for n in ("scratchlm", "hf tokenizers")}
             peaks: dict[str, list[float]] = {n: [] for n in timings}
+            worker_peaks: dict[str, list[float]] = {n: [] for n in timings}
             for r in range(args.repeats):
                 for name, child in (("scratchlm", "scratchlm"), ("hf tokenizers", "hf")):
                     res = _run_child(child, path, vocab_size, args.threads)
                     timings[name].times.append(res["seconds"])
                     peaks[name].append(res["peak_mb"])
+                    worker_peaks[name].append(res["worker_peak_mb"])
                     print(f"  {title}: repeat {r + 1}/{args.repeats} {name} {res['seconds']:.2f}s "
                           f"{res['peak_mb']:.0f} MB (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
             comp = Comparison(list(timings.values()))
             rows = [[t.name, f"{t.median:.2f} s", f"{t.best:.2f} s", f"{max(peaks[t.name]):.0f} MB",
+                     f"{max(worker_peaks[t.name]):.0f} MB" if max(worker_peaks[t.name]) else "-",
                      f"{t.median / comp['hf tokenizers'].median:.2f}"] for t in comp.timings]
-            report.table(["trainer", "median", "best", "peak RSS", "time / HF"], rows, caption=title)
+            report.table(["trainer", "median", "best", "peak RSS (main)", "peak RSS (largest worker)", "time / HF"],
+                         rows, caption=title)
             ratio = comp.ratio("scratchlm", "hf tokenizers")
             report.add(f"scratchlm / HF = **{ratio:.2f}x** the time (median; best-of: "
                        f"{comp.ratio('scratchlm', 'hf tokenizers', 'best'):.2f}x); target <= 2x: "

@@ -9,6 +9,7 @@ followed by ``ByteLevel``). Merges never cross a pre-token boundary.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,12 +41,53 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Cutting text between a letter and " letter" never changes the pre-tokens of these patterns (the
+# letter run ends at the space; " letter..." starts a piece either way; no look-behind).
+_CUTTABLE = {GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, DIGITS_PATTERN}
+_SAFE_CUT = re.compile(r"(?<=[A-Za-z])(?= [A-Za-z])")
+_BLOCK_CHARS = 4096
+
+
+def ascii_version(pattern: str) -> str | None:
+    r"""`pattern` for the stdlib `re` module with ``re.ASCII``, for pure-ASCII text: ``\p{L}`` -> ``A-Za-z``,
+    ``\p{N}`` -> ``0-9`` (exact on ASCII, where they are the only letters and digits). None when the pattern
+    uses other ``\p{..}`` classes."""
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and pattern.startswith(("\\p{L}", "\\p{N}"), i):
+            cls = "A-Za-z" if pattern[i + 3] == "L" else "0-9"
+            out.append(cls if depth else f"[{cls}]")
+            i += 5
+            continue
+        if c == "\\":
+            if pattern[i + 1 : i + 2] in ("p", "P"):
+                return None
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if c == "[" and not depth:
+            depth = 1
+        elif c == "]" and depth:
+            depth = 0
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 @dataclass(frozen=True)
 class PreTokenizer:
-    """An ordered tuple of regex stages (see the module docstring)."""
+    """An ordered tuple of regex stages (see the module docstring).
+
+    Speed: long text is cut into ~4 KB blocks at points that cannot change the pre-tokens (known patterns
+    only), and a pure-ASCII block is split with an ASCII-only translation of the pattern in the stdlib
+    `re` module (about twice as fast as `regex`; identical on ASCII, checked against tiktoken in tests).
+    """
 
     stages: tuple[str, ...] = (GPT2_PATTERN,)
     _compiled: tuple = field(default=(), init=False, repr=False, compare=False)
+    _ascii: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _cuttable: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -55,6 +97,13 @@ class PreTokenizer:
         except regex.error as e:
             raise ValueError(f"invalid pre-tokenizer regex {self.stages!r}: {e}") from e
         object.__setattr__(self, "_compiled", compiled)
+        try:
+            ascii_patterns = [ascii_version(s) for s in self.stages]
+            if None not in ascii_patterns:
+                object.__setattr__(self, "_ascii", tuple(re.compile(p, re.ASCII) for p in ascii_patterns))
+        except (re.error, IndexError):
+            pass
+        object.__setattr__(self, "_cuttable", all(s in _CUTTABLE for s in self.stages))
 
     @classmethod
     def named(cls, name: str) -> PreTokenizer:
@@ -65,11 +114,29 @@ class PreTokenizer:
 
     def split(self, text: str) -> list[str]:
         """Pre-tokens of `text` (which must not contain special tokens)."""
-        first = self._compiled[0]
-        if len(self._compiled) == 1:
+        if self._ascii is None:
+            return self._split(self._compiled, text)
+        if text.isascii():
+            return self._split(self._ascii, text)
+        if not self._cuttable or len(text) <= 2 * _BLOCK_CHARS:
+            return self._split(self._compiled, text)
+        pieces: list[str] = []
+        pos, n = 0, len(text)
+        while pos < n:
+            m = _SAFE_CUT.search(text, pos + _BLOCK_CHARS)
+            end = m.end() if m else n
+            block = text[pos:end]
+            pieces += self._split(self._ascii if block.isascii() else self._compiled, block)
+            pos = end
+        return pieces
+
+    @staticmethod
+    def _split(compiled: tuple, text: str) -> list[str]:
+        first = compiled[0]
+        if len(compiled) == 1:
             return first.findall(text)
         pieces = _isolate(first, text)
-        for pattern in self._compiled[1:]:
+        for pattern in compiled[1:]:
             pieces = [p for piece in pieces for p in _isolate(pattern, piece)]
         return pieces
 
