@@ -64,7 +64,7 @@ class SiluGradOp(Op):
     def compute(self, node, input_values):
         x, g = input_values
         s = torch.sigmoid(x)
-        return g * s * (1.0 + x * (1.0 - s))
+        return torch.rsub(s, 1.0).mul_(x).add_(1.0).mul_(s).mul_(g)  # fresh buffer, updated in place
 
     def gradient(self, node, output_grad):
         def composite(x, g):
@@ -98,7 +98,7 @@ class LogSoftmaxGradOp(Op):
 
     def compute(self, node, input_values):
         y, g = input_values
-        return g - torch.exp(y) * g.sum(dim=node.attrs["dim"], keepdim=True)
+        return torch.exp(y).mul_(g.sum(dim=node.attrs["dim"], keepdim=True)).neg_().add_(g)
 
     def gradient(self, node, output_grad):
         from .ops import exp
@@ -166,7 +166,7 @@ class CrossEntropyGradOp(Op):
         p = torch.softmax(logits, dim=-1)
         flat = p.view(-1, p.shape[-1])
         flat[torch.arange(flat.shape[0], device=p.device), targets.reshape(-1).long()] -= 1.0
-        return p * (g / max(targets.numel(), 1))
+        return p.mul_(g / max(targets.numel(), 1))
 
     def gradient(self, node, output_grad):
         def composite(logits, targets, g):
@@ -324,8 +324,9 @@ class RMSNormalizeGradOp(Op):
 
     def compute(self, node, input_values):
         x, y, g = input_values
-        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + node.attrs["eps"])
-        return r * (g - y * (g * y).mean(dim=-1, keepdim=True))
+        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + node.attrs["eps"])  # (..., 1)
+        dot = (g * y).mean(dim=-1, keepdim=True)  # (..., 1)
+        return torch.addcmul(g, y, dot, value=-1.0).mul_(r)
 
     def gradient(self, node, output_grad):
         eps = node.attrs["eps"]

@@ -550,7 +550,7 @@ class SoftmaxGradOp(Op):
     def compute(self, node, input_values):
         y, g = input_values
         gy = g * y
-        return gy - y * gy.sum(dim=node.attrs["dim"], keepdim=True)
+        return gy.addcmul_(y, gy.sum(dim=node.attrs["dim"], keepdim=True), value=-1.0)
 
     @staticmethod
     def composite(y: Node, g: Node, dim: int) -> Node:
