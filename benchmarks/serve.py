@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         notes.append("llama.cpp server skipped: llama-cpp-python is not installed.")
 
-    report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
+    name = "serve" if args.model is None else f"serve-{Path(model).stem}"
+    report = Report(name, "OpenAI server under load against the offline engine", argv=sys.argv[1:])
     report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
                f"(random token ids, seed {args.seed}), output lengths U{tuple(args.output_len)}, `ignore_eos`, "
                f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
