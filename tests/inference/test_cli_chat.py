@@ -41,6 +41,7 @@ def test_chat_conversation_keeps_history():
     assert replies == [first, second, third]
 
 
+@pytest.mark.slow
 def test_chat_reports_errors_clearly():
     with fake_server(server_config=ServerConfig(api_key="k")) as (srv, _):
         res = run_chat("--url", srv.url, "--prompt", "x")

@@ -197,6 +197,7 @@ def test_preemption_with_small_kv_pool(model_path, offline):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_full_queue_429_on_real_engine(model_path):
     srv = start_server(model_path, ServerConfig(max_queue=0), max_num_seqs=2)
     try:

@@ -38,7 +38,7 @@ CASES = [(op, mode) for op in OPERATIONS for mode in (GenerationMode.POSITIVE, G
 @pytest.mark.parametrize("operation,mode", CASES, ids=[f"{op.label} {mode.value}" for op, mode in CASES])
 def test_no_server_errors(fuzz_server, operation, mode):
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(case):
         response = case.call(base_url=fuzz_server.url, timeout=30)
         assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
