@@ -136,7 +136,8 @@ def overhead(args: argparse.Namespace, report: Report) -> None:
         ["torch.autograd forward + backward of the same chain, per op", f"{t_autograd * us:.2f}"],
     ]
     report.table(["stage", "microseconds per node"], rows,
-                 caption=f"Engine overhead on a chain of N = {n:,} `x * 1.0001` nodes on a 1-element tensor (median of {r})")
+                 caption=f"Engine overhead on a chain of N = {n:,} `x * 1.0001` nodes on a 1-element tensor "
+                 f"(median of {r})")
     report.add(f"Forward + backward through the engine vs through torch.autograd on the same chain: "
                f"{t_both / t_autograd:.2f}x.")
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
