@@ -34,7 +34,6 @@ import torch
 from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads, shared_data_dir
 
 RECIPE = REPO_ROOT / "recipes" / "tinystories.toml"
-RESULT_DIR = RESULTS_DIR / "train_tinystories"
 log = logging.getLogger("benchmarks.train_tinystories")
 
 
@@ -77,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall clock for tokenizer training + encoding + model training, in seconds")
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="TrainConfig TOML with a [model] table")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size (incl. 256 bytes)")
-    parser.add_argument("--work-dir", type=Path, default=REPO_ROOT / "runs" / "tinystories",
-                        help="scratch folder for token files, checkpoints and logs")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="scratch folder for token files, checkpoints and logs (default: runs/tinystories[_TAG])")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster on a loaded 2-core box)")
     parser.add_argument("--stories260k-max-stories", type=int, default=None,
                         help="score only the first N validation stories with stories260K (default: all)")
+    parser.add_argument("--tag", default="", help="suffix of the report and result folder names (to keep runs apart)")
     parser.add_argument("--no-write", action="store_true", help="print the report but do not write results/")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     data = shared_data_dir()
     corpus = data / "corpora/tinystories/tinystories_v1_train_head_lowercased.txt"
     valid_cased = data / "corpora/tinystories/tinystories_v1_valid_head.txt"
-    work = args.work_dir
+    work = args.work_dir or REPO_ROOT / "runs" / ("tinystories" + (f"_{args.tag}" if args.tag else ""))
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     records = trainer.metrics.read()
     train_time = result.elapsed_s
-    report = Report("train_tinystories", "Quality: TinyStories in a 30-minute CPU budget vs stories260K",
+    name = "train_tinystories" + (f"_{args.tag}" if args.tag else "")
+    result_dir = RESULTS_DIR / name
+    report = Report(name, "Quality: TinyStories in a 30-minute CPU budget vs stories260K",
                     argv=argv if argv is not None else sys.argv[1:])
     report.add(f"- load average at start: {' '.join(f'{x:.2f}' for x in load_start)}; at the end of training: "
                f"{' '.join(f'{x:.2f}' for x in load_end)} (2 cores shared with other work)\n"
@@ -171,24 +173,24 @@ def main(argv: list[str] | None = None) -> int:
                                   else args.recipe) + "`):\n\n```toml\n" + args.recipe.read_text().strip() + "\n```")
     if result.samples:
         report.add("Samples at the end:\n\n" + "\n\n".join("> " + s.replace("\n", " ") for s in result.samples))
-    report.add("![loss curve](train_tinystories/loss_curve.png)")
+    report.add(f"![loss curve]({name}/loss_curve.png)")
     if not args.no_write:
-        RESULT_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copy(cfg.out_dir / "loss_curve.png", RESULT_DIR / "loss_curve.png")
-        shutil.copy(cfg.out_dir / "metrics.jsonl", RESULT_DIR / "metrics.jsonl")
+        result_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(cfg.out_dir / "loss_curve.png", result_dir / "loss_curve.png")
+        shutil.copy(cfg.out_dir / "metrics.jsonl", result_dir / "metrics.jsonl")
         ckpt = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
         small = {k: ckpt[k] for k in ("format", "version", "model_config", "model", "tokenizer", "train_config",
                                        "step")}
         from scratchlm.training.checkpoint import atomic_torch_save
 
-        path = atomic_torch_save(small, RESULT_DIR / "tinystories_model.pt")
+        path = atomic_torch_save(small, result_dir / "tinystories_model.pt")
         size_mb = path.stat().st_size / 1e6
         if size_mb > 20:
             path.unlink()
             report.add(f"The model checkpoint ({size_mb:.1f} MB) is over 20 MB and is not shipped.")
         else:
             report.add(f"Model checkpoint (weights + tokenizer, {size_mb:.1f} MB): "
-                       "`benchmarks/results/train_tinystories/tinystories_model.pt` "
+                       f"`benchmarks/results/{name}/tinystories_model.pt` "
                        "(`scratchlm generate --model` it).")
         report.write()
     else:
