@@ -8,6 +8,9 @@ call uses the pure-torch reference path instead: nothing crashes.
 `int8_linear` / `int4_linear` are what the quantized modules call. They use the extension for
 CPU tensors (AVX2 path when the CPU has it, the portable scalar path otherwise) and the
 reference (dequantize, then matmul) elsewhere, e.g. on CUDA (a Triton kernel is future work).
+For more than `GEMM_ROWS` rows of x (prefill chunks) the weight is dequantized once per call and
+torch's blocked GEMM does the compute-bound work: the fused kernel only pays off when reading the
+weights is the bottleneck (decode).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.cpp"
 EXTENSION_NAME = "scratchlm_quant_kernels"
+GEMM_ROWS = 16  # above this many rows of x (prefill), dequantize once and use torch's blocked GEMM
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # AVX2 functions carry their own target attributes
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # loaded module or the failure, per process (a cache, not configuration)
@@ -68,7 +72,7 @@ def extension_available() -> bool:
 
 
 def _use_extension(x: Tensor) -> Any | None:
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.numel() > GEMM_ROWS * x.shape[-1]:
         return None
     return load_extension()
 
