@@ -104,8 +104,7 @@ class Tokenizer:
             except KeyError as e:
                 raise ValueError(f"merge #{rank} {a!r} + {b!r}: token {e.args[0]!r} is not in the vocab") from None
             self.merge_ranks.setdefault(key, (rank, merged))
-        self.pair_rank = {pair: r for pair, (r, _) in self.merge_ranks.items()}
-        self.pair_merged = {pair: m for pair, (_, m) in self.merge_ranks.items()}
+        self.pair_code = {pair: r << 32 | m for pair, (r, m) in self.merge_ranks.items()}
         self._byte_ids = [self.token_to_id.get(bytes([b])) for b in range(256)]
         self._id_to_bytes = self.vocab  # alias used by decode
         self._cache = _PieceCache(self._encode_piece)
@@ -148,20 +147,20 @@ class Tokenizer:
             return tuple(ids)
         if len(ids) > _HEAP_THRESHOLD:
             return tuple(self._bpe_heap(ids))
-        # Short pre-token: rank every adjacent pair (C-level map/min), merge the best, repeat.
-        rank_get, merged_of, inf = self.pair_rank.get, self.pair_merged, _NO_RANK
+        # Short pre-token: code every adjacent pair as rank << 32 | merged id (C-level map/min), merge the
+        # lowest rank, repeat.
+        code_get, inf = self.pair_code.get, _NO_RANK
         while True:
-            pairs = list(zip(ids, ids[1:]))
-            ranks = list(map(rank_get, pairs, repeat(inf)))
-            best = min(ranks)
+            codes = list(map(code_get, zip(ids, ids[1:]), repeat(inf)))
+            best = min(codes)
             if best == inf:
                 return tuple(ids)
-            i = ranks.index(best)
-            merged = merged_of[pairs[i]]
-            if ranks.count(best) == 1:
+            i = codes.index(best)
+            merged = best & 0xFFFFFFFF
+            if codes.count(best) == 1:
                 ids[i : i + 2] = [merged]
             else:  # the same pair several times: merge left to right, without overlaps
-                a, b = pairs[i]
+                a, b = ids[i], ids[i + 1]
                 out = ids[:i]
                 n = len(ids)
                 while i < n:
