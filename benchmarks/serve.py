@@ -242,8 +242,12 @@ def start_vllm_server(vllm: Path, hf_dir: Path, threads: int, max_num_seqs: int,
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    cmd = [str(vllm), "serve", str(hf_dir), "--port", str(port), "--served-model-name", "bench", "--max-num-seqs",
-           str(max_num_seqs), "--dtype", "float32", "--max-model-len", "2048"]
+    # `vllm serve` itself asks for the metadata of a package named "vllm" (this one is "vllm-cpu"), so run
+    # the same OpenAI server through its module.
+    python = vllm.parent / "python"
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--port", str(port),
+           "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--dtype", "float32",
+           "--max-model-len", "2048"]
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=hf_dir)
     url = f"http://127.0.0.1:{port}"

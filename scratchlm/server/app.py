@@ -25,7 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scratchlm.server.config import ServerConfig
-from scratchlm.server.engine_loop import EngineLoop, RequestStream, TimedOutput
+from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
     ChatChoiceLogprobs,
@@ -181,14 +181,19 @@ def _default_sampling_params_cls() -> type:
 
 
 def create_app(engine: Any, config: ServerConfig | None = None, model_name: str | None = None,
-               model_root: str | None = None, sampling_params_cls: type | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+               model_root: str | None = None, sampling_params_cls: type | None = None,
+               engine_loop: Any | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine loop starts and stops with the app's lifespan.
+
+    By default the engine runs in a thread of this process (:class:`EngineLoop`). Pass
+    ``engine_loop=EngineProcessLoop(...)`` (and its ``.engine`` as `engine`) to run it in a child process.
+    """
     config = config or ServerConfig()
     engine_config = engine.config
     name = config.served_model_name or model_name or "scratchlm"
     state = ServerState(
         engine=engine,
-        loop=EngineLoop(engine),
+        loop=engine_loop if engine_loop is not None else EngineLoop(engine),
         config=config,
         model_name=name,
         model_root=model_root,
@@ -267,6 +272,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"The engine is not available: {exc}", "service_unavailable",
+                              code="engine_unavailable")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -369,6 +379,8 @@ class _Tracked:
 
 async def _start(state: ServerState, prompts: list[str | list[int]], params: Any, base_id: str) -> list[_Tracked]:
     """Submit one engine request per prompt and wait until the engine accepted them all."""
+    if not state.loop.alive:
+        raise EngineDeadError("the engine loop is not running; see the server log")
     _admit(state, len(prompts))
 
     def done() -> None:

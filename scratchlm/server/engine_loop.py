@@ -66,6 +66,8 @@ class RequestStream:
             self.accepted.set_exception(error)
 
     def _put(self, item: TimedOutput | BaseException) -> None:
+        if isinstance(item, BaseException) and not self.accepted.done():
+            self.accepted.set_exception(item)  # failed before the engine answered (it died, or shut down)
         self._items.put_nowait(item)
         if isinstance(item, BaseException) or item.output.finished:
             self.close()
