@@ -54,14 +54,19 @@ class Embedding(nn.Module):
         return f"num_embeddings={self.num_embeddings}, dim={self.dim}"
 
 
+def _rmsnorm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y, r): y = w * x * r in x's dtype, r = rsqrt(mean(x^2) + eps) (..., 1) in float32."""
+    xf = x.float()
+    r = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True).add_(eps))  # (..., 1)
+    return (xf * r).mul_(weight.float()).to(x.dtype), r
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = w * x * r, r = rsqrt(mean(x^2) + eps), computed in float32. Saves x and r only."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = x.float()
-        r = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True).add_(eps))  # (..., 1)
-        y = (xf * r).mul_(weight.float()).to(x.dtype)
+        y, r = _rmsnorm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, r)
         return y
 
@@ -88,7 +93,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _rmsnorm_forward(x, self.weight, self.eps)[0]  # inference: no autograd.Function overhead
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, eps={self.eps}"
@@ -161,48 +168,82 @@ class SwiGLU(nn.Module):
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(_SiluMulFunction.apply(self.w1(x), self.w3(x)))
+        gate, up = self.w1(x), self.w3(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.w2(_SiluMulFunction.apply(gate, up))
+        return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
 
 
-def _causal_mask(t_q: int, t_k: int, q_offset: int, device) -> Tensor:
-    """(t_q, t_k) bool, True where key position > query position (i.e. masked out)."""
-    q_pos = torch.arange(q_offset, q_offset + t_q, device=device)[:, None]
-    return torch.arange(t_k, device=device)[None, :] > q_pos
+QUERY_BLOCK = 64  # query rows per block of the causal attention (keys beyond a block's last query are skipped)
+
+
+def _diagonal_mask(rows: int, group: int, cols: int, device) -> Tensor:
+    """(rows*group, cols) bool, True where key j > query t (row r = t*group + g): the causal block diagonal."""
+    t = torch.arange(rows, device=device).repeat_interleave(group)[:, None]
+    return torch.arange(cols, device=device)[None, :] > t
+
+
+def _attention_forward(qs: Tensor, k: Tensor, v: Tensor, group: int, q_offset: int):
+    """Blocked causal attention; `qs` (nb, B*Hkv, Tb*G, D) is q scaled by 1/sqrt(D), rows t*G + g per block;
+    k, v: (B*Hkv, S, D) contiguous. Everything is a 3-D `bmm` on contiguous views (no hidden copies).
+
+    Query block i (queries i*Tb .. (i+1)*Tb-1) only multiplies the keys up to its last query (about 60%
+    of the full T x T work at T=256 with Tb=64), only its diagonal sub-block is masked, and the softmax
+    is left unnormalised: out = (E @ V) / l with E = exp(S - rowmax), l = rowsum(E).
+    Returns (out (nb, B*Hkv, Tb*G, D), [E per block], [l per block]).
+    """
+    nb, _, rows, _ = qs.shape
+    tb = rows // group
+    out = torch.empty_like(qs)
+    es, ls = [], []
+    for i in range(nb):
+        diag, kend = q_offset + i * tb, min(k.shape[1], q_offset + (i + 1) * tb)
+        e = torch.bmm(qs[i], k[:, :kend].transpose(1, 2))  # (B*Hkv, Tb*G, kend)
+        if kend > diag + 1:  # keys after the block's first query exist: mask the diagonal sub-block
+            e[..., diag:kend].masked_fill_(_diagonal_mask(tb, group, kend - diag, qs.device), float("-inf"))
+        e.sub_(e.amax(dim=-1, keepdim=True)).exp_()  # numerically stable, unnormalised softmax
+        l = e.sum(dim=-1, keepdim=True)  # (B*Hkv, Tb*G, 1)
+        torch.bmm(e, v[:, :kend], out=out[i]).div_(l)  # (B*Hkv, Tb*G, D)
+        es.append(e)
+        ls.append(l)
+    return out, es, ls
 
 
 class _CausalAttentionFunction(torch.autograd.Function):
-    """Causal GQA attention on grouped layout: q (N, Hkv, G*T, D), k/v (N, Hkv, S, D) -> (N, Hkv, G*T, D).
+    """Causal GQA attention: q (nb, B*Hkv, Tb*G, D) in query blocks, k/v (B*Hkv, S, D) -> like q.
 
-    Scores are one batched matmul per kv head (no repeat of k/v); masking and softmax are in place;
-    backward uses the saved probabilities: dS = P * (dP - rowsum(dO * O)).
+    Backward per query block with P = E / l: dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
+    folding 1/l into the small (rows, D) tensors so each (rows, keys) matrix is touched twice.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: int, q_offset: int) -> Tensor:
-        n, hkv, gt, d = q.shape
-        t, s = gt // group, k.shape[2]
-        scale = 1.0 / math.sqrt(d)
-        p = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (N, Hkv, G*T, S)
-        if s > 1:
-            mask = _causal_mask(t, s, q_offset, q.device)
-            p.view(n, hkv, group, t, s).masked_fill_(mask, float("-inf"))
-        p.sub_(p.amax(dim=-1, keepdim=True)).exp_()
-        p.div_(p.sum(dim=-1, keepdim=True))
-        out = torch.matmul(p, v)  # (N, Hkv, G*T, D)
-        ctx.save_for_backward(q, k, v, p, out)
-        ctx.scale = scale
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qs = q * scale
+        out, es, ls = _attention_forward(qs, k, v, group, q_offset)
+        ctx.save_for_backward(qs, k, v, out, *es, *ls)
+        ctx.group, ctx.q_offset, ctx.scale, ctx.n_blocks = group, q_offset, scale, len(es)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, p, out = ctx.saved_tensors
+        qs, k, v, out, *rest = ctx.saved_tensors
+        es, ls = rest[:ctx.n_blocks], rest[ctx.n_blocks:]
         grad_out = grad_out.contiguous()
-        grad_v = torch.matmul(p.transpose(-1, -2), grad_out)  # (N, Hkv, S, D)
-        dp = torch.matmul(grad_out, v.transpose(-1, -2))  # (N, Hkv, G*T, S)
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # (N, Hkv, G*T, 1)
-        ds = dp.sub_(delta).mul_(p).mul_(ctx.scale)
-        grad_q = torch.matmul(ds, k)  # (N, Hkv, G*T, D)
-        grad_k = torch.matmul(ds.transpose(-1, -2), q)  # (N, Hkv, S, D)
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # (nb, B*Hkv, Tb*G, 1)
+        grad_q = torch.empty_like(qs)
+        grad_k = torch.zeros_like(k)
+        grad_v = torch.zeros_like(v)
+        for i, (e, l) in enumerate(zip(es, ls)):
+            kend = e.shape[-1]
+            do = grad_out[i] / l  # (B*Hkv, Tb*G, D): dO / l
+            gv = grad_v[:, :kend]
+            gv.baddbmm_(e.transpose(1, 2), do)  # dV += P^T dO
+            ds = torch.bmm(do, v[:, :kend].transpose(1, 2))  # (B*Hkv, Tb*G, kend): dP / l
+            ds.sub_(delta[i] / l).mul_(e)  # dS = P * (dP - delta)
+            torch.bmm(ds, k[:, :kend], out=grad_q[i]).mul_(ctx.scale)
+            gk = grad_k[:, :kend]
+            gk.baddbmm_(ds.transpose(1, 2), qs[i])  # dK += dS^T q_scaled
         return grad_q, grad_k, grad_v, None, None
 
 
@@ -211,18 +252,29 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0) -> Tens
 
     q: (B, T, H, D); k, v: (B, S, Hkv, D) with H a multiple of Hkv; query t sits at absolute position
     q_offset + t and keys at 0..S-1 (S = q_offset + T for a KV cache, S = T without one).
-    Returns (B, T, H, D).
+    Returns (B, T, H, D). GQA is done by reshaping q to (.., Hkv, T*G, D), never by repeating k/v;
+    when T is a multiple of QUERY_BLOCK, queries are processed in blocks that skip future keys.
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
     if h % hkv:
         raise ValueError(f"causal_attention: {h} query heads is not a multiple of {hkv} kv heads")
+    if k.shape[1] < q_offset + t:
+        raise ValueError(f"causal_attention: {k.shape[1]} keys cannot cover queries at {q_offset}..{q_offset + t - 1}")
     group = h // hkv
-    qg = q.view(b, t, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d)  # (B, Hkv, G*T, D)
-    kg = k.transpose(1, 2)  # (B, Hkv, S, D)
-    vg = v.transpose(1, 2)  # (B, Hkv, S, D)
-    out = _CausalAttentionFunction.apply(qg, kg, vg, group, q_offset)  # (B, Hkv, G*T, D)
-    return out.view(b, hkv, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)  # (B, T, H, D)
+    tb = QUERY_BLOCK if t % QUERY_BLOCK == 0 else t
+    nb = t // tb
+    s = k.shape[1]
+    qg = q.view(b, nb, tb, hkv, group, d).permute(1, 0, 3, 2, 4, 5).reshape(nb, b * hkv, tb * group, d)
+    # qg: (nb, B*Hkv, Tb*G, D), rows t*G + g inside each query block
+    kg = k.transpose(1, 2).reshape(b * hkv, s, d)  # (B*Hkv, S, D) contiguous: key-block slices feed bmm directly
+    vg = v.transpose(1, 2).reshape(b * hkv, s, d)  # (B*Hkv, S, D)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = _CausalAttentionFunction.apply(qg, kg, vg, group, q_offset)
+    else:
+        out = _attention_forward(qg * (1.0 / math.sqrt(d)), kg, vg, group, q_offset)[0]
+    out = out.view(nb, b, hkv, tb, group, d).permute(1, 0, 3, 2, 4, 5)  # (B, nb, Tb, Hkv, G, D)
+    return out.reshape(b, t, h, d)  # (B, T, H, D)
 
 
 class Attention(nn.Module):

@@ -194,3 +194,27 @@ def test_config_derivations_and_errors():
         ModelConfig.from_dict({"dim": 3})
     with pytest.raises(ValueError, match="vocab_size"):
         ModelConfig(vocab_size=0)
+
+
+@pytest.mark.parametrize("t,hkv,group", [(192, 2, 2), (256, 4, 1), (150, 1, 3)])
+def test_blocked_causal_attention_long_sequences(t, hkv, group):
+    """Several query blocks (QUERY_BLOCK rows each, the last one partial): values and gradients vs torch."""
+    from scratchlm.model.layers import QUERY_BLOCK
+
+    assert t > 2 * QUERY_BLOCK  # 192 and 256: several query blocks; 150: one block (not a multiple)
+    torch.manual_seed(t)
+    q = torch.randn(2, t, hkv * group, 16, requires_grad=True)
+    k = torch.randn(2, t, hkv, 16, requires_grad=True)
+    v = torch.randn(2, t, hkv, 16, requires_grad=True)
+    out = causal_attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+    # the tail of the queries against all keys (KV-cache prefill of a second chunk), several blocks too
+    with torch.no_grad():
+        tail = t - 2 * QUERY_BLOCK
+        torch.testing.assert_close(causal_attention(q[:, tail:], k, v, q_offset=tail), ref[:, tail:],
+                                   atol=1e-5, rtol=1e-4)
