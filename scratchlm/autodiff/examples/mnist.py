@@ -18,6 +18,7 @@ import argparse
 import gzip
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ SEQ_LEN, FEATURES, NUM_CLASSES = 28, 28, 10
 class MnistConfig:
     """Options of the MNIST transformer run."""
 
-    data_dir: Path = field(default=Path("../shared/data/images/mnist"),
-                           metadata={"help": "folder with t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz"})
+    data_dir: Path | None = field(
+        default=None, metadata={"help": "folder with t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz "
+                                        "(None: $SCRATCHLM_DATA/images/mnist, else ../shared/data/images/mnist)"})
     design: Literal["pa1", "best"] = field(default="best", metadata={"help": "model + optimiser recipe"})
     epochs: int = field(default=6, metadata={"help": "passes over the training split"})
     batch_size: int = field(default=50, metadata={"help": "images per step"})
@@ -71,9 +73,18 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     return data.reshape(dims)
 
 
-def load_mnist(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def default_mnist_dir() -> Path:
+    """$SCRATCHLM_DATA/images/mnist, or ../shared/data/images/mnist next to the repository (then the cwd)."""
+    env = os.environ.get("SCRATCHLM_DATA")
+    if env:
+        return Path(env) / "images" / "mnist"
+    beside_repo = Path(__file__).resolve().parents[4] / "shared" / "data" / "images" / "mnist"
+    return beside_repo if beside_repo.is_dir() else Path("../shared/data/images/mnist")
+
+
+def load_mnist(data_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Images (N, 28, 28) float32 in [0, 1] and labels (N,) int64 from the IDX files in `data_dir`."""
-    data_dir = Path(data_dir)
+    data_dir = Path(data_dir) if data_dir is not None else default_mnist_dir()
     images = _read_idx(data_dir / "t10k-images-idx3-ubyte.gz", 2051)
     labels = _read_idx(data_dir / "t10k-labels-idx1-ubyte.gz", 2049)
     if len(images) != len(labels):
@@ -286,8 +297,6 @@ def _progress(total: int, enabled: bool, desc: str):
 
 def plot_curves(result: MnistResult, path: Path) -> Path:
     """Training loss per step and held-out accuracy per epoch, written atomically as a PNG."""
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
