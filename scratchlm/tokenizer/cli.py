@@ -33,7 +33,7 @@ class TrainTokenizerConfig:
     pretokenizer: str = field(default="gpt2", metadata={
         "help": "pre-tokenizer regex preset: gpt2, smollm, llama3, qwen2"})
     workers: int = field(default=0, metadata={"help": "processes for pre-tokenization (0 = all usable cores)"})
-    chunk_mb: float = field(default=4.0, metadata={"help": "size of the chunks handed to each worker, in MB"})
+    chunk_mb: float = field(default=1.0, metadata={"help": "size of the chunks handed to each worker, in MB"})
 
 
 @dataclass

@@ -230,7 +230,7 @@ def train_bpe(
     *,
     pretokenizer: PreTokenizer | None = None,
     num_workers: int | None = None,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = 1 << 20,
     progress: bool = True,
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train a byte-level BPE on one or more text files.
