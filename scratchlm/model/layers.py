@@ -140,22 +140,30 @@ class RotaryEmbedding(nn.Module):
 
 
 class _SiluMulFunction(torch.autograd.Function):
-    """silu(gate) * up in one step; saves gate and up, recomputes the sigmoid in backward."""
+    """silu(gate) * up from the fused projection h = [gate | up] (..., 2F) -> (..., F).
+
+    Saves h only, recomputes the sigmoid in backward, and writes both halves of grad_h directly
+    (no split/cat copies).
+    """
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
+    def forward(ctx, h: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
         return torch.sigmoid(gate).mul_(gate).mul_(up)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        gate, up = ctx.saved_tensors
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         s = torch.sigmoid(gate)
         silu = gate * s
-        grad_up = grad * silu
+        torch.mul(grad, silu, out=grad_up)
         # d silu / d gate = s * (1 + gate * (1 - s)) = s + silu * (1 - s)
-        grad_gate = silu.mul_(1 - s).add_(s).mul_(grad).mul_(up)
-        return grad_gate, grad_up
+        torch.mul(silu.mul_(1 - s).add_(s).mul_(grad), up, out=grad_gate)
+        return grad_h
 
 
 class SwiGLU(nn.Module):
@@ -168,13 +176,15 @@ class SwiGLU(nn.Module):
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w1(x), self.w3(x)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.w2(_SiluMulFunction.apply(gate, up))
+        if torch.is_grad_enabled() and (x.requires_grad or self.w1.weight.requires_grad):
+            # training: one GEMM for gate and up (weights concatenated per call: a small copy next to the GEMM)
+            h = x @ torch.cat((self.w1.weight, self.w3.weight)).t()  # (..., 2 d_ff)
+            return self.w2(_SiluMulFunction.apply(h))
+        gate, up = self.w1(x), self.w3(x)  # inference: no weight copy per call
         return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
 
 
-QUERY_BLOCK = 64  # query rows per block of the causal attention (keys beyond a block's last query are skipped)
+QUERY_BLOCK = 32  # query rows per block of the causal attention (keys beyond a block's last query are skipped)
 
 
 def _diagonal_mask(rows: int, group: int, cols: int, device) -> Tensor:
@@ -300,12 +310,30 @@ class Attention(nn.Module):
             *x.shape[:-1], -1)
         return y.view(*x.shape[:-1], heads, self.head_dim)  # (B, T, heads, D)
 
+    def _project_fused(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, T, H, D), k, v (B, T, Hkv, D) from one GEMM on the concatenated weights."""
+        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # ((H + 2 Hkv) D, d_model)
+        if self.q_bias is None:
+            qkv = x @ w.t()
+        else:
+            bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            qkv = torch.addmm(bias, x.flatten(0, -2), w.t()).view(*x.shape[:-1], -1)
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
+        shape = x.shape[:-1]
+        return (q.view(*shape, self.n_heads, self.head_dim), k.view(*shape, self.n_kv_heads, self.head_dim),
+                v.view(*shape, self.n_kv_heads, self.head_dim))
+
     def forward(self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor,
                 attn: AttentionBackend | None = None, layer_idx: int = 0) -> Tensor:
         """x (B, T, d_model) -> (B, T, d_model); cos/sin from `rope.cos_sin(positions)`."""
         b, t, _ = x.shape
-        q = rope.rotate(self._project(x, self.q_proj, self.q_bias, self.n_heads), cos, sin)  # (B, T, H, D)
-        k = rope.rotate(self._project(x, self.k_proj, self.k_bias, self.n_kv_heads), cos, sin)  # (B, T, Hkv, D)
-        v = self._project(x, self.v_proj, self.v_bias, self.n_kv_heads)  # (B, T, Hkv, D)
+        if torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad):
+            q, k, v = self._project_fused(x)  # training: one GEMM for q, k and v
+        else:
+            q = self._project(x, self.q_proj, self.q_bias, self.n_heads)  # (B, T, H, D)
+            k = self._project(x, self.k_proj, self.k_bias, self.n_kv_heads)  # (B, T, Hkv, D)
+            v = self._project(x, self.v_proj, self.v_bias, self.n_kv_heads)  # (B, T, Hkv, D)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         out = causal_attention(q, k, v) if attn is None else attn(layer_idx, q, k, v)  # (B, T, H, D)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))

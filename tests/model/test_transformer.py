@@ -35,17 +35,19 @@ def test_qwen2_logits_equal_hf(tmp_path):
     torch.testing.assert_close(ours, hf_logits(path, tokens), atol=1e-4, rtol=0)
 
 
-def test_training_gradients_equal_hf(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_gradients_equal_hf(tmp_path, arch):
     """One loss.backward() through our fused autograd functions gives HF's gradients for every weight."""
     from transformers import AutoModelForCausalLM
 
     from scratchlm.model.loading.hf import hf_name_map
 
-    path = tiny_llama(tmp_path / "llama")
+    path = tiny_llama(tmp_path / "m") if arch == "llama" else tiny_qwen2(tmp_path / "m")
+    vocab = 97 if arch == "llama" else 101
     ours = load(path).model.train()
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
-    targets = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))  # 2 query blocks
+    targets = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(4))
     F.cross_entropy(ours(tokens).flatten(0, 1), targets.flatten()).backward()
     F.cross_entropy(theirs(tokens).logits.flatten(0, 1), targets.flatten()).backward()
     hf_params = dict(theirs.named_parameters())
