@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default=None, help="model name for --url")
     parser.add_argument("--api-key", default=None, help="Bearer key for --url")
     parser.add_argument("--no-vllm", action="store_true", help="do not start `vllm serve` even if .peers/vllm exists")
+    parser.add_argument("--vllm-url", default=None,
+                        help="use this running vLLM OpenAI server (model name `bench`) instead of starting one")
     parser.add_argument("--no-write", action="store_true", help="print the report without writing results/")
     args = parser.parse_args(argv)
 
@@ -338,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
                                                                   tmp / "scratchlm-bench-serve.log")
         procs.append(proc)
-        vllm = None if args.no_vllm else find_vllm()
-        if args.no_vllm:
+        vllm = None if args.no_vllm or args.vllm_url else find_vllm()
+        if args.vllm_url:
+            servers["vllm serve"] = args.vllm_url
+            notes.append(f"`vllm serve` already running at {args.vllm_url} (--vllm-url), serving an HF export of "
+                         "the same weights as `bench`.")
+        elif args.no_vllm:
             notes.append("`vllm serve` not run (--no-vllm).")
         elif vllm is None:
             notes.append("`vllm serve` skipped: no `.peers/vllm` virtual environment (the engine benchmark's "
@@ -385,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         notes.append("llama.cpp server skipped: llama-cpp-python is not installed.")
 
-    name = "serve" if args.model is None else f"serve-{Path(model).stem}"
-    report = Report(name, "OpenAI server under load against the offline engine", argv=sys.argv[1:])
+    report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
+    report.name = "serve" if args.model is None else f"serve-{Path(model).stem}"  # one results file per model
     report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
                f"(random token ids, seed {args.seed}), output lengths U{tuple(args.output_len)}, `ignore_eos`, "
                f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
