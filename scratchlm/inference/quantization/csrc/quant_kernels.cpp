@@ -8,7 +8,7 @@
 //   sum_k x_k w_k = sum_g [ d_g * sum_{k in g} x_k q_k + m_g * sum_{k in g} x_k ].
 //
 // Two code paths in one binary: a portable scalar path (compiled with -O3 only) and an AVX2+FMA
-// path (function-level target attributes) chosen at run time when the CPU has AVX2, so the same
+// path (function-level target attributes, with F16C for the float16 scales) chosen at run time when the CPU has AVX2, so the same
 // build runs on any x86-64 or ARM machine and both paths can be tested against each other.
 // Output rows are split across threads with at::parallel_for. For M <= kFusedMaxRows each weight
 // row is decoded on the fly per x row (the row stays in L1); for larger M a row is decoded once
@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t kChunk = 32;
 constexpr int64_t kFusedMaxRows = 4;
-constexpr int64_t kGrain = 8;
+constexpr int64_t kMinWorkPerThread = 1 << 16;  // weights x rows: smaller problems stay on one thread
 
 inline float half_bits_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
@@ -116,7 +116,10 @@ float dot_scalar(const float* x, const float* w, int64_t K) {
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 #ifdef SCRATCHLM_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+// F16C: one instruction instead of c10::Half's bit-twiddling (it runs once per 32-weight group).
+AVX2_FN inline float half_f16c(uint16_t bits) { return _cvtsh_ss(bits); }
 
 AVX2_FN inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -153,9 +156,10 @@ AVX2_FN float int4_dot_avx2(const Int4Args& a, int64_t n, int64_t mrow) {
       acc0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + c + 16), acc0);
       acc1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + c + 24), acc1);
     }
-    const float d = half_bits_to_float(a.d[n * a.G + g]);
+    const float d = half_f16c(a.d[n * a.G + g]);
+    const float off = a.m ? half_f16c(a.m[n * a.G + g]) : -8.0f * d;
     total = _mm256_fmadd_ps(_mm256_add_ps(acc0, acc1), _mm256_set1_ps(d), total);
-    offsets += group_offset(a, n, g) * a.xsum[mrow * a.G + g];
+    offsets += off * a.xsum[mrow * a.G + g];
   }
   return hsum256(total) + offsets;
 }
@@ -164,8 +168,9 @@ AVX2_FN void int4_decode_row_avx2(const Int4Args& a, int64_t n, float* out) {
   const uint8_t* qr = a.q + n * (a.K / 2);
   for (int64_t g = 0; g < a.G; ++g) {
     const int64_t start = g * a.gs, end = std::min(a.K, start + a.gs);
-    const __m256 d = _mm256_set1_ps(half_bits_to_float(a.d[n * a.G + g]));
-    const __m256 off = _mm256_set1_ps(group_offset(a, n, g));
+    const float df = half_f16c(a.d[n * a.G + g]);
+    const __m256 d = _mm256_set1_ps(df);
+    const __m256 off = _mm256_set1_ps(a.m ? half_f16c(a.m[n * a.G + g]) : -8.0f * df);
     for (int64_t c = start; c < end; c += kChunk) {
       __m256 w[4];
       nibbles_to_float(qr + c / 2, w);
@@ -229,7 +234,7 @@ AVX2_FN float dot_avx2(const float* x, const float* w, int64_t K) {
 
 bool cpu_has_avx2() {
 #ifdef SCRATCHLM_X86
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
@@ -238,7 +243,10 @@ bool cpu_has_avx2() {
 // Run `dot(n, m)` (fused) or `decode(n, buf)` + `dot(x_m, buf)` over all output rows in parallel.
 template <typename Dot, typename Decode, typename FDot>
 void run_rows(int64_t M, int64_t N, int64_t K, const float* x, float* y, Dot dot, Decode decode, FDot fdot) {
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+  // Thread wake-ups cost more than a small matvec (and much more on a loaded machine): split
+  // the rows only into chunks of at least kMinWorkPerThread multiply-adds.
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (M <= kFusedMaxRows) {
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(n, m);
@@ -278,9 +286,18 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c10
     TORCH_CHECK(mm.scalar_type() == torch::kFloat16 && mm.sizes() == d.sizes(), "int4_linear: m must match d");
   }
   const int64_t M = x.size(0);
-  // Group sums of x (M, G), padded with zeros to whole groups.
-  torch::Tensor xs = torch::nn::functional::pad(x, torch::nn::functional::PadFuncOptions({0, G * group_size - K}))
-                         .view({M, G, group_size}).sum(-1).contiguous();
+  // Group sums of x (M, G) for the -8 d / m terms.
+  auto xs = torch::empty({M, G}, x.options());
+  {
+    const float* xp = x.data_ptr<float>();
+    float* sp = xs.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) acc += xp[r * K + k];
+        sp[r * G + g] = acc;
+      }
+  }
   auto y = torch::empty({M, N}, x.options());
   Int4Args a{x.data_ptr<float>(), M, K, N, G, group_size, q.data_ptr<uint8_t>(),
              reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
