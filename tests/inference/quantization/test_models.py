@@ -175,3 +175,37 @@ def test_smollm2_gguf_packed_equals_dequantized(default_model_path):
     tokens = torch.tensor([ref.tokenizer.encode("The capital of France is Paris. The capital of Italy is")])
     torch.testing.assert_close(packed.model(tokens), ref.model(tokens), rtol=1e-4, atol=2e-4)
     assert packed.model.layers[0].ffn.w1.fmt.bits == 4 and packed.model.output_head.fmt.bits == 8
+
+
+def test_load_model_quantized_dispatch(tmp_path, data_dir, stories):
+    from scratchlm.inference.quantization import load_model_quantized
+
+    bin_path = data_dir / "models" / "stories260K" / "stories260K.bin"
+    tokens = torch.tensor([[1, 403, 261, 378]])
+    loaded = load_model_quantized(bin_path, "int8")
+    assert loaded.model.scheme_name == "int8"
+    torch.testing.assert_close(loaded.model(tokens), quantize_model(stories.model, "int8")(tokens))
+    path = save_quantized(tmp_path / "s.pt", loaded.model, loaded.tokenizer)
+    again = load_model_quantized(path)
+    assert torch.equal(again.model(tokens), loaded.model(tokens))
+    with pytest.raises(ValueError, match="already quantized with 'int8'"):
+        load_model_quantized(path, "int4-g32-sym")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        load_model_quantized(bin_path, "gguf")
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        load_model_quantized(bin_path, "int2")
+
+
+@torch.no_grad()
+def test_qkv_bias_model_reads_dequantized_weight():
+    """Qwen2-style q/k/v biases read `proj.weight`: the quantized layer serves its dequantized weight."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32,
+                      qkv_bias=True)
+    model = TransformerLM(cfg).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("_bias"):
+            p.normal_()
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    q = quantize_model(model, "int8")
+    assert rel_err(q(tokens), model(tokens)) < 0.02
