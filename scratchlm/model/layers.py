@@ -48,7 +48,8 @@ class Embedding(nn.Module):
         trunc_normal_(self.weight, std)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.weight[ids]
+        # index_select's backward (index_add) is ~1.6x faster on CPU than advanced indexing's index_put
+        return self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, self.dim)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, dim={self.dim}"
@@ -140,30 +141,22 @@ class RotaryEmbedding(nn.Module):
 
 
 class _SiluMulFunction(torch.autograd.Function):
-    """silu(gate) * up from the fused projection h = [gate | up] (..., 2F) -> (..., F).
-
-    Saves h only, recomputes the sigmoid in backward, and writes both halves of grad_h directly
-    (no split/cat copies).
-    """
+    """silu(gate) * up in one step; saves gate and up, recomputes the sigmoid in backward."""
 
     @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
-        ctx.save_for_backward(h)
-        gate, up = h.chunk(2, dim=-1)
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
         return torch.sigmoid(gate).mul_(gate).mul_(up)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        grad_h = torch.empty_like(h)
-        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        gate, up = ctx.saved_tensors
         s = torch.sigmoid(gate)
         silu = gate * s
-        torch.mul(grad, silu, out=grad_up)
+        grad_up = grad * silu
         # d silu / d gate = s * (1 + gate * (1 - s)) = s + silu * (1 - s)
-        torch.mul(silu.mul_(1 - s).add_(s).mul_(grad), up, out=grad_gate)
-        return grad_h
+        grad_gate = silu.mul_(1 - s).add_(s).mul_(grad).mul_(up)
+        return grad_gate, grad_up
 
 
 class SwiGLU(nn.Module):
@@ -176,11 +169,11 @@ class SwiGLU(nn.Module):
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.w1.weight.requires_grad):
-            # training: one GEMM for gate and up (weights concatenated per call: a small copy next to the GEMM)
-            h = x @ torch.cat((self.w1.weight, self.w3.weight)).t()  # (..., 2 d_ff)
-            return self.w2(_SiluMulFunction.apply(h))
-        gate, up = self.w1(x), self.w3(x)  # inference: no weight copy per call
+        # (A gate/up GEMM on concatenated weights was measured slower: the elementwise work on the
+        # strided halves costs more than the GEMM saves.)
+        gate, up = self.w1(x), self.w3(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.w2(_SiluMulFunction.apply(gate, up))
         return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
 
 
@@ -294,6 +287,7 @@ class Attention(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.fuse_qkv = True  # training: q, k, v from one GEMM on the concatenated weights
         self.q_proj = Linear(d_model, n_heads * head_dim, device=device, dtype=dtype)
         self.k_proj = Linear(d_model, n_kv_heads * head_dim, device=device, dtype=dtype)
         self.v_proj = Linear(d_model, n_kv_heads * head_dim, device=device, dtype=dtype)
@@ -328,7 +322,7 @@ class Attention(nn.Module):
                 attn: AttentionBackend | None = None, layer_idx: int = 0) -> Tensor:
         """x (B, T, d_model) -> (B, T, d_model); cos/sin from `rope.cos_sin(positions)`."""
         b, t, _ = x.shape
-        if torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad):
+        if self.fuse_qkv and torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad):
             q, k, v = self._project_fused(x)  # training: one GEMM for q, k and v
         else:
             q = self._project(x, self.q_proj, self.q_bias, self.n_heads)  # (B, T, H, D)
