@@ -18,6 +18,7 @@ import heapq
 import logging
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -176,10 +177,12 @@ def bpe_merges(
         inv[new] = _inverted(vocab[new])
         merges.append((vocab[a], vocab[b]))
         bar.update(1)
+        pair_counts.pop((a, b), None)
         delta: dict[tuple[int, int], int] = {}
         for wi in where.pop((a, b)):
             w = words[wi]
-            c = counts[wi]
+            if len(w) < 2:
+                continue
             merged: list[int] = []
             i, n = 0, len(w)
             while i < n:
@@ -189,25 +192,43 @@ def bpe_merges(
                 else:
                     merged.append(w[i])
                     i += 1
-            old_pairs = list(zip(w, w[1:]))
-            new_pairs = list(zip(merged, merged[1:]))
-            for p in old_pairs:
-                delta[p] = delta.get(p, 0) - c
-            for p in new_pairs:
-                delta[p] = delta.get(p, 0) + c
-            old_set, new_set = set(old_pairs), set(new_pairs)
-            for p in old_set - new_set:
-                if p != (a, b):
+            if len(merged) == n:
+                continue  # a stale index entry: the word no longer has the pair
+            c = counts[wi]
+            # Only the neighbours of each new token change: (L, a) -> (L, new) and (b, R) -> (new, R);
+            # between two new tokens the old pair was (b, a). (a, b) itself is gone from every word.
+            last = len(merged) - 1
+            for j, t in enumerate(merged):
+                if t != new:
+                    continue
+                if j > 0:
+                    left = merged[j - 1]
+                    old = (b, a) if left == new else (left, a)
+                    if old != (a, b):
+                        delta[old] = delta.get(old, 0) - c
+                    p = (left, new)
+                    delta[p] = delta.get(p, 0) + c
+                if j < last and merged[j + 1] != new:
+                    right = merged[j + 1]
+                    old = (b, right)
+                    if old != (a, b):
+                        delta[old] = delta.get(old, 0) - c
+                    p = (new, right)
+                    delta[p] = delta.get(p, 0) + c
                     s = where.get(p)
-                    if s is not None:
-                        s.discard(wi)
-            for p in new_set - old_set:
-                s = where.get(p)
-                if s is None:
-                    where[p] = {wi}
-                else:
-                    s.add(wi)
+                    if s is None:
+                        where[p] = {wi}
+                    else:
+                        s.add(wi)
+                if j > 0:
+                    p = (merged[j - 1], new)
+                    s = where.get(p)
+                    if s is None:
+                        where[p] = {wi}
+                    else:
+                        s.add(wi)
             words[wi] = merged
+        # Stale `where` entries (words that lost a pair) are skipped when that pair is merged.
         for p, d in delta.items():
             if d == 0:
                 continue
@@ -258,14 +279,17 @@ def train_bpe(
     if total_bytes < chunk_bytes:
         workers = 1
     log.info("pre-tokenizing %d file(s), %.1f MB, with %d worker(s)", len(paths), total_bytes / 1e6, workers)
+    t0 = time.perf_counter()
     counts = count_corpus(paths, specials, pre, workers, chunk_bytes, progress)
-    log.info("%d distinct pre-tokens", len(counts))
+    t1 = time.perf_counter()
+    log.info("%d distinct pre-tokens in %.1fs", len(counts), t1 - t0)
 
     vocab: dict[int, bytes] = {i: bytes([i]) for i in range(256)}
     for s in specials:
         vocab[len(vocab)] = s.encode("utf-8")
     word_counts = ((tuple(w.encode("utf-8")), c) for w, c in counts.items())
     merges = bpe_merges(word_counts, vocab, vocab_size - len(vocab), progress)
+    log.info("%d merges in %.1fs", len(merges), time.perf_counter() - t1)
     if len(vocab) < vocab_size:
         log.warning("stopped at vocab size %d < %d: no pair left to merge", len(vocab), vocab_size)
     return vocab, merges

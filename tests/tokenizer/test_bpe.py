@@ -129,3 +129,21 @@ def test_bad_input_errors(gpt2_tok):
         gpt2_tok.encode(b"bytes")
     with pytest.raises(ValueError, match="not in the vocab"):
         Tokenizer({i: bytes([i]) for i in range(256)}, [(b"a", b"q")])
+
+
+_simple_chars = st.text(alphabet=st.sampled_from(list("abcXYZ019 '\n\t\r.,!-") + list("’‘“”—–…«»£€§°\u200b\xad")),
+                        max_size=60)
+
+
+@_settings
+@given(st.lists(st.one_of(_simple_chars, st.text(max_size=3)), max_size=12), st.integers(1, 400))
+def test_fast_paths_split_like_regex(gpt2_tok, tiktoken_gpt2, parts, times):
+    """The stdlib-`re` path for ASCII/punctuation text and the ~4 KB block cutting (long text) give
+    exactly the `regex` pre-tokens and tiktoken's ids."""
+    import regex
+
+    from scratchlm.tokenizer.pretokenize import GPT2_PATTERN, PreTokenizer
+
+    text = "".join(parts) * times
+    assert PreTokenizer().split(text) == regex.findall(GPT2_PATTERN, text)
+    assert gpt2_tok.encode(text) == tiktoken_gpt2.encode(text, allowed_special="all")
