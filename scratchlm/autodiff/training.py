@@ -13,8 +13,22 @@ import torch
 from .lm import LMGraph, build_lm_graph, model_params
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The TransformerLM inside `torch.compile(...)` (`_orig_mod`) or DistributedDataParallel (`module`)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+
+
 class AutodiffEngine:
-    """Keeps one LM graph per model config, so the graph is built once and reused every step."""
+    """Keeps one LM graph per model config, so the graph is built once and reused every step.
+
+    The graph computes in the parameters' dtype: an enclosing autocast region is switched off for it.
+    """
 
     def __init__(self) -> None:
         self._graphs: dict[str, LMGraph] = {}
@@ -30,8 +44,9 @@ class AutodiffEngine:
         return self._graphs[key]
 
     def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        model = unwrap_model(model)
         graph = self.graph_for(model)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
             params = model_params(model)
             loss, grads = graph.loss_and_grads(params, x, y)
             # a gradient tensor may be handed over as .grad unless it shares memory with a fed tensor

@@ -110,6 +110,21 @@ def test_engine_accumulates_scaled_gradients_into_param_grad():
         engine(torch.nn.Linear(2, 2), x, y, 1.0)
 
 
+def test_engine_unwraps_compiled_model_and_ignores_autocast():
+    model = _model("tied_half_mha").float()
+    x, y = _batch(model.config.vocab_size)
+    AutodiffEngine()(model, x, y, 1.0)
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model)  # lazy: nothing is compiled unless it is called, and the engine never calls it
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = AutodiffEngine()(compiled, x, y, 1.0)
+    assert loss.dtype == torch.float32
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, plain[n], msg=n)
+
+
 def test_trainer_engine_autodiff_tracks_torch_loss_curve(data_dir, tmp_path):
     from scratchlm.training import TrainConfig
     from scratchlm.training.trainer import Trainer
