@@ -13,7 +13,7 @@ from scratchlm.inference.quantization import (
     quantize_model,
     save_quantized,
 )
-from scratchlm.inference.quantization.gguf_packed import unpack_gguf_blocks
+from scratchlm.inference.quantization.gguf_packed import PACKED_TYPES, unpack_gguf_blocks
 from scratchlm.inference.quantization.modules import QuantLinear
 from scratchlm.inference.quantization.reference import dequantize_int4, dequantize_int8
 from scratchlm.model import ModelConfig, TransformerLM, load
@@ -150,9 +150,6 @@ def test_gguf_blocks_matmul_equals_dequantized_matmul(type_name):
     else:
         deq = dequantize_int4(planes["qweight"], planes["scales"], planes.get("mins"), 32)
     torch.testing.assert_close(deq, oracle, rtol=0, atol=1e-6)
-    from scratchlm.inference.quantization.modules import QuantLinear
-    from scratchlm.inference.quantization.gguf_packed import PACKED_TYPES
-
     lin = QuantLinear(96, 24, PACKED_TYPES[type_name][1])
     lin._buffers.update(planes)
     x = torch.randn(3, 96)
