@@ -110,6 +110,7 @@ def test_engine_accumulates_scaled_gradients_into_param_grad():
         engine(torch.nn.Linear(2, 2), x, y, 1.0)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised by torch's own import of torch._dynamo
 def test_engine_unwraps_compiled_model_and_ignores_autocast():
     model = _model("tied_half_mha").float()
     x, y = _batch(model.config.vocab_size)
