@@ -41,14 +41,17 @@ def plot_loss_curve(records: list[dict[str, Any]], path: str | Path, title: str 
     import matplotlib.pyplot as plt
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    if not train and not val:
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and not r.get("final")]
+    final = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("final")]
+    if not train and not val and not final:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1.0)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", linewidth=1.5, markersize=3)
+        ax.plot(*zip(*val), "o-", label="validation loss (periodic)", linewidth=1.5, markersize=3)
+    if final:
+        ax.plot(*zip(*final), "*", label="validation loss (whole file, final)", markersize=10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title)
