@@ -105,14 +105,6 @@ class TrainConfig:
         if problems:
             raise ValueError("invalid TrainConfig: " + "; ".join(problems))
 
-    @property
-    def micro_batch_size(self) -> int:
-        """Sequences per forward pass on one process (needs the world size: see `micro_batch`)."""
-        return self.batch_size // self.grad_accum_steps
-
-    def micro_batch(self, world_size: int) -> int:
-        return self.batch_size // (self.grad_accum_steps * world_size)
-
 
 def load_run_config(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     """Read a run file (TOML or JSON): TrainConfig fields at the top, ModelConfig fields in ``[model]``.

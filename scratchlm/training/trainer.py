@@ -4,7 +4,6 @@ clipping, periodic evaluation, metrics, atomic checkpoints, bit-exact resume, sa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -419,7 +418,3 @@ def train(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None) -> Tr
     """Build a :class:`Trainer` and run it."""
     return Trainer(cfg, model_overrides).train()
 
-
-def replace(cfg: TrainConfig, **changes) -> TrainConfig:
-    """A copy of `cfg` with some fields changed."""
-    return dataclasses.replace(cfg, **changes)
