@@ -48,8 +48,7 @@ class Embedding(nn.Module):
         trunc_normal_(self.weight, std)
 
     def forward(self, ids: Tensor) -> Tensor:
-        # index_select's backward (index_add) is ~1.6x faster on CPU than advanced indexing's index_put
-        return self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, self.dim)
+        return self.weight[ids]  # (..., dim); measured faster to train than index_select at 2 threads
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, dim={self.dim}"
