@@ -125,6 +125,7 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
         model = QuantizedTransformerLM(config, layout, scheme_name="gguf:" + ",".join(kinds), dtype=dtype)
     try:
         model.load_state_dict(state, strict=True, assign=True)
+        model.requires_grad_(False)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not fit the model config ({e})") from None
     log.info("loaded GGUF %s packed: %d packed modules (%s)", path.name, len(layout), ", ".join(kinds))

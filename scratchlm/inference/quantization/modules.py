@@ -26,6 +26,7 @@ class _QuantStorage(nn.Module):
         super().__init__()
         fmt.check(d_in, type(self).__name__)
         self.d_in, self.d_out, self.fmt = d_in, d_out, fmt
+        self.compute_dtype = torch.float32  # dtype of `weight` / outputs; follows model.to(dtype)
         self.group_size = fmt.group_size or d_in
         g = fmt.groups(d_in)
         if fmt.bits == 8:
@@ -41,7 +42,10 @@ class _QuantStorage(nn.Module):
                 self.register_buffer("mins", torch.empty(d_out, g, dtype=torch.float16, device=device))
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True):
-        """Device moves apply; dtype casts do not (quantized storage keeps its dtypes)."""
+        """Device moves apply; dtype casts do not (quantized storage keeps its dtypes, `compute_dtype` follows)."""
+        probe = fn(torch.empty(0, dtype=self.compute_dtype))
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
         for name, buf in self._buffers.items():
             if buf is not None:
                 out = fn(buf)
@@ -92,8 +96,8 @@ class QuantLinear(_QuantStorage):
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized weight (d_out, d_in), for code that reads `.weight` (e.g. q/k/v bias paths)."""
-        return self.dequantized()
+        """The dequantized weight (d_out, d_in) in the compute dtype, for code that reads `.weight` (q/k/v biases)."""
+        return self.dequantized().to(self.compute_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fmt.bits == 8:
@@ -108,11 +112,11 @@ class QuantEmbedding(_QuantStorage):
 
     def __init__(self, num_embeddings: int, dim: int, fmt: LayerFormat, device=None, dtype=torch.float32):
         super().__init__(dim, num_embeddings, fmt, device)
-        self.num_embeddings, self.dim, self.out_dtype = num_embeddings, dim, dtype
+        self.num_embeddings, self.dim, self.compute_dtype = num_embeddings, dim, dtype
 
     @property
     def weight(self) -> Tensor:
-        return self.dequantized()
+        return self.dequantized().to(self.compute_dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
@@ -123,13 +127,7 @@ class QuantEmbedding(_QuantStorage):
         else:
             m = None if self.mins is None else self.mins.index_select(0, flat)
             rows = reference.dequantize_int4(q, s, m, self.group_size)
-        return rows.view(*ids.shape, self.dim).to(self.out_dtype)  # (..., dim)
-
-    def _apply(self, fn, recurse: bool = True):
-        probe = fn(torch.empty(0, dtype=self.out_dtype))  # follow the model's compute dtype for outputs
-        if probe.is_floating_point():
-            self.out_dtype = probe.dtype
-        return super()._apply(fn, recurse)
+        return rows.view(*ids.shape, self.dim).to(self.compute_dtype)  # (..., dim)
 
 
 def linear_names(config: ModelConfig) -> list[str]:

@@ -102,6 +102,7 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme) -> QuantizedTran
     with torch.device("meta"):
         qmodel = QuantizedTransformerLM(config, layout, scheme_name=scheme.name, dtype=dtype)
     qmodel.load_state_dict(state, strict=True, assign=True)
+    qmodel.requires_grad_(False)  # inference only (and keeps the model layer's training-only fused paths off)
     log.info("quantized model with %s: %d modules, %.1f MiB of weights", scheme.name, len(layout),
              qmodel.weight_bytes() / 2**20)
     return qmodel.eval()
@@ -150,6 +151,7 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu", dtype: 
             model = QuantizedTransformerLM(config, layout, scheme_name=str(ckpt.get("scheme", "custom")),
                                            dtype=dtype)
         model.load_state_dict(ckpt["model"], strict=True, assign=True)
+        model.requires_grad_(False)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: quantized checkpoint does not fit its recorded layout ({e})") from None
     tokenizer = None
