@@ -186,13 +186,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s")
 
 
-def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path,
+                           engine_process: bool = False) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO_ROOT))
     cmd = [sys.executable, "-m", "scratchlm", "serve", model, "--port", str(port), "--threads", str(threads),
            "--max-num-seqs",
-           str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning", "--served-model-name", "bench"]
+           str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning", "--served-model-name", "bench",
+           "--engine-process" if engine_process else "--no-engine-process"]
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -299,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="only measure this running server (no offline, no peers)")
     parser.add_argument("--model-name", default=None, help="model name for --url")
     parser.add_argument("--api-key", default=None, help="Bearer key for --url")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--engine-process", action="store_true",
+                           help="start `scratchlm serve --engine-process` (the engine in its own process)")
+    placement.add_argument("--engine-thread", action="store_true",
+                           help="start `scratchlm serve` with the engine in a thread of the server (the default)")
     parser.add_argument("--no-vllm", action="store_true", help="do not start `vllm serve` even if .peers/vllm exists")
     parser.add_argument("--vllm-url", default=None,
                         help="use this running vLLM OpenAI server (model name `bench`) instead of starting one")
@@ -338,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"starting `scratchlm serve` (log: {tmp / 'scratchlm-bench-serve.log'}) ...", file=sys.stderr)
         proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
-                                                                  tmp / "scratchlm-bench-serve.log")
+                                                                  tmp / "scratchlm-bench-serve.log",
+                                                                  engine_process=args.engine_process)
+        notes.append("`scratchlm serve` ran its engine in " + ("its own process (--engine-process)."
+                                                               if args.engine_process else "a thread of the server."))
         procs.append(proc)
         vllm = None if args.no_vllm or args.vllm_url else find_vllm()
         if args.vllm_url:
@@ -392,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("llama.cpp server skipped: llama-cpp-python is not installed.")
 
     report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
-    report.name = "serve" if args.model is None else f"serve-{Path(model).stem}"  # one results file per model
+    # one results file per model and engine placement
+    report.name = ("serve" if args.model is None else f"serve-{Path(model).stem}") + \
+        ("-engine-process" if args.engine_process else "-engine-thread" if args.engine_thread else "")
     report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
                f"(random token ids, seed {args.seed}), output lengths U{tuple(args.output_len)}, `ignore_eos`, "
                f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "

