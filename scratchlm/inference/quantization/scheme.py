@@ -88,24 +88,27 @@ class QuantScheme:
     linear: LayerFormat
     quantize_head: bool = True
     quantize_embedding: bool = False
+    head: LayerFormat | None = None  # the head's format when it differs from `linear` (+head8)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "linear": self.linear.to_dict(), "quantize_head": self.quantize_head,
-                "quantize_embedding": self.quantize_embedding}
+                "quantize_embedding": self.quantize_embedding, "head": self.head.to_dict() if self.head else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantScheme:
         try:
             return cls(name=str(data["name"]), linear=LayerFormat.from_dict(data["linear"]),
                        quantize_head=bool(data.get("quantize_head", True)),
-                       quantize_embedding=bool(data.get("quantize_embedding", False)))
+                       quantize_embedding=bool(data.get("quantize_embedding", False)),
+                       head=LayerFormat.from_dict(data["head"]) if data.get("head") else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"invalid quantization scheme {data!r}: {e}") from None
 
 
 SCHEME_HELP = ("int8 (per output channel) | int4[-gN][-sym|-asym] (default g32, asym), e.g. int4-g128-sym; "
-               "append +emb to quantize the token embedding too, +nohead to keep the output head float")
-_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead))*)$")
+               "append +emb to quantize the token embedding too, +nohead to keep the output head float, "
+               "+head8 to store the head as per-channel int8 (llama.cpp keeps heads at 8 bits)")
+_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead|head8))*)$")
 
 
 def parse_scheme(name: str) -> QuantScheme:
@@ -130,8 +133,11 @@ def parse_scheme(name: str) -> QuantScheme:
         fmt = LayerFormat(bits=4, group_size=g, symmetric=(sym == "sym"))
     canonical = kind if kind == "int8" and not group else (
         f"int8-g{group}" if kind == "int8" else f"int4-g{fmt.group_size}-{'sym' if fmt.symmetric else 'asym'}")
+    if "+head8" in flags and "+nohead" in flags:
+        raise ValueError(f"{name!r}: +head8 and +nohead exclude each other")
     return QuantScheme(name=canonical + flags, linear=fmt, quantize_head="+nohead" not in flags,
-                       quantize_embedding="+emb" in flags)
+                       quantize_embedding="+emb" in flags,
+                       head=LayerFormat(bits=8) if "+head8" in flags else None)
 
 
 SCHEMES = ("int8", "int4-g32-sym", "int4-g32-asym", "int4-g128-sym", "int4-g128-asym")

@@ -38,7 +38,7 @@ def layout_for(config: ModelConfig, scheme: QuantScheme) -> dict[str, LayerForma
     """Module path -> LayerFormat for every module `scheme` quantizes; checks every shape first."""
     layout = {name: scheme.linear for name in linear_names(config)}
     if scheme.quantize_head:
-        layout[HEAD] = scheme.linear
+        layout[HEAD] = scheme.head or scheme.linear
     if scheme.quantize_embedding:
         layout[EMBEDDING] = scheme.linear
     problems = []

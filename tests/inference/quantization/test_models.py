@@ -48,7 +48,8 @@ def test_int8_stories_logits_close(stories):
 
 
 @pytest.mark.parametrize("scheme, bound", [("int8", 0.02), ("int8+emb", 0.02), ("int4-g32-sym", 0.25),
-                                           ("int4-g32-asym", 0.25), ("int4-g64-asym+nohead", 0.25)])
+                                           ("int4-g32-asym", 0.25), ("int4-g64-asym+nohead", 0.25),
+                                           ("int4-g32-sym+head8", 0.25)])
 @torch.no_grad()
 def test_random_model_logits_close(scheme, bound):
     """Untied head: the head is quantized too (or kept float with +nohead)."""
@@ -62,6 +63,11 @@ def test_random_model_logits_close(scheme, bound):
         if isinstance(mod, QuantLinear):
             mod.use_extension = False
     torch.testing.assert_close(q(tokens), ref_path(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_head8_layout():
+    q = quantize_model(random_model(), "int4-g32-sym+head8")
+    assert q.output_head.fmt.bits == 8 and q.layers[0].ffn.w1.fmt.bits == 4
 
 
 def test_dtype_cast_keeps_quantized_storage():

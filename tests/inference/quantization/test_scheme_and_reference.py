@@ -17,11 +17,14 @@ def test_scheme_names():
     assert (s.linear.bits, s.linear.group_size, s.linear.symmetric, s.name) == (4, 32, False, "int4-g32-asym")
     s = parse_scheme("INT4-g128-sym+emb+nohead")
     assert s.linear == LayerFormat(4, 128, True) and s.quantize_embedding and not s.quantize_head
+    s = parse_scheme("int4-g32-sym+head8")
+    assert s.head == LayerFormat(8) and s.linear.bits == 4
 
 
 @pytest.mark.parametrize("name, words", [
     ("int3", "unknown quantization scheme"), ("int4-g48", "multiple of 32"), ("int8-asym", "symmetric only"),
     ("fp8", "expected int8"), ("int4-g0", "multiple of 32"),
+    ("int4+head8+nohead", "exclude each other"),
 ])
 def test_bad_scheme_names(name, words):
     with pytest.raises(ValueError, match=words):
