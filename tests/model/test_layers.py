@@ -197,10 +197,12 @@ def test_config_derivations_and_errors():
 
 
 @pytest.mark.parametrize("t,hkv,group", [(192, 2, 2), (256, 4, 1), (150, 1, 3)])
-def test_blocked_causal_attention_long_sequences(t, hkv, group):
-    """Several query blocks (QUERY_BLOCK rows each, the last one partial): values and gradients vs torch."""
-    from scratchlm.model.layers import QUERY_BLOCK
+def test_blocked_causal_attention_long_sequences(t, hkv, group, monkeypatch):
+    """Several query blocks of QUERY_BLOCK rows (set to 64 here): values and gradients vs torch."""
+    from scratchlm.model import layers
 
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 64)
+    QUERY_BLOCK = 64
     assert t > 2 * QUERY_BLOCK  # 192 and 256: several query blocks; 150: one block (not a multiple)
     torch.manual_seed(t)
     q = torch.randn(2, t, hkv * group, 16, requires_grad=True)

@@ -36,9 +36,13 @@ def test_qwen2_logits_equal_hf(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_training_gradients_equal_hf(tmp_path, arch):
+def test_training_gradients_equal_hf(tmp_path, arch, monkeypatch):
     """One loss.backward() through our fused autograd functions gives HF's gradients for every weight."""
     from transformers import AutoModelForCausalLM
+
+    from scratchlm.model import layers
+
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 32)  # two query blocks at T=64
 
     from scratchlm.model.loading.hf import hf_name_map
 
