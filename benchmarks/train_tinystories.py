@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     result_dir = RESULTS_DIR / name
     report = Report(name, "Quality: TinyStories in a 30-minute CPU budget vs stories260K",
                     argv=argv if argv is not None else sys.argv[1:])
+    report.command = "python -m benchmarks.train_tinystories " + " ".join(argv if argv is not None else sys.argv[1:])
     report.add(f"- load average at start: {' '.join(f'{x:.2f}' for x in load_start)}; at the end of training: "
                f"{' '.join(f'{x:.2f}' for x in load_end)} (2 cores shared with other work)\n"
                f"- budget {args.budget_s:.0f} s: tokenizer {t_tok:.0f} s, encoding {t_prep - t_tok:.0f} s, "
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     mfu = [r["mfu"] for r in records if "mfu" in r]
     if tps:
         report.add(f"Training throughput: median {np.median(tps):,.0f} tok/s, median MFU {100 * np.median(mfu):.1f}% "
-                   "of the matmul peak measured at start (1 thread).")
+                   "of the best fp32 matmul throughput measured during the run (1 thread).")
     report.add("Recipe (`" + str(args.recipe.relative_to(REPO_ROOT) if args.recipe.is_relative_to(REPO_ROOT)
                                   else args.recipe) + "`):\n\n```toml\n" + args.recipe.read_text().strip() + "\n```")
     if result.samples:
