@@ -30,9 +30,10 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived an old fi
 def decode_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights read by one decode step (the embedding table counts only as the tied head)."""
     emb = model.tok_embeddings
-    head_is_embedding = getattr(model, "output_head", None) is None and model.lm_head is None
-    skip = set() if head_is_embedding else {t.data_ptr() for t in list(emb.parameters()) + list(emb.buffers())}
-    seen, total = set(skip), 0
+    head = getattr(model, "output_head", None) or model.lm_head
+    head_ptrs = set() if head is None else {t.data_ptr() for t in list(head.parameters()) + list(head.buffers())}
+    skip = set() if head is None else {t.data_ptr() for t in list(emb.parameters()) + list(emb.buffers())}
+    seen, total = skip - head_ptrs, 0  # a tied head (GGUF-packed) shares the embedding's tensors: count them
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
