@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -41,7 +41,6 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    skip_special_tokens: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -104,7 +103,7 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2]")
         if not 0.0 < number("repetition_penalty") <= 10.0:
             raise bad("repetition_penalty", "a number in (0, 10] (1 = off)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
 
