@@ -33,6 +33,11 @@ class EngineConfig:
     )
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1, ..."})
     seed: int = field(default=0, metadata={"help": "seeds the generators of requests that give no seed"})
+    quantization: str | None = field(
+        default=None,
+        metadata={"help": "weight quantization: none | gguf (keep a .gguf's Q8_0/Q4_0/Q4_1 blocks packed) | "
+                          "int8 | int4[-gN][-sym|-asym][+head8] (see docs/quantization.md)"},
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -48,6 +53,13 @@ class EngineConfig:
             torch.device(self.device)
         except (RuntimeError, TypeError):
             problems.append(f"device={self.device!r} is not a torch device (cpu, cuda, cuda:0, ...)")
+        if self.quantization not in (None, "none", "gguf"):
+            from scratchlm.inference.quantization.scheme import parse_scheme
+
+            try:
+                parse_scheme(self.quantization)
+            except ValueError as e:
+                problems.append(f"quantization={self.quantization!r}: {e}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 

@@ -87,13 +87,15 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None) -> LLMEngine:
-        """Load a model (HF dir, .gguf, llama2.c .bin, scratchlm checkpoint; None = the default model)."""
+        """Load a model (HF dir, .gguf, llama2.c .bin, scratchlm or quantized checkpoint; None = the default model),
+        with `config.quantization` applied."""
         from scratchlm.defaults import default_model_path
-        from scratchlm.model import load
+        from scratchlm.inference.quantization import load_model_quantized
 
         config = config or EngineConfig()
         path = Path(model_path) if model_path is not None else default_model_path()
-        loaded = load(path, dtype=config.torch_dtype, device=config.device)
+        quantization = None if config.quantization in (None, "none") else config.quantization
+        loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device)
         return cls(loaded.model, loaded.tokenizer, loaded.config, config)
 
     # --- requests ----------------------------------------------------------------------------------
