@@ -10,7 +10,6 @@ import argparse
 
 import torch
 
-from benchmarks.autodiff_cputime import compare_cpu
 from benchmarks.common import Report, compare, set_threads
 
 
@@ -81,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                       warmup=2, repeats=args.repeats * (8 if small else 1), progress=not small)
         report.table(res.headers(), res.rows(),
                      caption=f"{name}, forward + backward: {desc}; max |fused - unfused| = {err:.1e}; wall clock")
-        cpu = compare_cpu({"unfused (ad)": run_u, "fused (ad)": run_f,
-                           "torch.autograd (reference)": _torch_ref(ref, av, bv, cv)},
-                          warmup=1, repeats=args.repeats * (8 if small else 1))
+        cpu = compare({"unfused (ad)": run_u, "fused (ad)": run_f,
+                       "torch.autograd (reference)": _torch_ref(ref, av, bv, cv)},
+                      warmup=1, repeats=args.repeats * (8 if small else 1), clock="thread_cpu")
         report.table(cpu.headers(), cpu.rows(), caption="... same, thread CPU time")
         summary.append([name, desc, f"{res.ratio('fused (ad)', 'unfused (ad)'):.3f}",
                         f"{cpu.ratio('fused (ad)', 'unfused (ad)'):.3f}"])

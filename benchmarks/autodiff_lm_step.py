@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from benchmarks.autodiff_cputime import compare_cpu
 from benchmarks.common import Report, compare, set_threads
 
 
@@ -68,7 +67,8 @@ def lm_step(args: argparse.Namespace, report: Report) -> None:
                  caption="One training step (loss + every parameter gradient), interleaved")
     ratio = res.ratio("scratchlm.autodiff", "torch.autograd")
     rebuilt = res.ratio("scratchlm.autodiff (graph rebuilt each call)", "torch.autograd")
-    cpu = compare_cpu({"torch.autograd": torch_step, "scratchlm.autodiff": ad_step}, warmup=0, repeats=args.repeats)
+    cpu = compare({"torch.autograd": torch_step, "scratchlm.autodiff": ad_step}, warmup=0, repeats=args.repeats,
+                  clock="thread_cpu")
     report.table(cpu.headers("tok"), cpu.rows(work=tokens, work_unit="tok"),
                  caption="The same step in thread CPU time (robust to other processes' load), interleaved")
     report.add(f"**Ratio autodiff / torch.autograd (median): {ratio:.3f}x wall clock, "

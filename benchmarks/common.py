@@ -98,10 +98,17 @@ def machine_info() -> dict[str, str]:
     return info
 
 
-def time_once(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "thread_cpu": time.thread_time}
+
+
+def time_once(fn: Callable[[], object], clock: str = "wall") -> float:
+    """Seconds `fn()` took on `clock`: "wall" (perf_counter) or "thread_cpu" (time.thread_time: the calling
+    thread's CPU time; with torch pinned to one thread it measures the work itself and is far less
+    sensitive to other processes' load than wall clock)."""
+    now = CLOCKS[clock]
+    t0 = now()
     fn()
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 @dataclass
@@ -152,16 +159,23 @@ class Comparison:
 
 
 def compare(
-    contenders: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5, progress: bool = True
+    contenders: dict[str, Callable[[], object]],
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: bool = True,
+    clock: str = "wall",
 ) -> Comparison:
-    """Time each contender `repeats` times, interleaved (A B A B ...), after `warmup` calls each."""
+    """Time each contender `repeats` times, interleaved (A B A B ...), after `warmup` calls each, on `clock`
+    ("wall" or "thread_cpu", see `time_once`)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r}: expected one of {sorted(CLOCKS)}")
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
     timings = {name: Timing(name) for name in contenders}
     for r in range(repeats):
         for name, fn in contenders.items():
-            timings[name].times.append(time_once(fn))
+            timings[name].times.append(time_once(fn, clock))
         if progress:
             now = ", ".join(f"{n} {t.times[-1]:.4g}s" for n, t in timings.items())
             print(f"  repeat {r + 1}/{repeats}: {now}", file=sys.stderr)

@@ -29,3 +29,21 @@ def test_report_writes_machine_and_table(tmp_path):
 
 def test_markdown_table():
     assert markdown_table(["x"], [[1]]) == "| x |\n|---|\n| 1 |"
+
+
+def test_thread_cpu_clock_ignores_waiting():
+    def busy():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.02:
+            pass
+
+    res = compare({"sleep": lambda: time.sleep(0.02), "busy": busy}, warmup=0, repeats=3, progress=False,
+                  clock="thread_cpu")
+    assert res["sleep"].median < 0.005 < res["busy"].median
+
+
+def test_unknown_clock_is_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="clock='gpu'"):
+        compare({"a": lambda: None}, clock="gpu")
