@@ -306,11 +306,12 @@ _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
 
-def from_gguf(path: str | Path) -> Tokenizer:
+def from_gguf(path: str | Path, metadata: dict | None = None) -> Tokenizer:
     """The BPE vocabulary stored in a GGUF file's metadata (``tokenizer.ggml.model = gpt2``):
     tokens, merges, control/user-defined tokens as special tokens, bos/eos ids, add_bos, chat template
-    and the pre-tokenizer named by ``tokenizer.ggml.pre`` (gpt2, smollm, llama-bpe, qwen2, ...)."""
-    meta = read_gguf_metadata(path)
+    and the pre-tokenizer named by ``tokenizer.ggml.pre`` (gpt2, smollm, llama-bpe, qwen2, ...).
+    `metadata`: the file's already-parsed metadata (the model loader passes it, to read the header once)."""
+    meta = read_gguf_metadata(path) if metadata is None else metadata
 
     def scalar(key, default=None):
         return meta.get(key, default)

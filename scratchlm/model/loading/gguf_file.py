@@ -138,7 +138,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
              config.d_model, config.vocab_size)
     model = build_model(config, _tensors(tensors, config, arch, str(path)), str(path), dtype, device)
     if "tokenizer.ggml.tokens" in meta:
-        tokenizer = optional_tokenizer("formats.from_gguf", path)
+        tokenizer = optional_tokenizer("formats.from_gguf", path, meta)
     else:
         log.info("%s carries no tokenizer metadata: tokenizer=None", path)
         tokenizer = None
