@@ -136,17 +136,21 @@ def from_dict(cls: type[T], data: dict[str, Any], base: T | None = None, where: 
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
-def load_config(cls: type[T], path: str | Path) -> T:
-    """Read a TOML (``.toml``) or JSON (``.json``) config file into dataclass `cls`."""
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a TOML (``.toml``) or JSON (``.json``) config file; clear errors when missing or invalid."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{path}: not a valid {'JSON' if path.suffix == '.json' else 'TOML'} file: {e}") from e
-    return from_dict(cls, data, where=str(path))
+
+
+def load_config(cls: type[T], path: str | Path) -> T:
+    """Read a TOML (``.toml``) or JSON (``.json``) config file into dataclass `cls`."""
+    return from_dict(cls, read_config_file(path), where=str(path))
 
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace, base: T | None = None, prefix: str = "") -> T:

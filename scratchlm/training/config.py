@@ -15,13 +15,11 @@ the tokenizer's / corpus's vocabulary)::
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from scratchlm.config import from_dict
+from scratchlm.config import from_dict, read_config_file
 
 
 def _f(default, help_text: str, **kw):
@@ -111,14 +109,7 @@ def load_run_config(path: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
 
     Returns (TrainConfig, model overrides dict). Unknown keys are errors naming the file.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"{path}: not a valid {'JSON' if path.suffix == '.json' else 'TOML'} file: {e}") from e
+    data = read_config_file(path)
     model = data.pop("model", {})
     if not isinstance(model, dict):
         raise ValueError(f"{path}: 'model' must be a table of ModelConfig fields, got {model!r}")
