@@ -38,10 +38,19 @@ class EngineConfig:
         metadata={"help": "weight quantization: none | gguf (keep a .gguf's Q8_0/Q4_0/Q4_1 blocks packed) | "
                           "int8 | int4[-gN][-sym|-asym][+head8] (see docs/quantization.md)"},
     )
+    speculative: str | None = field(
+        default=None,
+        metadata={"help": "speculative decoding: ngram[:N] (prompt lookup) | draft:PATH (a smaller model with the "
+                          "same tokenizer) | layers:K (the target's first K layers); see docs/speculative.md"},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "most tokens drafted per sequence and step (k adapts per sequence up to this)"}
+    )
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+                     "num_speculative_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} must be a positive integer")
@@ -60,6 +69,13 @@ class EngineConfig:
                 parse_scheme(self.quantization)
             except ValueError as e:
                 problems.append(f"quantization={self.quantization!r}: {e}")
+        if self.speculative not in (None, "none"):
+            from scratchlm.inference.speculative.method import parse_speculative
+
+            try:
+                parse_speculative(self.speculative)
+            except ValueError as e:
+                problems.append(str(e))
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 

@@ -81,6 +81,11 @@ class LLMEngine:
         self._next_seq_id = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.speculator = None
+        if c.speculative not in (None, "none"):
+            from scratchlm.inference.speculative import Speculator
+
+            self.speculator = Speculator(self, c.speculative, k_max=c.num_speculative_tokens)
         log.info("engine: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
                  num_blocks, c.block_size, self.cache.k.numel() * 2 * self.cache.k.element_size() / 2**20,
                  self.max_model_len, c.dtype, device)
@@ -169,6 +174,8 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess; returns the outputs of requests that progressed."""
+        if self.speculator is not None:
+            return self.speculator.step()  # the same three stages, with drafting and verification
         plan = self.scheduler.schedule()
         logits = self._run(plan)
         return self._postprocess(plan, logits)

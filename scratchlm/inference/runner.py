@@ -62,8 +62,8 @@ def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInpu
         else:
             prefills.append((q_start, n, start + n, list(table)))
         if s.samples:
-            row_of[i] = len(logits_indices)
-            logits_indices.append(len(token_ids) - 1)
+            row_of[i] = len(logits_indices)  # the first of its num_logits rows (speculative verify: k + 1)
+            logits_indices.extend(range(len(token_ids) - s.num_logits, len(token_ids)))
     width = max((len(t) for t in dec_tables), default=0)
     dec_tables = [t + [0] * (width - len(t)) for t in dec_tables]
     inp = ModelInput(token_ids, positions, slots, num_decode, dec_tables, dec_lens, prefills, logits_indices,

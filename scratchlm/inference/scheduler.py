@@ -27,6 +27,7 @@ from scratchlm.inference.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    num_logits: int = 1  # rows whose logits are returned when it samples: the last ones (k + 1 for a verify)
 
     @property
     def samples(self) -> bool:

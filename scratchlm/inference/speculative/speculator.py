@@ -1,0 +1,288 @@
+"""The speculative engine step: propose, verify in one target forward, roll back, adapt k.
+
+`LLMEngine.step()` hands over to `Speculator.step()` when `EngineConfig.speculative` is set:
+
+1. `scheduler.schedule()` as usual (decodes, prefill chunks, preemption).
+2. Every decode of a sequence that may speculate gets k draft tokens (k adapts per sequence, and is
+   capped by the step's leftover token budget, free KV blocks, max_tokens and max_model_len). The
+   drafts are appended to the sequence's token ids and its entry grows from 1 to k + 1 tokens, whose
+   logits are all returned (`ScheduledSequence.num_logits`). Sequences with k = 0 decode as usual.
+3. One target forward over the whole batch (the verify chunks are prefill-like chunks with a cached prefix).
+4. Verification (rejection sampling, see rejection.py) before `commit`: the sequence keeps the accepted
+   drafts, `num_computed_tokens` advances only over them, so only full blocks of accepted tokens are
+   hashed into the prefix cache, and the blocks allocated beyond the new length are freed at once.
+5. The accepted tokens + the corrected/bonus token are appended one by one with the engine's stop checks;
+   everything else (prefills, k = 0 decodes, n > 1 forks) goes through the engine's own postprocess.
+
+Adaptive k: each sequence keeps a decayed estimate of its per-token acceptance rate alpha and drafts the k in
+[0, k_max] that maximizes the expected speed-up (1 - alpha^(k+1)) / ((1 - alpha)(1 + k (c + v))), where c is the
+draft's cost per token relative to the target (0 for n-grams) and v the target's extra cost per verified token.
+When k = 0 wins it stops drafting and probes with k = 1 every `probe_every` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from scratchlm.inference.runner import build_model_input
+from scratchlm.inference.sampler import SamplingRow
+from scratchlm.inference.scheduler import ScheduledSequence
+from scratchlm.inference.sequence import Sequence, SequenceStatus
+from scratchlm.inference.speculative.method import SpecMethod, parse_speculative
+from scratchlm.inference.speculative.proposers import NgramProposer, Proposal, build_model_proposer
+from scratchlm.inference.speculative.rejection import processed_logits, verify
+
+log = logging.getLogger(__name__)
+
+
+def expected_speedup(alpha: float, k: int, cost: float) -> float:
+    """(1 - alpha^(k+1)) / ((1 - alpha)(k cost + 1)): tokens per step over the step's cost (Leviathan et al.)."""
+    tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens / (k * cost + 1.0)
+
+
+@dataclass
+class SpecStats:
+    """Counters over the engine's life: verify = one sequence verified k >= 1 drafts in a step."""
+
+    steps: int = 0  # engine steps that ran a target forward
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens appended by verifies (accepted + corrected/bonus)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class _Adaptive:
+    accepted: float = 1.5  # prior: alpha ~ 0.6
+    rejected: float = 1.0
+    idle: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class _Pending:
+    entry: ScheduledSequence
+    base_len: int
+    proposal: Proposal
+    row: SamplingRow
+    tokens: list[int] = field(default_factory=list)
+    accepted: int = 0
+    raw: torch.Tensor | None = None  # (k + 1, V) raw target logits, kept only for logprobs
+
+
+class Speculator:
+    """Owns the proposer and the per-sequence adaptive state; `step()` replaces the engine's step."""
+
+    def __init__(self, engine: Any, method: SpecMethod | str, k_max: int = 4, verify_cost: float = 0.1,
+                 adaptive: bool = True, probe_every: int = 16, decay: float = 0.8):
+        self.engine = engine
+        self.method = parse_speculative(method) if isinstance(method, str) else method
+        if k_max < 1:
+            raise ValueError(f"num_speculative_tokens={k_max} must be >= 1")
+        self.k_max = k_max
+        self.verify_cost = verify_cost
+        self.adaptive = adaptive
+        self.probe_every = probe_every
+        self.decay = decay
+        if self.method.kind == "ngram":
+            self.proposer: Any = NgramProposer(self.method.ngram_max, min(2, self.method.ngram_max))
+        else:
+            self.proposer = build_model_proposer(engine, self.method)
+        self.stats = SpecStats()
+        self._adapt: dict[int, _Adaptive] = {}
+        log.info("speculative decoding: %s, k_max %d, draft cost %.3f of the target", self.method, k_max,
+                 self.proposer.cost)
+
+    # --- k per sequence ------------------------------------------------------------------------
+    def choose_k(self, seq_id: int) -> int:
+        """The k that maximizes the expected speed-up for this sequence's acceptance estimate (0 = don't draft)."""
+        if not self.adaptive:
+            return self.k_max
+        st = self._adapt.setdefault(seq_id, _Adaptive())
+        cost = self.proposer.cost + self.verify_cost
+        best = max(range(self.k_max + 1), key=lambda k: expected_speedup(st.alpha, k, cost))
+        if best == 0:
+            st.idle += 1
+            if st.idle >= self.probe_every:
+                st.idle = 0
+                return 1
+        return best
+
+    def _observe(self, seq_id: int, drafted: int, accepted: int) -> None:
+        st = self._adapt.setdefault(seq_id, _Adaptive())
+        st.accepted = st.accepted * self.decay + accepted
+        st.rejected = st.rejected * self.decay + (1 if accepted < drafted else 0)
+
+    # --- the step ------------------------------------------------------------------------------
+    def _eligible(self, entry: ScheduledSequence) -> bool:
+        seq = entry.seq
+        if entry.num_new_tokens != 1 or not entry.samples or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return False
+        req = self.engine.requests.get(seq.request_id)
+        return req is not None and (req.params.n == 1 or req.forked)
+
+    def _release_stopped(self) -> None:
+        running = {s.seq_id for s in self.engine.scheduler.running}
+        for seq_id in [i for i in self._adapt if i not in running]:
+            del self._adapt[seq_id]
+        states = getattr(self.proposer, "states", None)
+        if states:
+            for seq_id in [i for i in states if i not in running]:
+                self.proposer.release(seq_id)
+
+    def _draft(self, plan: Any) -> list[_Pending]:
+        eng = self.engine
+        bm = eng.block_manager
+        budget = eng.scheduler.max_num_batched_tokens - plan.num_tokens
+        cands: list[tuple[ScheduledSequence, int]] = []
+        for entry in plan.scheduled:
+            if budget <= 0:
+                break
+            if not self._eligible(entry):
+                continue
+            seq = entry.seq
+            p = seq.params
+            room = eng.max_model_len - len(seq) - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - len(seq.output_ids) - 1)
+            k = min(self.choose_k(seq.seq_id), room, budget)
+            if k > 0:
+                cands.append((entry, k))
+                budget -= k
+        if not cands:
+            return []
+        seqs = [e.seq for e, _ in cands]
+        rows = [eng._sampling_row(s) for s in seqs]
+        props = self.proposer.propose(seqs, [k for _, k in cands], rows)
+        pending = []
+        for (entry, _), prop, row in zip(cands, props, rows):
+            seq = entry.seq
+            k = len(prop.tokens)
+            need = bm.blocks_needed(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
+            if need > bm.num_free_blocks:
+                k = max(0, bm.num_free_blocks * bm.block_size + len(seq.block_table) * bm.block_size
+                        - seq.num_computed_tokens - 1)
+                k = min(k, len(prop.tokens))
+                prop = Proposal(prop.tokens[:k], prop.probs[:k] if prop.probs is not None else None)
+                need = bm.blocks_needed(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
+            if k == 0:
+                continue
+            if need > 0:
+                seq.block_table.extend(bm.allocate(need))
+            base_len = len(seq.token_ids)
+            seq.token_ids.extend(prop.tokens)
+            entry.num_new_tokens = 1 + k
+            entry.num_logits = 1 + k
+            pending.append(_Pending(entry, base_len, prop, row))
+        return pending
+
+    def _verify(self, plan: Any, pend: list[_Pending], logits: torch.Tensor, rows: list[int]) -> None:
+        """Accept drafts for every pending entry; set what commit() must see (accepted tokens only)."""
+        index = {id(e.seq): r for e, r in zip(plan.scheduled, rows)}
+        hist: list[SamplingRow] = []
+        spans = []
+        for pd in pend:
+            r, k = pd.row, len(pd.proposal.tokens)
+            for j in range(k + 1):
+                out = [*r.output_ids, *pd.proposal.tokens[:j]]
+                banned = r.banned_ids if len(out) < r.params.min_tokens else ()
+                hist.append(SamplingRow(r.params, r.generator, r.prompt_ids, out, banned))
+            spans.append((index[id(pd.entry.seq)], k + 1))
+        sel = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(logits.device)
+        target = processed_logits(logits.index_select(0, sel), hist)  # (sum(k + 1), V)
+        pos = 0
+        for pd in pend:
+            k = len(pd.proposal.tokens)
+            pd.tokens, pd.accepted = verify(target[pos : pos + k + 1], pd.proposal.tokens, pd.row.params,
+                                            pd.row.generator, pd.proposal.probs)
+            if pd.row.params.logprobs is not None:
+                start = index[id(pd.entry.seq)]
+                pd.raw = logits[start : start + k + 1]
+            pos += k + 1
+            seq = pd.entry.seq
+            del seq.token_ids[pd.base_len + pd.accepted :]  # keep accepted drafts: commit hashes full blocks of them
+            pd.entry.num_new_tokens = 1 + pd.accepted
+
+    def step(self) -> list[Any]:
+        """One engine step with speculation; returns the request outputs like `LLMEngine.step()`."""
+        eng = self.engine
+        plan = eng.scheduler.schedule()
+        self._release_stopped()
+        pend = self._draft(plan) if not plan.is_empty else []
+        if plan.is_empty and not plan.block_copies:
+            return eng._postprocess(plan, None)
+        inp, rows = build_model_input(plan, eng.block_manager.block_size)
+        logits = eng.runner.execute(inp)
+        self.stats.steps += 1
+        if pend:
+            self._verify(plan, pend, logits, rows)
+        eng.scheduler.commit(plan)
+        progressed = {}
+        for pd in pend:
+            rows[plan.scheduled.index(pd.entry)] = -1  # the engine's postprocess skips it
+            req = self._append(pd)
+            progressed[req.request_id] = req
+        outputs = eng._postprocess(plan, (logits, rows))
+        seen = {o.request_id for o in outputs}
+        for rid, req in progressed.items():
+            if rid in seen:
+                continue
+            outputs.append(eng._request_output(req))
+            if req.finished:
+                eng.requests.pop(rid, None)
+        return outputs
+
+    def _append(self, pd: _Pending) -> Any:
+        eng = self.engine
+        seq: Sequence = pd.entry.seq
+        req = eng.requests[seq.request_id]
+        del seq.token_ids[pd.base_len :]
+        k = len(pd.proposal.tokens)
+        lp = self._logprobs(pd) if seq.logprobs is not None and pd.raw is not None else None
+        for j, tok in enumerate(pd.tokens):
+            seq.append_token(tok)
+            if lp is not None:
+                seq.logprobs.append(lp[j])
+            eng._generation_tokens_total += 1
+            eng._check_stop(seq)
+            if seq.is_finished:
+                break
+        if seq.status is SequenceStatus.RUNNING:
+            bm = eng.block_manager
+            keep = bm.blocks_needed(seq.num_computed_tokens)
+            if len(seq.block_table) > keep:  # roll back: free the blocks that held only rejected drafts
+                bm.release(seq.block_table[keep:])
+                del seq.block_table[keep:]
+        st = self.stats
+        st.verifies += 1
+        st.drafted += k
+        st.accepted += pd.accepted
+        st.emitted += len(pd.tokens)
+        self._observe(seq.seq_id, k, pd.accepted)
+        return req
+
+    def _logprobs(self, pd: _Pending) -> list[dict[int, float]]:
+        """Raw log-softmax of the target at each emitted position (as the Sampler reports them)."""
+        lp = pd.raw.float().log_softmax(dim=-1)
+        n = pd.row.params.logprobs
+        out = []
+        for j, tok in enumerate(pd.tokens):
+            entry = {tok: float(lp[j, tok])}
+            if n:
+                vals, idx = lp[j].topk(n)
+                for v, t in zip(vals.tolist(), idx.tolist()):
+                    entry.setdefault(t, v)
+            out.append(entry)
+        return out
