@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: torch's choice; on a shared CPU, fewer can be faster)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
+    from scratchlm.parallel.router import RouterConfig
+
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
+                        help="run D engine replicas (each a `scratchlm serve` process on its own local port) behind "
+                             "a router on --host/--port that balances by least outstanding tokens (docs/cluster.md)")
+    add_dataclass_arguments(parser, RouterConfig, prefix="router_")
 
 
 def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = False,
@@ -80,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
         engine_config = dataclass_from_args(EngineConfig, args)
+        data_parallel_size = getattr(args, "data_parallel_size", 1)
+        if data_parallel_size > 1:
+            from scratchlm.parallel.router import RouterConfig
+
+            router_config = dataclass_from_args(RouterConfig, args, prefix="router_")
+        elif data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size {data_parallel_size} (expected a positive integer)")
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
@@ -92,6 +105,19 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
         log.info("torch threads: %d", args.threads)
+    if data_parallel_size > 1:
+        from scratchlm.defaults import default_model_path
+        from scratchlm.parallel.router import serve_data_parallel
+
+        try:
+            if args.model is not None and not Path(args.model).exists():
+                raise FileNotFoundError(f"model not found: {args.model}")
+            if args.model is None:
+                default_model_path()
+            return serve_data_parallel(args, data_parallel_size, server_config, router_config)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"scratchlm serve: {e}", file=sys.stderr)
+            return 2
     try:
         app = build_app(args.model, server_config, engine_config, args.engine_process, args.threads)
     except (FileNotFoundError, ValueError, RuntimeError) as e:

@@ -1,0 +1,637 @@
+"""Data parallelism for serving: D engine replicas behind one router (`scratchlm serve --data-parallel-size D`).
+
+Each replica is a whole `scratchlm serve` process (itself possibly tensor/pipeline parallel) on its
+own port; the router is a small FastAPI app that proxies every endpoint to one of them with httpx,
+streaming included. Routing and fault handling:
+
+- **Least outstanding tokens.** A generation request costs an estimate of its prompt tokens plus
+  `max_tokens` x `n`; the cost is held by the replica while the request is in flight. The request goes
+  to a healthy replica with the fewest outstanding tokens.
+- **Prefix-cache affinity as the tie-breaker.** Among the replicas within `affinity_slack_tokens` of
+  that minimum, the one chosen is the rendezvous-hash winner for the start of the prompt (its first
+  KV block or so), so requests sharing a prefix meet the same replica's prefix cache while loads are
+  equal, and a replica leaving the pool moves only its own share of prefixes.
+- **Health checks.** `/health` of every replica is polled; a replica that fails `unhealthy_after`
+  checks in a row, refuses a connection, or whose process has exited leaves the rotation (a live one
+  comes back when it answers again).
+- **Retries.** A request whose replica fails (connection error, 502/503/504, or the replica is taken
+  out of rotation while the request waits) *before any byte was sent to the client* is sent to another
+  replica: a non-streaming request is only answered once its replica has answered in full, and a
+  streaming one is committed only when its first chunk has arrived, so an accepted request is not
+  lost when a replica dies. A stream that breaks after its first chunk cannot be replayed without
+  duplicating text: it ends with an error event. A 429 (replica queue full) is tried on the others.
+- **/health and /metrics** aggregate the replicas (metrics summed, KV-cache usage averaged) and add
+  the router's own (`scratchlm:router_*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+log = logging.getLogger("scratchlm.router")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETRY_STATUSES = (502, 503, 504)
+# hop-by-hop and length headers are the proxy's own business
+_DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
+_DROP_RESPONSE_HEADERS = {"content-length", "connection", "transfer-encoding", "content-encoding", "keep-alive",
+                          "date", "server"}
+
+
+@dataclass
+class RouterConfig:
+    """Options of the data-parallel router; each is a `scratchlm serve --router-...` flag."""
+
+    health_interval_s: float = field(default=1.0, metadata={"help": "seconds between health checks of each replica"})
+    health_timeout_s: float = field(default=3.0, metadata={"help": "a replica's /health must answer within this"})
+    unhealthy_after: int = field(
+        default=3, metadata={"help": "failed health checks in a row that take a replica out of rotation"})
+    affinity_chars: int = field(
+        default=64, metadata={"help": "characters at the start of a prompt hashed for prefix-cache affinity "
+                              "(about one 16-token KV block)"})
+    affinity_slack_tokens: int = field(
+        default=0, metadata={"help": "replicas within this many outstanding tokens of the least loaded one count "
+                             "as tied, and the prefix-affinity replica among them wins"})
+    default_max_tokens: int = field(
+        default=256, metadata={"help": "cost assumed for a request that does not say its max_tokens"})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for a replica's answer"})
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for the replicas to load"})
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"router_{name}={getattr(self, name)} (expected a positive number)")
+        for name in ("unhealthy_after", "affinity_chars", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"router_{name}={getattr(self, name)} (expected a positive integer)")
+        if self.affinity_slack_tokens < 0:
+            problems.append(f"router_affinity_slack_tokens={self.affinity_slack_tokens} (expected >= 0)")
+        if problems:
+            raise ValueError("invalid router options: " + "; ".join(problems))
+
+
+@dataclass
+class Replica:
+    """One engine replica as the router sees it (mutated only on the router's event loop)."""
+
+    index: int
+    url: str
+    process: subprocess.Popen | None = None
+    healthy: bool = True
+    dead: bool = False                      # its process exited: never comes back
+    outstanding_tokens: int = 0
+    outstanding_requests: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    consecutive_failures: int = 0
+    down: asyncio.Event | None = None       # set when it leaves rotation; replaced when it returns
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and not self.dead
+
+    def down_event(self) -> asyncio.Event:
+        if self.down is None:
+            self.down = asyncio.Event()
+        return self.down
+
+
+def estimate_cost(body: dict[str, Any], default_max_tokens: int) -> int:
+    """Tokens a generation request will occupy: its prompts (about 4 characters a token, or the ids given) plus
+    max_tokens x n for each prompt."""
+    if "messages" in body:
+        chars = sum(len(json.dumps(m.get("content", ""))) for m in body.get("messages") or [] if isinstance(m, dict))
+        prompts_tokens, n_prompts = chars // 4 + 1, 1
+    else:
+        p = body.get("prompt", "")
+        prompts = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        prompts_tokens = sum(len(x) if isinstance(x, list) else len(str(x)) // 4 + 1 for x in prompts)
+        n_prompts = len(prompts)
+    try:
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens)
+        n = int(body.get("n") or 1)
+    except (TypeError, ValueError):  # the replica will answer 400; count it cheaply
+        max_tokens, n = default_max_tokens, 1
+    return prompts_tokens + max_tokens * n * n_prompts
+
+
+def affinity_key(body: dict[str, Any], chars: int) -> str:
+    """The start of the prompt (what the replica's first KV blocks will hold), as a string to hash."""
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role')}:{json.dumps(m.get('content'))}")
+            if sum(map(len, parts)) >= chars:
+                break
+        return "\n".join(parts)[:chars]
+    p = body.get("prompt", "")
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        p = p[0]
+    if isinstance(p, list):  # token ids: about one block
+        return ",".join(map(str, p[: max(1, chars // 4)]))
+    return str(p)[:chars]
+
+
+def _rendezvous(key: str, replica: Replica) -> bytes:
+    return hashlib.blake2b(f"{key}\0{replica.index}".encode(), digest_size=8).digest()
+
+
+def choose_replica(replicas: list[Replica], key: str | None, slack: int = 0,
+                   exclude: set[int] = frozenset()) -> Replica | None:
+    """The replica for a request: fewest outstanding tokens, ties (within `slack`) broken by prefix affinity
+    (highest rendezvous hash of `key`); None when no replica is in rotation."""
+    candidates = [r for r in replicas if r.in_rotation and r.index not in exclude]
+    if not candidates:
+        return None
+    least = min(r.outstanding_tokens for r in candidates)
+    tied = [r for r in candidates if r.outstanding_tokens <= least + slack]
+    if key is None:
+        return min(tied, key=lambda r: (r.outstanding_tokens, r.index))
+    return max(tied, key=lambda r: _rendezvous(key, r))
+
+
+class ReplicaFailed(Exception):
+    """The replica could not answer (connection error, 5xx, or it left rotation while we waited)."""
+
+
+class Router:
+    """Routes and proxies requests over `replicas`; runs the health checks (see the module docstring)."""
+
+    def __init__(self, replicas: list[Replica], config: RouterConfig | None = None, on_all_dead: Any = None):
+        import httpx
+
+        if not replicas:
+            raise ValueError("the router needs at least one replica")
+        self.replicas = replicas
+        self.config = config or RouterConfig()
+        self.on_all_dead = on_all_dead
+        self.retries_total = 0
+        self.rejected_total = 0
+        self.streams_broken_total = 0
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
+        self._health_task: asyncio.Task | None = None
+
+    # ----- health ---------------------------------------------------------------------------------------------
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take `replica` out of rotation and wake the requests waiting on it (they retry elsewhere)."""
+        if replica.healthy:
+            log.warning("replica %d (%s) out of rotation: %s; %d of %d in rotation", replica.index, replica.url,
+                        reason, sum(r.in_rotation for r in self.replicas) - 1, len(self.replicas))
+        replica.healthy = False
+        replica.down_event().set()
+
+    def mark_up(self, replica: Replica) -> None:
+        if not replica.healthy and not replica.dead:
+            replica.healthy = True
+            replica.down = asyncio.Event()
+            log.info("replica %d (%s) back in rotation", replica.index, replica.url)
+        replica.consecutive_failures = 0
+
+    async def check_once(self) -> None:
+        """One round of health checks (process exit, then GET /health)."""
+
+        async def check(r: Replica) -> None:
+            if r.dead:
+                return
+            if r.process is not None and r.process.poll() is not None:
+                r.dead = True
+                self.mark_down(r, f"its process (pid {r.process.pid}) exited with code {r.process.returncode}")
+                return
+            try:
+                resp = await self.client.get(r.url + "/health", timeout=self.config.health_timeout_s)
+                ok = resp.status_code == 200
+                reason = f"/health answered {resp.status_code}"
+            except Exception as e:  # noqa: BLE001 - any failure to answer is a failed check
+                ok, reason = False, f"/health failed: {type(e).__name__}: {e}"
+            if ok:
+                self.mark_up(r)
+            else:
+                r.consecutive_failures += 1
+                if r.consecutive_failures >= self.config.unhealthy_after:
+                    self.mark_down(r, f"{reason} ({r.consecutive_failures} checks in a row)")
+
+        await asyncio.gather(*(check(r) for r in self.replicas))
+        if all(r.dead for r in self.replicas) and self.on_all_dead is not None:
+            self.on_all_dead()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_once()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("health check round failed")
+
+    def start(self) -> None:
+        """Start the health checks (call on the event loop that serves requests)."""
+        for r in self.replicas:
+            r.down = asyncio.Event()
+            if not r.healthy:
+                r.down.set()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.client.aclose()
+
+    # ----- proxying -------------------------------------------------------------------------------------------
+
+    async def _attempt(self, replica: Replica, method: str, path: str, headers: dict[str, str], body: bytes,
+                       stream: bool) -> tuple[Any, bytes]:
+        """Send to `replica`; return (response, body) for a plain request or (open response, first chunk) for a
+        stream. Raises ReplicaFailed when the replica fails or leaves rotation first."""
+        import httpx
+
+        request = self.client.build_request(method, replica.url + path, headers=headers, content=body)
+
+        async def send() -> tuple[Any, bytes]:
+            resp = await self.client.send(request, stream=True)
+            try:
+                if resp.status_code in RETRY_STATUSES:
+                    await resp.aread()
+                    raise ReplicaFailed(f"answered {resp.status_code}: {resp.text[:200]}")
+                if not stream or not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    data = await resp.aread()
+                    await resp.aclose()
+                    return resp, data
+                first = b""
+                chunks = resp.aiter_raw()
+                async for chunk in chunks:
+                    if chunk:
+                        first = chunk
+                        break
+                resp.extensions["scratchlm_chunks"] = chunks
+                return resp, first
+            except BaseException:
+                await resp.aclose()
+                raise
+
+        task = asyncio.create_task(send())
+        down = asyncio.create_task(replica.down_event().wait())
+        try:
+            finished, _ = await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            down.cancel()
+            raise
+        if task not in finished:
+            task.cancel()
+            raise ReplicaFailed("it left rotation while the request waited")
+        down.cancel()
+        try:
+            return task.result()
+        except httpx.TransportError as e:
+            raise ReplicaFailed(f"{type(e).__name__}: {e}") from e
+
+    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Any:
+        """Proxy one request; returns a Starlette response."""
+        parsed: dict[str, Any] | None = None
+        if method == "POST" and path.split("?", 1)[0] in GENERATION_PATHS:
+            try:
+                parsed = json.loads(body) if body else None
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                parsed = None
+        stream = bool(parsed and parsed.get("stream"))
+        cost = estimate_cost(parsed, self.config.default_max_tokens) if parsed else 0
+        key = affinity_key(parsed, self.config.affinity_chars) if parsed else None
+        fwd = {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST_HEADERS}
+        fwd["accept-encoding"] = "identity"
+        tried: set[int] = set()
+        last_429 = None
+        failures: list[str] = []
+        while True:
+            replica = choose_replica(self.replicas, key, self.config.affinity_slack_tokens, exclude=tried)
+            if replica is None:
+                if last_429 is not None:
+                    return last_429
+                self.rejected_total += 1
+                down = [r.index for r in self.replicas if not r.in_rotation]
+                detail = "; ".join(failures) if failures else f"replicas out of rotation: {down}"
+                return JSONResponse({"error": {
+                    "message": f"No engine replica could take the request ({detail}).", "type": "service_unavailable",
+                    "param": None, "code": None}}, status_code=503)
+            tried.add(replica.index)
+            replica.outstanding_tokens += cost
+            replica.outstanding_requests += 1
+            replica.requests_total += 1
+            released = False
+
+            def release(r: Replica = replica) -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    r.outstanding_tokens -= cost
+                    r.outstanding_requests -= 1
+
+            try:
+                resp, data = await self._attempt(replica, method, path, fwd, body, stream)
+            except ReplicaFailed as e:
+                release()
+                replica.failures_total += 1
+                failures.append(f"replica {replica.index}: {e}")
+                self.mark_down(replica, str(e))
+                self.retries_total += 1
+                log.warning("request %s %s failed on replica %d (%s); retrying on another", method, path,
+                            replica.index, e)
+                continue
+            except BaseException:
+                release()
+                raise
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+            out_headers["x-scratchlm-replica"] = str(replica.index)
+            if resp.status_code == 429:
+                release()
+                last_429 = Response(data, status_code=429, headers=out_headers)
+                continue
+            chunks = resp.extensions.get("scratchlm_chunks")
+            if chunks is None:
+                release()
+                return Response(data, status_code=resp.status_code, headers=out_headers)
+            return StreamingResponse(self._relay(replica, resp, data, chunks, release), status_code=resp.status_code,
+                                     headers=out_headers)
+
+    async def _relay(self, replica: Replica, resp: Any, first: bytes, chunks: AsyncIterator[bytes],
+                     release: Any) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except Exception as e:  # noqa: BLE001 - the replica died mid-stream; tell the client
+                self.streams_broken_total += 1
+                replica.failures_total += 1
+                self.mark_down(replica, f"stream broken: {type(e).__name__}")
+                err = {"error": {"message": f"Engine replica {replica.index} failed mid-stream ({type(e).__name__}); "
+                                 "the text so far is incomplete.", "type": "service_unavailable", "param": None,
+                                 "code": None}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            release()
+            await resp.aclose()
+
+    # ----- aggregate views ------------------------------------------------------------------------------------
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(status, body) of the router's /health: 200 while at least one replica is in rotation."""
+        n = sum(r.in_rotation for r in self.replicas)
+        body = {"status": "ok" if n else "unavailable", "replicas_in_rotation": n, "replicas": [
+            {"index": r.index, "url": r.url, "pid": r.process.pid if r.process is not None else None,
+             "healthy": r.healthy, "dead": r.dead, "outstanding_tokens": r.outstanding_tokens,
+             "outstanding_requests": r.outstanding_requests, "requests_total": r.requests_total,
+             "failures_total": r.failures_total} for r in self.replicas]}
+        return (200 if n else 503), body
+
+    async def metrics(self) -> str:
+        """Replicas' metrics summed (KV-cache usage averaged) plus the router's own, in Prometheus text format."""
+        from scratchlm.server.metrics import parse_prometheus
+
+        async def fetch(r: Replica) -> str | None:
+            if not r.in_rotation:
+                return None
+            try:
+                resp = await self.client.get(r.url + "/metrics", timeout=self.config.health_timeout_s)
+                return resp.text if resp.status_code == 200 else None
+            except Exception:  # noqa: BLE001 - a replica that cannot answer is left out
+                return None
+
+        bodies = [b for b in await asyncio.gather(*(fetch(r) for r in self.replicas)) if b]
+        meta: dict[str, list[str]] = {}
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for text in bodies:
+            for line in text.splitlines():
+                if line.startswith("# "):
+                    name = line.split()[2]
+                    lines = meta.setdefault(name, [])
+                    if line not in lines:
+                        lines.append(line)
+            for k, v in parse_prometheus(text).items():
+                sums[k] = sums.get(k, 0.0) + v
+                counts[k] = counts.get(k, 0) + 1
+        out: list[str] = []
+        shown: set[str] = set()
+        for k, v in sums.items():
+            name = k.split("{", 1)[0]
+            base = next((n for n in (name, name.rsplit("_", 1)[0]) if n in meta), None)
+            if base is not None and base not in shown:
+                shown.add(base)
+                out.extend(meta[base])
+            if name.endswith("kv_cache_usage_perc"):
+                v = v / counts[k]
+            out.append(f"{k} {_num(v)}")
+        p = "scratchlm:router_"
+
+        def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            out.extend([f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} {kind}"])
+            out.extend(f"{p}{name}{labels} {_num(v)}" for labels, v in samples)
+
+        family("replicas_in_rotation", "gauge", "Replicas taking requests.",
+               [("", sum(r.in_rotation for r in self.replicas))])
+        family("replicas_total", "gauge", "Replicas configured.", [("", len(self.replicas))])
+        per = [(r, f'{{replica="{r.index}"}}') for r in self.replicas]
+        family("replica_in_rotation", "gauge", "1 while the replica takes requests.",
+               [(lab, float(r.in_rotation)) for r, lab in per])
+        family("replica_outstanding_tokens", "gauge", "Estimated tokens of the replica's in-flight requests.",
+               [(lab, r.outstanding_tokens) for r, lab in per])
+        family("replica_requests_total", "counter", "Requests sent to the replica (retries included).",
+               [(lab, r.requests_total) for r, lab in per])
+        family("replica_failures_total", "counter", "Requests that failed on the replica.",
+               [(lab, r.failures_total) for r, lab in per])
+        family("retries_total", "counter", "Requests retried on another replica.", [("", self.retries_total)])
+        family("rejected_total", "counter", "Requests answered 503: no replica could take them.",
+               [("", self.rejected_total)])
+        family("streams_broken_total", "counter", "Streams cut by a replica failure after their first chunk.",
+               [("", self.streams_broken_total)])
+        return "\n".join(out) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def create_router_app(router: Router) -> Any:
+    """The router's FastAPI app: /health and /metrics of its own; everything else proxied."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="scratchlm data-parallel router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = router.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(await router.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+    async def proxy(path: str, request: Request) -> Any:
+        target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        body = await request.body()
+        return await router.handle(request.method, target, dict(request.headers), body)
+
+    return app
+
+
+# ----- launching replicas -------------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the usual small race: another process may take it before we bind)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def replica_argv(args: argparse.Namespace) -> list[str]:
+    """The `scratchlm serve` flags of one replica, rebuilt from the router's parsed flags: the model, the engine
+    and server options the user typed, minus the router's own (host, port, data-parallel size, router-*)."""
+    from scratchlm.inference import EngineConfig
+    from scratchlm.server.config import ServerConfig
+
+    argv: list[str] = [str(args.model)] if getattr(args, "model", None) is not None else []
+    for cls in (ServerConfig, EngineConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in ("host", "port") or not hasattr(args, f.name):
+                continue
+            value = getattr(args, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, (list, tuple)):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, "none" if value is None else str(value)]
+    if getattr(args, "engine_process", False):
+        argv.append("--engine-process")
+    if getattr(args, "threads", None) is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str | Path | None = None) -> list[Replica]:
+    """Start `count` `scratchlm serve` processes on free local ports and wait until every one answers /health.
+    Raises RuntimeError (after stopping the others) when one exits or does not come up in time."""
+    import httpx
+
+    replicas = []
+    env = dict(os.environ)
+    for i in range(count):
+        port = free_port()
+        cmd = [sys.executable, "-m", "scratchlm", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
+        log.info("starting replica %d: %s", i, " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=_die_with_parent)
+        replicas.append(Replica(index=i, url=f"http://127.0.0.1:{port}", process=proc))
+    deadline = time.monotonic() + config.startup_timeout_s
+    pending = list(replicas)
+    try:
+        while pending:
+            for r in list(pending):
+                if r.process.poll() is not None:
+                    raise RuntimeError(f"replica {r.index} exited with code {r.process.returncode} during start-up "
+                                       "(its log is above)")
+                try:
+                    if httpx.get(r.url + "/health", timeout=2).status_code == 200:
+                        pending.remove(r)
+                        log.info("replica %d ready on %s (pid %d)", r.index, r.url, r.process.pid)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"replicas {[r.index for r in pending]} did not answer /health within "
+                                   f"{config.startup_timeout_s:g} s (--router-startup-timeout-s)")
+            if pending:
+                time.sleep(0.25)
+    except BaseException:
+        stop_replicas(replicas)
+        raise
+    return replicas
+
+
+def stop_replicas(replicas: list[Replica], timeout: float = 10.0) -> None:
+    """SIGTERM every replica process, then SIGKILL the ones still alive after `timeout` seconds."""
+    procs = [r.process for r in replicas if r.process is not None and r.process.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve_data_parallel(args: argparse.Namespace, data_parallel_size: int, server_config: Any,
+                        router_config: RouterConfig) -> int:
+    """`scratchlm serve --data-parallel-size D`: launch D replicas, serve the router on the configured host/port
+    until interrupted; returns 1 when every replica has died, 0 on a normal shutdown."""
+    import uvicorn
+
+    replicas = launch_replicas(replica_argv(args), data_parallel_size, router_config)
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def all_dead() -> None:
+        nonlocal exit_code
+        if exit_code == 0:
+            log.error("every engine replica has exited; the router stops")
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    router = Router(replicas, router_config, on_all_dead=all_dead)
+    app = create_router_app(router)
+    host = server_config.host
+    log.info("data-parallel router for %d replicas on http://%s:%d (/health and /metrics aggregate them)",
+             data_parallel_size, f"[{host}]" if ":" in host else host, server_config.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=server_config.port,
+                                           log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        stop_replicas(replicas)
+    return exit_code
