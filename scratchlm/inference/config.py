@@ -46,6 +46,22 @@ class EngineConfig:
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "most tokens drafted per sequence and step (k adapts per sequence up to this)"}
     )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "tensor-parallel ranks (attention sharded by KV head, MLP and vocab split); "
+                                     "the engine spawns them, or joins a torchrun launch (docs/parallelism.md)"}
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "pipeline stages (layers split by parameter count); world = TP x PP ranks"}
+    )
+    pipeline_stage_layers: str | None = field(
+        default=None, metadata={"help": "explicit layers per pipeline stage, e.g. '3,2'; None = balanced"}
+    )
+    pipeline_microbatches: int | None = field(
+        default=None, metadata={"help": "micro-batches in flight per step under PP; None = pipeline_parallel_size"}
+    )
+    parallel_timeout_s: float = field(
+        default=60.0, metadata={"help": "seconds before a TP/PP step collective with a dead or hung rank fails"}
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -56,6 +72,15 @@ class EngineConfig:
                 problems.append(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             problems.append(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r} must be a positive integer")
+        mb = self.pipeline_microbatches
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            problems.append(f"pipeline_microbatches={mb!r} must be None or a positive integer")
+        if not isinstance(self.parallel_timeout_s, int | float) or not self.parallel_timeout_s > 0:
+            problems.append(f"parallel_timeout_s={self.parallel_timeout_s!r} must be a positive number of seconds")
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         try:

@@ -50,7 +50,8 @@ class Request:
 class LLMEngine:
     """The streaming-capable engine; see docs/contracts.md and docs/engine.md."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, model_config: Any, config: EngineConfig | None = None):
+    def __init__(self, model: torch.nn.Module | None, tokenizer: Any, model_config: Any,
+                 config: EngineConfig | None = None, runner_factory: Any = None):
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -68,12 +69,17 @@ class LLMEngine:
             log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
                         self.max_model_len, num_blocks * c.block_size, num_blocks, c.block_size)
             self.max_model_len = num_blocks * c.block_size
-        model = model.to(device=device, dtype=dtype).eval()
-        self.cache = KVCache.allocate(model_config.n_layers, num_blocks, c.block_size, model_config.n_kv_heads,
-                                      model_config.head_dim, dtype, device)
+        if runner_factory is None:
+            model = model.to(device=device, dtype=dtype).eval()
+            self.cache = KVCache.allocate(model_config.n_layers, num_blocks, c.block_size, model_config.n_kv_heads,
+                                          model_config.head_dim, dtype, device)
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, device)
+        if runner_factory is None:
+            self.runner = ModelRunner(model, self.cache, device)
+        else:  # a TP/PP runner (scratchlm.parallel) owns its sharded model and KV cache shard
+            self.runner = runner_factory(num_blocks)
+            self.cache = self.runner.cache
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -99,6 +105,10 @@ class LLMEngine:
 
         config = config or EngineConfig()
         path = Path(model_path) if model_path is not None else default_model_path()
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from scratchlm.parallel.launch import from_pretrained_parallel
+
+            return from_pretrained_parallel(cls, path, config)
         quantization = None if config.quantization in (None, "none") else config.quantization
         loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device)
         return cls(loaded.model, loaded.tokenizer, loaded.config, config)

@@ -1,0 +1,115 @@
+"""Process groups and timed collectives on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+`init_groups` makes three kinds of group, created in the same order on every rank:
+
+- the default group, used only to hand rank 0's step command to the workers; its timeout is long
+  (a server may sit idle for hours between requests);
+- a *step* group over all ranks with the short collective timeout (60 s by default) for the
+  point-to-point activations of the pipeline;
+- one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers.
+
+So a dead or hung peer turns any step collective into an error within the timeout, never a hang.
+Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from scratchlm.parallel.layout import RankLayout
+
+IDLE_TIMEOUT = timedelta(days=30)  # waiting for the next step: the server may be idle
+
+
+def backend_for(device: str | torch.device) -> str:
+    """'nccl' for CUDA devices, 'gloo' otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_default_group(backend: str, rank: int, world_size: int, init_method: str | None = None) -> None:
+    """Join the default process group (env:// from torchrun when `init_method` is None)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, expected rank {rank} of {world_size}")
+        return
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                            timeout=IDLE_TIMEOUT)
+
+
+class Comm:
+    """One rank's groups and timed collectives; see the module docstring."""
+
+    def __init__(self, layout: RankLayout, timeout_s: float, backend: str, device: torch.device):
+        self.layout = layout
+        self.device = device
+        self.backend = backend
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        world = list(range(layout.tp * layout.pp))
+        self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
+        self.tp_group = None
+        for stage in range(layout.pp):  # every rank creates every group, in the same order
+            g = dist.new_group(layout.stage_ranks(stage), timeout=timeout, backend=backend)
+            if stage == layout.stage:
+                self.tp_group = g
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def _timed(self, kind: str, start: float) -> None:
+        self.seconds[kind] += time.perf_counter() - start
+        self.calls[kind] += 1
+
+    def reset_stats(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    # --- commands (default group, long timeout) -------------------------------------------------
+    def broadcast_command(self, obj: object) -> object:
+        """Rank 0 sends `obj` (picklable) to every rank; the others receive and return it."""
+        t = time.perf_counter()
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
+        self._timed("broadcast", t)
+        return box[0]
+
+    # --- tensor parallel (stage group) ----------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the stage's tensor-parallel ranks, in place (no-op at TP=1)."""
+        if self.layout.tp == 1:
+            return x
+        t = time.perf_counter()
+        dist.all_reduce(x, group=self.tp_group)
+        self._timed("all_reduce", t)
+        return x
+
+    def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, c) on each TP rank -> (n, tp * c), rank order (no-op at TP=1)."""
+        if self.layout.tp == 1:
+            return x
+        t = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.layout.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        self._timed("all_gather", t)
+        return torch.cat(parts, dim=1)
+
+    # --- pipeline (step group, point to point) --------------------------------------------------
+    def isend(self, x: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        t = time.perf_counter()
+        work = dist.isend(x.contiguous(), dst=dst, group=self.step_group, tag=tag)
+        self._timed("send", t)
+        return work
+
+    def irecv(self, x: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return dist.irecv(x, src=src, group=self.step_group, tag=tag)
+
+    def wait(self, work: dist.Work, kind: str = "recv_wait") -> None:
+        """Wait for a p2p op; a dead peer raises within the step timeout."""
+        t = time.perf_counter()
+        work.wait(timedelta(seconds=self.timeout_s)) if self.backend == "gloo" else work.wait()
+        self._timed(kind, t)

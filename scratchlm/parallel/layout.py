@@ -1,0 +1,208 @@
+"""Which slice of the model each rank holds, and the fail-fast checks run before any weight loads.
+
+Ranks are numbered ``rank = stage * tp + tp_rank``: the `tp` ranks of one pipeline stage are
+neighbours (one tensor-parallel group per stage), and rank 0 (stage 0, tp rank 0) runs the scheduler.
+
+Tensor parallelism shards attention *by KV head*: a rank keeps a contiguous range of KV heads and
+the query heads of their groups (GQA), so its paged KV cache holds only its KV heads. Shards are as
+even as whole KV-head groups allow: SmolLM2-135M (9 query heads, 3 KV heads) at TP=2 gives rank 0
+two KV heads (6 query heads) and rank 1 one (3 query heads). The MLP's hidden size and the vocabulary
+are split into near-equal contiguous ranges (the vocabulary padded so every shard has the same
+number of rows, which an all-gather needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from scratchlm.model.config import ModelConfig
+
+
+def split_range(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` items in `parts` contiguous ranges whose sizes differ by at most one (the first ones larger)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def layer_params(config: ModelConfig) -> int:
+    """Parameters of one transformer block."""
+    c = config
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    return attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+
+
+def balanced_stages(config: ModelConfig, pp: int) -> list[int]:
+    """Layers per stage, contiguous, minimising the largest stage's parameter count.
+
+    Stage 0 also holds the embedding and the last stage the final norm and the output head, so
+    they count towards those stages (a tied head still costs a copy of the embedding there).
+    """
+    n = config.n_layers
+    per_layer = layer_params(config)
+    emb = config.vocab_size * config.d_model
+    weights = [per_layer] * n
+    weights[0] += emb
+    weights[-1] += emb + config.d_model
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the smallest max-stage weight splitting the first i layers into k stages.
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    sizes, i = [], n
+    for k in range(pp, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def parse_stage_layers(text: str | None) -> list[int] | None:
+    """'3,2' -> [3, 2]; None/'' -> None. Bad text is a ValueError naming the option."""
+    if text is None or text == "":
+        return None
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"pipeline_stage_layers={text!r}: expected comma-separated layer counts, e.g. '3,2'") from None
+    return sizes
+
+
+def check_parallel_config(config: ModelConfig, tp: int, pp: int, world_size: int | None = None,
+                          stage_layers: list[int] | None = None) -> None:
+    """Raise one ValueError naming every factor that does not fit; call it before loading any weight."""
+    problems = []
+    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{name}={v!r} must be a positive integer")
+    if problems:
+        raise ValueError("invalid parallel configuration: " + "; ".join(problems))
+    if world_size is not None and tp * pp != world_size:
+        problems.append(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}) = {tp * pp} "
+                        f"!= world size {world_size}")
+    if tp > config.n_kv_heads:
+        problems.append(f"tensor_parallel_size={tp} exceeds the model's n_kv_heads={config.n_kv_heads} "
+                        f"(n_heads={config.n_heads}): attention and the KV cache are sharded by KV head, "
+                        f"so every rank needs at least one")
+    if tp > config.d_ff:
+        problems.append(f"tensor_parallel_size={tp} exceeds the MLP hidden size d_ff={config.d_ff}")
+    if tp > config.vocab_size:
+        problems.append(f"tensor_parallel_size={tp} exceeds vocab_size={config.vocab_size}")
+    if pp > config.n_layers:
+        problems.append(f"pipeline_parallel_size={pp} exceeds the model's n_layers={config.n_layers}: "
+                        f"every stage needs at least one layer")
+    if stage_layers is not None:
+        if len(stage_layers) != pp:
+            problems.append(f"pipeline_stage_layers={stage_layers} has {len(stage_layers)} stages, "
+                            f"pipeline_parallel_size={pp}")
+        if sum(stage_layers) != config.n_layers or any(s < 1 for s in stage_layers):
+            problems.append(f"pipeline_stage_layers={stage_layers} must be positive and sum to "
+                            f"n_layers={config.n_layers}")
+    if problems:
+        raise ValueError("invalid parallel configuration: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's share of the model."""
+
+    rank: int
+    tp: int
+    pp: int
+    layers: tuple[int, int]  # [start, stop) of the global layer indices held by this rank's stage
+    kv_heads: tuple[int, int]  # [start, stop) of KV heads
+    q_heads: tuple[int, int]  # [start, stop) of query heads (the groups of the KV heads above)
+    ff: tuple[int, int]  # [start, stop) of the MLP hidden units
+    vocab: tuple[int, int]  # [start, stop) of vocabulary rows (real ones)
+    vocab_shard: int  # rows per vocabulary shard, padded: every rank holds this many
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Global ranks of `stage`'s tensor-parallel group."""
+        return list(range(stage * self.tp, (stage + 1) * self.tp))
+
+
+def plan_layout(config: ModelConfig, tp: int, pp: int, rank: int,
+                stage_layers: list[int] | None = None) -> RankLayout:
+    """The layout of `rank` in a TP x PP world (checked with `check_parallel_config` first)."""
+    check_parallel_config(config, tp, pp, None, stage_layers)
+    sizes = stage_layers or balanced_stages(config, pp)
+    stage, tp_rank = divmod(rank, tp)
+    start = sum(sizes[:stage])
+    kv = split_range(config.n_kv_heads, tp)[tp_rank]
+    group = config.n_heads // config.n_kv_heads
+    shard = -(-config.vocab_size // tp)
+    vstart = min(tp_rank * shard, config.vocab_size)
+    return RankLayout(
+        rank=rank, tp=tp, pp=pp, layers=(start, start + sizes[stage]), kv_heads=kv,
+        q_heads=(kv[0] * group, kv[1] * group), ff=split_range(config.d_ff, tp)[tp_rank],
+        vocab=(vstart, min(vstart + shard, config.vocab_size)), vocab_shard=shard,
+    )
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint from its header only (no weights read; GGUF metadata is parsed)."""
+    from scratchlm.model.loading import detect_format
+
+    path = Path(path)
+    kind = detect_format(path)
+    if kind == "hf":
+        from scratchlm.model.loading.hf import config_from_hf
+
+        cfg_path = path / "config.json"
+        return config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+    if kind == "gguf":
+        from scratchlm.model.loading.gguf_file import config_from_gguf
+        from scratchlm.model.loading.gguf_reader import read_gguf
+
+        meta, tensors = read_gguf(path)
+        return config_from_gguf(meta, tensors, str(path))[0]
+    if kind == "llama2c":
+        from scratchlm.model.loading.llama2c import read_header
+
+        return read_header(path)[0]
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return ModelConfig(**ckpt["model_config"])
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None

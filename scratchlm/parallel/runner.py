@@ -1,0 +1,207 @@
+"""`ParallelRunner`: the engine's runner across TP x PP ranks.
+
+Rank 0 keeps the whole engine (scheduler, block manager, sampler). Each step it broadcasts the
+runner's `ModelInput` (plain Python data) to every rank; all ranks run their shard of the forward
+(TP all-reduces inside a stage, PP sends between stages, micro-batches in flight), and rank 0
+receives the logits of the sampled rows. The other ranks loop in `serve_forever`.
+
+Failures: step collectives time out after `EngineConfig.parallel_timeout_s`; a dead worker makes
+its peers' collectives fail at once. Rank 0 then raises `ParallelWorkerError` naming the dead ranks
+and exit codes, and the runner refuses further steps (the engine must be restarted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from scratchlm.inference.kv_cache import KVCache
+from scratchlm.inference.runner import ModelInput
+from scratchlm.parallel.comm import Comm
+from scratchlm.parallel.pipeline import split_model_input
+from scratchlm.parallel.tensor import ShardedLM
+
+log = logging.getLogger(__name__)
+
+_LOGITS_TAG = 1 << 20  # p2p tags: micro-batch m's activations use tag m, its logits _LOGITS_TAG + m
+
+
+class ParallelWorkerError(RuntimeError):
+    """A tensor/pipeline-parallel rank died, hung past the timeout, or failed: the engine cannot continue."""
+
+
+def _shutdown(comm_ok: list[bool], procs: list, timeout: float = 10.0) -> None:
+    """Stop the workers: a stop command if the group still works, then join/terminate/kill."""
+    if comm_ok[0] and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a dead peer: fall through to terminate
+            dist.broadcast_object_list([("stop", None)], src=0)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class ParallelRunner:
+    """One rank's runner; on rank 0 `execute(ModelInput)` -> logits (len(logits_indices), vocab)."""
+
+    def __init__(self, model: ShardedLM, comm: Comm, block_size: int, dtype: torch.dtype, device: torch.device,
+                 num_microbatches: int, procs: Sequence = ()):
+        self.model = model
+        self.comm = comm
+        self.layout = model.layout
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_microbatches = max(1, num_microbatches)
+        self.cache: KVCache | None = None
+        self.procs = list(procs)
+        self._error: str | None = None
+        self._comm_ok = [True]
+        self.steps = 0
+        self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs) if self.layout.rank == 0 \
+            else None
+
+    # --- set-up ----------------------------------------------------------------------------------
+    def _allocate(self, num_blocks: int) -> None:
+        c, lay = self.model.config, self.layout
+        self.cache = KVCache.allocate(lay.layers[1] - lay.layers[0], num_blocks, self.block_size,
+                                      lay.kv_heads[1] - lay.kv_heads[0], c.head_dim, self.dtype, self.device)
+
+    def start(self, num_blocks: int) -> ParallelRunner:
+        """Rank 0: tell every rank the KV pool size the engine chose, allocate this rank's cache shard."""
+        self._guard(lambda: self.comm.broadcast_command(("init", num_blocks)))
+        self._allocate(num_blocks)
+        return self
+
+    def serve_forever(self) -> None:
+        """Ranks > 0: allocate the cache, then execute rank 0's steps until it says stop."""
+        while True:
+            kind, payload = self.comm.broadcast_command(None)
+            if kind == "init":
+                self._allocate(payload)
+            elif kind == "step":
+                self._step(payload)
+            else:
+                return
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the workers and leave the process group (also run at exit)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # --- a step ----------------------------------------------------------------------------------
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        """Rank 0: broadcast `inp`, run this rank's share, return the gathered logits."""
+        return self._guard(lambda: (self.comm.broadcast_command(("step", inp)), self._step(inp))[1])
+
+    def _guard(self, fn):
+        if self._error is not None:
+            raise ParallelWorkerError(self._error)
+        dead = self._dead_workers()
+        try:
+            if dead:
+                raise RuntimeError("worker process exited before the step")
+            return fn()
+        except Exception as e:
+            self._comm_ok[0] = False
+            dead = self._dead_workers() or dead
+            if not dead and self.procs:
+                time.sleep(0.5)  # a killed peer: give its exit code a moment to appear
+                dead = self._dead_workers()
+            who = ", ".join(f"rank {r} (pid {pid}) exited with code {code}" for r, pid, code in dead)
+            self._error = (
+                f"tensor/pipeline-parallel step failed (tp={self.layout.tp}, pp={self.layout.pp}): "
+                + (who if who else f"a peer rank failed or did not answer within {self.comm.timeout_s:g} s")
+                + f"; the engine cannot continue and must be restarted. Cause: {type(e).__name__}: {e}"
+            )
+            log.error(self._error)
+            raise ParallelWorkerError(self._error) from e
+
+    def _dead_workers(self) -> list[tuple[int, int, int]]:
+        return [(i + 1, p.pid, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _metadata(self, inp: ModelInput) -> AttentionMetadata:
+        nd = inp.num_decode_tokens
+        return AttentionMetadata(
+            slot_mapping=self._tensor(inp.slot_mapping),
+            num_decode_tokens=nd,
+            decode_block_tables=self._tensor(inp.decode_block_tables) if nd else None,
+            decode_context_lens=self._tensor(inp.decode_context_lens) if nd else None,
+            prefills=[PrefillChunk(qs, ql, cl, self._tensor(bt)) for qs, ql, cl, bt in inp.prefills],
+        )
+
+    @torch.inference_mode()
+    def _step(self, inp: ModelInput) -> torch.Tensor | None:
+        self.steps += 1
+        self.cache.copy_blocks(inp.block_copies)
+        lay, comm, model = self.layout, self.comm, self.model
+        vocab, d = model.config.vocab_size, model.config.d_model
+        if not inp.token_ids:
+            return torch.empty(0, 0, device=self.device)
+        mbs = split_model_input(inp, self.num_microbatches) if lay.pp > 1 else \
+            [(inp, list(range(len(inp.logits_indices))))]
+        last_rank0 = (lay.pp - 1) * lay.tp  # tp rank 0 of the last stage: sends the logits to rank 0
+        recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        logit_recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        for m, (sub, _) in enumerate(mbs):  # post every receive up front: senders never wait on us
+            if not lay.is_first_stage:
+                buf = torch.empty(1, len(sub.token_ids), d, dtype=self.dtype, device=self.device)
+                recvs[m] = (buf, comm.irecv(buf, lay.rank - lay.tp, m))
+            if lay.rank == 0 and lay.pp > 1 and sub.logits_indices:
+                buf = torch.empty(len(sub.logits_indices), vocab, dtype=self.dtype, device=self.device)
+                logit_recvs[m] = (buf, comm.irecv(buf, last_rank0, _LOGITS_TAG + m))
+        sends = []
+        results: dict[int, torch.Tensor] = {}
+        for m, (sub, _) in enumerate(mbs):
+            attn = PagedAttention(self.cache, self._metadata(sub))
+            positions = self._tensor(sub.positions)  # (N,)
+            if lay.is_first_stage:
+                x = model.embed_tokens(self._tensor(sub.token_ids)[None, :])  # (1, N, d)
+            else:
+                x, work = recvs[m]
+                comm.wait(work)
+            x = model.forward_layers(x, positions, attn)  # (1, N, d)
+            if not lay.is_last_stage:
+                sends.append(comm.isend(x, lay.rank + lay.tp, m))
+            elif sub.logits_indices:
+                logits = model.logits(x[0].index_select(0, self._tensor(sub.logits_indices)))  # (n, vocab)
+                if lay.rank == 0:
+                    results[m] = logits
+                elif lay.rank == last_rank0:
+                    sends.append(comm.isend(logits, 0, _LOGITS_TAG + m))
+        for work in sends:
+            comm.wait(work, "send_wait")
+        if lay.rank != 0:
+            return None
+        for m, (buf, work) in logit_recvs.items():
+            comm.wait(work)
+            results[m] = buf
+        if len(mbs) == 1:
+            return results.get(0, torch.empty(0, vocab, dtype=self.dtype, device=self.device))
+        out = torch.empty(len(inp.logits_indices), vocab, dtype=self.dtype, device=self.device)
+        for m, (_, positions) in enumerate(mbs):
+            if positions:
+                out[self._tensor(positions)] = results[m]
+        return out
+
+    def comm_stats(self) -> dict[str, tuple[float, int]]:
+        """{kind: (seconds, calls)} of this rank's communication since the last reset."""
+        return {k: (self.comm.seconds[k], self.comm.calls[k]) for k in self.comm.seconds}
