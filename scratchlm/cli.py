@@ -64,6 +64,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "run); it prints a markdown table with the ratio and writes it to benchmarks/results/.",
         "the foundation issue",
     ),
+    "plan": Subcommand(
+        "scratchlm.plan.cli",
+        "rank DP x TP x PP x CP layouts of a model on a cluster (cost model), or calibrate this machine",
+        "Predict memory per rank, prefill and decode time, throughput, TTFT and the bottleneck of every "
+        "parallel layout of a model on a cluster described in a TOML file; --calibrate measures this machine.",
+        "the sequence parallelism and planning issue",
+    ),
 }
 
 
