@@ -168,6 +168,10 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
         rank, local_rank, _ = joined
         init_default_group(backend_for(_rank_device(config, local_rank)), rank, world)
     else:
+        if torch.multiprocessing.current_process().daemon:
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs to spawn worker "
+                             f"processes, which a daemon process (e.g. `scratchlm serve --engine-process`) cannot; "
+                             f"run without --engine-process, or launch the ranks with torchrun")
         rank = local_rank = 0
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
