@@ -76,6 +76,9 @@ class RouterConfig:
         default=256, metadata={"help": "cost assumed for a request that does not say its max_tokens"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for a replica's answer"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for the replicas to load"})
+    replica_urls: list[str] | None = field(
+        default=None, metadata={"help": "route to these running `scratchlm serve` URLs (e.g. one per node) instead "
+                                "of starting --data-parallel-size local replicas"})
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +88,9 @@ class RouterConfig:
         for name in ("unhealthy_after", "affinity_chars", "default_max_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"router_{name}={getattr(self, name)} (expected a positive integer)")
+        for url in self.replica_urls or []:
+            if not url.startswith(("http://", "https://")):
+                problems.append(f"router_replica_urls: {url!r} (expected http://HOST:PORT)")
         if self.affinity_slack_tokens < 0:
             problems.append(f"router_affinity_slack_tokens={self.affinity_slack_tokens} (expected >= 0)")
         if problems:
@@ -554,13 +560,14 @@ def replica_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str | Path | None = None) -> list[Replica]:
-    """Start `count` `scratchlm serve` processes on free local ports and wait until every one answers /health.
-    Raises RuntimeError (after stopping the others) when one exits or does not come up in time."""
+    """Start `count` `scratchlm serve` processes on free local ports (or, with `config.replica_urls`, take those
+    running servers) and wait until every one answers /health. Raises RuntimeError (after stopping the started
+    ones) when one exits or does not come up in time."""
     import httpx
 
-    replicas = []
+    replicas = [Replica(index=i, url=u.rstrip("/")) for i, u in enumerate(config.replica_urls or [])]
     env = dict(os.environ)
-    for i in range(count):
+    for i in range(0 if replicas else count):
         port = free_port()
         cmd = [sys.executable, "-m", "scratchlm", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
         log.info("starting replica %d: %s", i, " ".join(cmd))
@@ -571,13 +578,13 @@ def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str 
     try:
         while pending:
             for r in list(pending):
-                if r.process.poll() is not None:
+                if r.process is not None and r.process.poll() is not None:
                     raise RuntimeError(f"replica {r.index} exited with code {r.process.returncode} during start-up "
                                        "(its log is above)")
                 try:
                     if httpx.get(r.url + "/health", timeout=2).status_code == 200:
                         pending.remove(r)
-                        log.info("replica %d ready on %s (pid %d)", r.index, r.url, r.process.pid)
+                        log.info("replica %d ready on %s", r.index, r.url)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
@@ -607,11 +614,13 @@ def stop_replicas(replicas: list[Replica], timeout: float = 10.0) -> None:
 
 def serve_data_parallel(args: argparse.Namespace, data_parallel_size: int, server_config: Any,
                         router_config: RouterConfig) -> int:
-    """`scratchlm serve --data-parallel-size D`: launch D replicas, serve the router on the configured host/port
-    until interrupted; returns 1 when every replica has died, 0 on a normal shutdown."""
+    """`scratchlm serve --data-parallel-size D` (or `--router-replica-urls URL...`): launch D replicas (or take the
+    given ones), serve the router on the configured host/port until interrupted; returns 1 when every replica
+    process has died, 0 on a normal shutdown."""
     import uvicorn
 
     replicas = launch_replicas(replica_argv(args), data_parallel_size, router_config)
+    data_parallel_size = len(replicas)
     exit_code = 0
     server: uvicorn.Server | None = None
 

@@ -86,12 +86,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
         engine_config = dataclass_from_args(EngineConfig, args)
-        data_parallel_size = getattr(args, "data_parallel_size", 1)
-        if data_parallel_size > 1:
-            from scratchlm.parallel.router import RouterConfig
+        from scratchlm.parallel.router import RouterConfig
 
-            router_config = dataclass_from_args(RouterConfig, args, prefix="router_")
-        elif data_parallel_size < 1:
+        router_config = dataclass_from_args(RouterConfig, args, prefix="router_")
+        data_parallel_size = getattr(args, "data_parallel_size", 1)
+        if data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size {data_parallel_size} (expected a positive integer)")
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
@@ -105,15 +104,16 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
         log.info("torch threads: %d", args.threads)
-    if data_parallel_size > 1:
+    if data_parallel_size > 1 or router_config.replica_urls:
         from scratchlm.defaults import default_model_path
         from scratchlm.parallel.router import serve_data_parallel
 
         try:
-            if args.model is not None and not Path(args.model).exists():
-                raise FileNotFoundError(f"model not found: {args.model}")
-            if args.model is None:
-                default_model_path()
+            if not router_config.replica_urls:  # else the replicas run elsewhere with their own model
+                if args.model is not None and not Path(args.model).exists():
+                    raise FileNotFoundError(f"model not found: {args.model}")
+                if args.model is None:
+                    default_model_path()
             return serve_data_parallel(args, data_parallel_size, server_config, router_config)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             print(f"scratchlm serve: {e}", file=sys.stderr)

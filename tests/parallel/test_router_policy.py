@@ -238,3 +238,28 @@ def test_metrics_sum_the_replicas_and_add_the_routers():
         await router.close()
 
     asyncio.run(go())
+
+
+def test_serve_flags_reach_the_replicas_and_bad_ones_are_named(capsys):
+    import argparse
+
+    from scratchlm.cli import main
+    from scratchlm.parallel.router import replica_argv
+    from scratchlm.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["m.gguf", "--data-parallel-size", "2", "--port", "9000", "--host", "0.0.0.0",
+                              "--max-num-seqs", "8", "--api-key", "k", "--no-enable-prefix-caching", "--threads", "1",
+                              "--router-health-interval-s", "0.5"])
+    argv = replica_argv(args)
+    assert argv[0] == "m.gguf" and "--port" not in argv and "--host" not in argv
+    assert "--data-parallel-size" not in argv and not any(a.startswith("--router") for a in argv)
+    joined = " ".join(argv)
+    assert "--max-num-seqs 8" in joined and "--api-key k" in joined and "--threads 1" in joined
+    assert "--no-enable-prefix-caching" in argv
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size 0 (expected a positive integer)" in capsys.readouterr().err
+    assert main(["serve", "--router-unhealthy-after", "0", "--router-replica-urls", "host:1"]) == 2
+    err = capsys.readouterr().err
+    assert "router_unhealthy_after=0" in err and "'host:1' (expected http://HOST:PORT)" in err
