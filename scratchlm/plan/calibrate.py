@@ -1,0 +1,101 @@
+"""`scratchlm plan --calibrate`: measure this machine's figures for the cost model (one thread per rank).
+
+- GEMM FLOP/s: a float32 (m x k) @ (k x n) matmul, best of a few;
+- GEMV bandwidth: a (rows x cols) float32 matrix times a vector, bytes of the matrix / time;
+- softmax rate: `attention_with_lse` on one block, its time less its GEMM FLOPs at the measured FLOP/s,
+  per score element;
+- gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
+  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from scratchlm.plan.cluster import ClusterSpec
+
+
+def _best(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_gemm(n: int = 1024) -> float:
+    """FLOP/s of an n x n x n float32 matmul on the current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out))
+
+
+def measure_gemv(rows: int = 8192, cols: int = 4096) -> float:
+    """Bytes/s streamed by a float32 matrix-vector product (the matrix is larger than the caches)."""
+    a, x = torch.randn(rows, cols), torch.randn(cols)
+    return rows * cols * 4 / _best(lambda: torch.mv(a, x))
+
+
+def measure_softmax_rate(flops: float, t: int = 512, heads: int = 8, kv_heads: int = 4, d: int = 64) -> float:
+    """Attention score elements per second, the GEMM part of the block taken out at `flops`."""
+    from scratchlm.parallel.sequence import attention_with_lse
+
+    q, k, v = torch.randn(1, t, heads, d), torch.randn(1, t, kv_heads, d), torch.randn(1, t, kv_heads, d)
+    pos = torch.arange(t)
+    sec = _best(lambda: attention_with_lse(q, k, v, pos, pos), repeats=3)
+    elements = heads * t * t
+    rest = max(sec - 4 * elements * d / flops, sec * 0.2)
+    return elements / rest
+
+
+def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        x = torch.zeros(max(1, n // 4))
+        dist.all_reduce(x)
+        dist.barrier()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        out[n] = sorted(times)[len(times) // 2]
+    return out
+
+
+def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of gloo all-reduce between 2 local processes."""
+    from scratchlm.parallel.sequence import spawn_gloo
+
+    res = spawn_gloo(_allreduce_worker, 2, [small, large], repeats)
+    t_small = max(r[small] for r in res)
+    t_large = max(r[large] for r in res)
+    latency = t_small / 2  # ring all-reduce on 2 ranks: 2 (latency + n / (2 bw))
+    bandwidth = large / max(t_large - 2 * latency, 1e-9)
+    return latency, bandwidth
+
+
+def calibrate(threads: int = 1, network: bool = True) -> ClusterSpec:
+    """Measure this machine: one node, one device per usable core, `threads` torch threads per rank."""
+    torch.set_num_threads(threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    flops = measure_gemm()
+    bw = measure_gemv()
+    smax = measure_softmax_rate(flops)
+    lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
+    try:
+        mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        mem_total = 8 * 2**30
+    return ClusterSpec(name="local (calibrated)", nodes=1, devices_per_node=max(1, cores // threads), flops=flops,
+                       mem_bw=bw, mem_capacity=mem_total / max(1, cores // threads), softmax_rate=smax,
+                       intra_bw=net_bw, intra_latency=lat, inter_bw=net_bw, inter_latency=lat, dtype_bytes=4)

@@ -1,0 +1,111 @@
+"""`scratchlm plan`: rank DP x TP x PP x CP layouts of a model on a cluster, or calibrate this machine.
+
+    scratchlm plan --model MODEL --cluster recipes/clusters/h100x8_nvlink.toml --prompt-len 2048 --output-len 256 \\
+        --concurrency 64
+    scratchlm plan --calibrate --out recipes/clusters/local.toml
+
+MODEL is a model path (anything `scratchlm.model.load` reads), or a TOML/JSON file of `ModelConfig`
+fields (e.g. recipes/clusters/models/llama3-70b.toml); the default is SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scratchlm.model.config import ModelConfig
+from scratchlm.plan.cluster import cluster_to_toml, load_cluster
+from scratchlm.plan.cost import Workload, explain, plan
+
+
+def load_model_config(path: str | None) -> ModelConfig:
+    """A `ModelConfig` from a TOML/JSON file of its fields, or from a model checkpoint (weights are loaded too)."""
+    if path is None:
+        from scratchlm.defaults import default_model_path
+
+        path = str(default_model_path())
+    p = Path(path)
+    if p.suffix in (".toml", ".json"):
+        from scratchlm.config import load_config
+
+        return load_config(ModelConfig, p)
+    if not p.exists():
+        raise ValueError(f"--model {path}: no such file or directory (expected a model path or a ModelConfig "
+                         ".toml/.json)")
+    from scratchlm.model import load
+
+    return load(p).config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `scratchlm plan`."""
+    parser.add_argument("--model", default=None, help="model path, or a TOML/JSON file of ModelConfig fields "
+                        "(default: SmolLM2-135M)")
+    parser.add_argument("--cluster", default=None, help="cluster TOML (see recipes/clusters/); default: calibrate "
+                        "this machine")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests served at once")
+    parser.add_argument("--world", type=int, default=None, help="ranks to use (default: every device)")
+    parser.add_argument("--objective", choices=["throughput", "ttft"], default="throughput",
+                        help="what to rank the layouts by")
+    parser.add_argument("--top", type=int, default=10, help="layouts to show")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine (GEMM FLOP/s, GEMV bandwidth, softmax rate, gloo all-reduce) "
+                        "and print or write a cluster TOML")
+    parser.add_argument("--out", type=Path, default=None, help="with --calibrate: write the cluster TOML here")
+
+
+def format_table(preds, top: int) -> str:
+    """A plain-text table of the first `top` predictions."""
+    head = (f"{'layout':<22}{'fits':<6}{'GiB/rank':>9}{'W':>7}{'KV':>7}{'act':>7}{'prefill ms':>12}"
+            f"{'TPOT ms':>10}{'TTFT ms':>10}{'tok/s':>10}  bottleneck")
+    rows = [head, "-" * len(head)]
+    g = 2**30
+    for p in preds[:top]:
+        rows.append(f"{str(p.layout):<22}{'yes' if p.feasible else 'no':<6}{p.memory_bytes / g:>9.2f}"
+                    f"{p.weights_bytes / g:>7.2f}{p.kv_bytes / g:>7.2f}{p.activation_bytes / g:>7.2f}"
+                    f"{p.prefill.total * 1e3:>12.1f}{p.tpot_s * 1e3:>10.2f}{p.ttft_s * 1e3:>10.1f}"
+                    f"{p.throughput:>10.1f}  {p.bottleneck}")
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `scratchlm plan`."""
+    try:
+        if args.calibrate:
+            from scratchlm.plan.calibrate import calibrate
+
+            spec = calibrate()
+            text = cluster_to_toml(spec, "measured by `scratchlm plan --calibrate` (one thread per rank)")
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(text)
+                print(f"wrote {args.out}", file=sys.stderr)
+            print(text, end="")
+            if args.cluster is None and args.model is None:
+                return 0
+            cluster = spec
+        else:
+            cluster = load_cluster(args.cluster) if args.cluster else None
+        if cluster is None:
+            print("no --cluster given: calibrating this machine first (use --calibrate --out FILE to keep it)",
+                  file=sys.stderr)
+            from scratchlm.plan.calibrate import calibrate
+
+            cluster = calibrate()
+        config = load_model_config(args.model)
+        work = Workload(args.prompt_len, args.output_len, args.concurrency)
+        ranked = plan(config, work, cluster, args.objective, args.world)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scratchlm plan: error: {e}", file=sys.stderr)
+        return 2
+    print(f"cluster {cluster.name}: {cluster.nodes} node(s) x {cluster.devices_per_node} devices; workload: prompt "
+          f"{work.prompt_len}, output {work.output_len}, concurrency {work.concurrency}; "
+          f"{len(ranked)} layouts of {ranked[0].layout.world} ranks")
+    print(format_table(ranked, args.top))
+    print()
+    print(explain(ranked, args.objective))
+    return 0
+
