@@ -242,6 +242,7 @@ class Speculator:
             outputs.append(eng._request_output(req))
             if req.finished:
                 eng.requests.pop(rid, None)
+        self._release_stopped()  # finished this step: free their draft KV now
         return outputs
 
     def _append(self, pd: _Pending) -> Any:
