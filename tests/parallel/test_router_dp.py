@@ -3,7 +3,7 @@
 Oracle: the same greedy requests on a single in-process engine (DP=1). Checks, in order on one server:
 greedy output equal through the official `openai` client (plain and streaming) and both replicas used;
 a stopped (SIGSTOP) replica leaves the rotation and comes back; a replica killed (SIGKILL) mid-load loses
-none of the accepted requests.
+none of the accepted requests. Starting three processes on a 2-core machine is most of the time.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # ~1-2 min on a loaded 2-core machine; test_router_inprocess.py is the fast twin
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [f"Once upon a time, {name} went to the" for name in
-           ("Lily", "Tom", "Ben", "Sue", "a cat", "a dog", "the king", "Mia", "Max", "Anna", "a bird", "Sam")]
-MAX_TOKENS = 48
-LONG_TOKENS = 400
+           ("Lily", "Tom", "Ben", "Sue", "a cat", "a dog", "the king", "Mia")]
+MAX_TOKENS = 32
+LONG_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
