@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--prompt", default=None, help="ask this one question, print the reply, and exit")
     parser.add_argument("--device", default="cpu", help="torch device of the in-process engine")
+    parser.add_argument("--speculative", default=None,
+                        help="speculative decoding in the in-process engine: ngram | draft:PATH | layers:K")
 
 
 # ------------------------------------------------------------------------------------------ back ends
@@ -110,11 +112,12 @@ class EngineBackend:
     _ids: Iterator[int] = field(default_factory=lambda: iter(range(10**12)))
 
     @classmethod
-    def load(cls, model: str | None, device: str) -> EngineBackend:
+    def load(cls, model: str | None, device: str, speculative: str | None = None) -> EngineBackend:
         from scratchlm.inference import EngineConfig, LLMEngine
 
         print(f"loading {model or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
-        return cls(LLMEngine.from_pretrained(model, EngineConfig(device=device, max_num_seqs=1)))
+        return cls(LLMEngine.from_pretrained(model, EngineConfig(device=device, max_num_seqs=1,
+                                                                     speculative=speculative)))
 
     def stream(self, messages: list[dict], opts: ChatOptions) -> Iterator[str]:
         from scratchlm.inference import SamplingParams
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             backend: Any = ServerBackend(args.url, args.api_key or os.environ.get("SCRATCHLM_API_KEY"),
                                          args.model_name)
         else:
-            backend = EngineBackend.load(args.model, args.device)
+            backend = EngineBackend.load(args.model, args.device, getattr(args, "speculative", None))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"scratchlm chat: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights and KV cache dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--speculative", default=None,
+                        help="speculative decoding: ngram | draft:PATH | layers:K (see docs/speculative.md)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does, and the speed")
 
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-        config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device)
+        config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device,
+                              speculative=getattr(args, "speculative", None))
         engine = LLMEngine.from_pretrained(args.model, config)
         prompt = args.prompt
         if args.chat:

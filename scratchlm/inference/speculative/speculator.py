@@ -54,10 +54,19 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens appended by verifies (accepted + corrected/bonus)
+    rejected: int = 0  # verifies that rejected a draft (the others accepted all k)
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability (the formula's alpha), estimated as accepted / (accepted + rejections):
+        the maximum-likelihood estimate when each draft is accepted independently with probability alpha."""
+        n = self.accepted + self.rejected
+        return self.accepted / n if n else 0.0
 
 
 @dataclass
@@ -271,6 +280,7 @@ class Speculator:
         st.drafted += k
         st.accepted += pd.accepted
         st.emitted += len(pd.tokens)
+        st.rejected += int(pd.accepted < k)
         self._observe(seq.seq_id, k, pd.accepted)
         return req
 
