@@ -128,8 +128,10 @@ def _allgather(n_total: float, p: int, lat: float, bw: float) -> float:
 
 
 def _spans_nodes(inner: int, size: int, cluster: ClusterSpec) -> bool:
-    """Does a group of `size` ranks spaced `inner` apart cross a node boundary?"""
-    return size > 1 and inner * size > cluster.devices_per_node
+    """Does a group of `size` ranks spaced `inner` apart cross a node boundary? (Also when groups do not tile
+    a node evenly: TP=3 on 8-GPU nodes puts some groups across two nodes.)"""
+    span = inner * size
+    return size > 1 and (span > cluster.devices_per_node or cluster.devices_per_node % span != 0)
 
 
 def ring_score_elements(t: int, cp: int) -> float:
