@@ -2,8 +2,8 @@
 
 `init_groups` makes three kinds of group, created in the same order on every rank:
 
-- the default group, used only to hand rank 0's step command to the workers; its timeout is long
-  (a server may sit idle for hours between requests);
+- the default group, used only to hand rank 0's step command to the workers; its timeout is the
+  short one on rank 0 and unlimited on the workers (a server may sit idle for hours between requests);
 - a *step* group over all ranks with the short collective timeout (60 s by default) for the
   point-to-point activations of the pipeline;
 - one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers.
@@ -31,15 +31,21 @@ def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_default_group(backend: str, rank: int, world_size: int, init_method: str | None = None) -> None:
-    """Join the default process group (env:// from torchrun when `init_method` is None)."""
+def init_default_group(backend: str, rank: int, world_size: int, init_method: str | None = None,
+                       timeout_s: float = 60.0) -> None:
+    """Join the default process group (env:// from torchrun when `init_method` is None).
+
+    The default group carries rank 0's step commands. Its timeout is per process: rank 0 waits at most
+    `timeout_s` for workers to take a command (a hung worker fails the step), while workers wait for the
+    next command without limit (`IDLE_TIMEOUT`: a server may be idle for hours)."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, expected rank {rank} of {world_size}")
         return
+    timeout = timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            timeout=IDLE_TIMEOUT)
+                            timeout=timeout)
 
 
 class Comm:

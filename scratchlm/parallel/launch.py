@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 from dataclasses import asdict
 from pathlib import Path
@@ -147,10 +148,13 @@ def worker_main(rank: int, world_size: int, init_method: str, path: str, config_
     model_config = read_model_config(path)
     stage_layers = parse_stage_layers(config.pipeline_stage_layers)
     device = _rank_device(config, rank)
-    init_default_group(backend_for(device), rank, world_size, init_method)
+    init_default_group(backend_for(device), rank, world_size, init_method, config.parallel_timeout_s)
     runner, _ = build_rank(Path(path), model_config, config, rank, rank, stage_layers)
     runner.serve_forever()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded); nothing is left to flush
 
 
 def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineConfig):
@@ -166,7 +170,8 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
     procs: list = []
     if joined:
         rank, local_rank, _ = joined
-        init_default_group(backend_for(_rank_device(config, local_rank)), rank, world)
+        init_default_group(backend_for(_rank_device(config, local_rank)), rank, world, None,
+                           config.parallel_timeout_s)
     else:
         if torch.multiprocessing.current_process().daemon:
             raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs to spawn worker "
@@ -182,7 +187,7 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
             p.start()
             procs.append(p)
         try:
-            init_default_group(backend_for(_rank_device(config, 0)), 0, world, init_method)
+            init_default_group(backend_for(_rank_device(config, 0)), 0, world, init_method, config.parallel_timeout_s)
         except BaseException:
             for p in procs:
                 p.kill()

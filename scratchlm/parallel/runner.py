@@ -42,7 +42,7 @@ def _shutdown(comm_ok: list[bool], procs: list, timeout: float = 10.0) -> None:
     if comm_ok[0] and dist.is_initialized():
         with contextlib.suppress(Exception):  # a dead peer: fall through to terminate
             dist.broadcast_object_list([("stop", None)], src=0)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if comm_ok[0] else 0.0)
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
