@@ -43,8 +43,9 @@ class EngineConfig:
         metadata={"help": "speculative decoding: ngram[:N] (prompt lookup) | draft:PATH (a smaller model with the "
                           "same tokenizer) | layers:K (the target's first K layers); see docs/speculative.md"},
     )
-    num_speculative_tokens: int = field(
-        default=4, metadata={"help": "most tokens drafted per sequence and step (k adapts per sequence up to this)"}
+    num_speculative_tokens: int | None = field(
+        default=None, metadata={"help": "most tokens drafted per sequence and step; k adapts per sequence up to it "
+                                        "(None = 8 for ngram, 4 for a draft model)"}
     )
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "tensor-parallel ranks (attention sharded by KV head, MLP and vocab split); "
@@ -68,6 +69,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                      "num_speculative_tokens"):
             v = getattr(self, name)
+            if v is None and name == "num_speculative_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -15,9 +15,11 @@
    everything else (prefills, k = 0 decodes, n > 1 forks) goes through the engine's own postprocess.
 
 Adaptive k: each sequence keeps a decayed estimate of its per-token acceptance rate alpha and drafts the k in
-[0, k_max] that maximizes the expected speed-up (1 - alpha^(k+1)) / ((1 - alpha)(1 + k (c + v))), where c is the
-draft's cost per token relative to the target (0 for n-grams) and v the target's extra cost per verified token.
-When k = 0 wins it stops drafting and probes with k = 1 every `probe_every` steps.
+[0, k_max] that maximizes the expected tokens per step over the step's cost,
+(1 - alpha^(k+1)) / (1 - alpha) / (1 + k c + [k > 0] (v0 + v k)), where c is the draft's cost per token relative
+to the target (0 for n-grams) and v0 + v k the target's extra cost of verifying k drafts in its forward (on this
+CPU a (k + 1)-row GEMM costs far more than the 1-row GEMV of a decode: v0 = 0.5, v = 0.1 measured, see
+docs/speculative.md). When k = 0 wins it stops drafting and probes with k = 1 every `probe_every` steps.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ from scratchlm.inference.speculative.rejection import processed_logits, verify
 log = logging.getLogger(__name__)
 
 
-def expected_speedup(alpha: float, k: int, cost: float) -> float:
-    """(1 - alpha^(k+1)) / ((1 - alpha)(k cost + 1)): tokens per step over the step's cost (Leviathan et al.)."""
+def expected_speedup(alpha: float, k: float, cost: float, verify_fixed: float = 0.0, verify_per_token: float = 0.0
+                     ) -> float:
+    """(1 - alpha^(k+1)) / ((1 - alpha)(k cost + 1)): tokens per step over the step's cost (Leviathan et al.);
+    with verify_fixed / verify_per_token the target's forward costs 1 + v0 + v k instead of 1 when k > 0."""
     tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens / (k * cost + 1.0)
+    verify = verify_fixed + verify_per_token * k if k > 0 else 0.0
+    return tokens / (k * cost + 1.0 + verify)
 
 
 @dataclass
@@ -94,14 +99,17 @@ class _Pending:
 class Speculator:
     """Owns the proposer and the per-sequence adaptive state; `step()` replaces the engine's step."""
 
-    def __init__(self, engine: Any, method: SpecMethod | str, k_max: int = 4, verify_cost: float = 0.1,
-                 adaptive: bool = True, probe_every: int = 16, decay: float = 0.8):
+    def __init__(self, engine: Any, method: SpecMethod | str, k_max: int | None = None, verify_fixed: float = 0.5,
+                 verify_per_token: float = 0.1, adaptive: bool = True, probe_every: int = 16, decay: float = 0.8):
         self.engine = engine
         self.method = parse_speculative(method) if isinstance(method, str) else method
+        if k_max is None:
+            k_max = 8 if self.method.kind == "ngram" else 4  # n-gram drafts are free: longer ones pay off
         if k_max < 1:
             raise ValueError(f"num_speculative_tokens={k_max} must be >= 1")
         self.k_max = k_max
-        self.verify_cost = verify_cost
+        self.verify_fixed = verify_fixed
+        self.verify_per_token = verify_per_token
         self.adaptive = adaptive
         self.probe_every = probe_every
         self.decay = decay
@@ -120,8 +128,8 @@ class Speculator:
         if not self.adaptive:
             return self.k_max
         st = self._adapt.setdefault(seq_id, _Adaptive())
-        cost = self.proposer.cost + self.verify_cost
-        best = max(range(self.k_max + 1), key=lambda k: expected_speedup(st.alpha, k, cost))
+        c, v0, v = self.proposer.cost, self.verify_fixed, self.verify_per_token
+        best = max(range(self.k_max + 1), key=lambda k: expected_speedup(st.alpha, k, c, v0, v))
         if best == 0:
             st.idle += 1
             if st.idle >= self.probe_every:
