@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -491,7 +492,9 @@ def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors by value: torch's queue reducers would pass shared-memory file
+        # descriptors, which break once this process exits before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, whatever it is
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -503,9 +506,8 @@ def spawn_gloo(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> 
     """Run `fn(rank, world, *args)` on `world` local processes joined in a gloo group (1 thread each);
     returns the results by rank, or raises RuntimeError with the failing rank's traceback.
     `fn` must be importable (a module-level function)."""
+    import multiprocessing as mp
     import queue as _queue
-
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -523,7 +525,7 @@ def spawn_gloo(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> 
                                    f"gave no result within {timeout} s") from e
             if status != "ok":
                 raise RuntimeError(f"spawn_gloo: rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -148,8 +148,9 @@ def _check_against_single_rank(model_path, ids, new_tokens, worlds, backends, at
 
 
 def test_context_parallel_prefill_and_decode_match_single_rank(data_dir):
-    """stories260K over a 1,024-token prompt (twice its training context), ring and Ulysses, P = 2 and 4."""
-    ids = torch.randint(3, 512, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
+    """stories260K over a 1,021-token prompt (twice its training context; padded to 2P chunks), ring and
+    Ulysses, P = 2 and 4."""
+    ids = torch.randint(3, 512, (1021,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_against_single_rank(data_dir / "models/stories260K/stories260K.bin", ids, 8, [2, 4],
                                ["ring", "ulysses"], atol=1e-4)
 
