@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+from pathlib import Path
 
 from benchmarks.common import Report, set_threads
 
@@ -92,12 +93,13 @@ def main(argv: list[str] | None = None) -> None:
                         results[name][kind].append(res)
                     print(f"  {kind} round {r}: {name} {res['wall']:.3f} s", file=sys.stderr)
     finally:
-        for proc, conn in clients.values():
+        for _, conn in clients.values():
             conn.send(None)
         for proc, _ in clients.values():
             proc.join(30)
     load = os.getloadavg()
-    rep = Report("parallel", "Tensor / pipeline parallel inference vs one process (CPU, gloo)", argv or sys.argv[1:])
+    name = "parallel" if args.model is None else f"parallel-{Path(args.model).stem}"
+    rep = Report(name, "Tensor / pipeline parallel inference vs one process (CPU, gloo)", argv or sys.argv[1:])
     rep.add(f"Model: `{args.model or 'SmolLM2-135M-Instruct (default GGUF, dequantized to fp32)'}`; prompts of "
             f"{args.prompt_len} random tokens, {args.gen} greedy tokens each; median of {args.repeats} interleaved "
             f"rounds after a warm-up round. Load average at the end: {load[0]:.2f} / {load[1]:.2f} "

@@ -177,6 +177,10 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
             raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs to spawn worker "
                              f"processes, which a daemon process (e.g. `scratchlm serve --engine-process`) cannot; "
                              f"run without --engine-process, or launch the ranks with torchrun")
+        if torch.distributed.is_initialized():
+            raise ValueError("torch.distributed is already initialised in this process (another TP/PP engine?): "
+                             "one spawned TP/PP engine per process; shut the other down first "
+                             "(engine.runner.shutdown())")
         rank = local_rank = 0
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
