@@ -35,7 +35,7 @@ def test_serve_rejects_a_bad_method() -> None:
     assert "unknown method 'beam'" in res.stderr and "ngram" in res.stderr
 
 
-@pytest.mark.parametrize("spec", ["ngram", "layers:3"])
+@pytest.mark.parametrize("spec", ["ngram", pytest.param("layers:3", marks=pytest.mark.slow)])
 def test_server_greedy_equals_plain_engine(data_dir, spec: str) -> None:
     path = data_dir / "models" / "stories260K" / "stories260K.bin"
     ref = LLM(str(path), max_num_seqs=8).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48),
