@@ -84,7 +84,8 @@ def test_preemption_and_small_pool() -> None:
 
 
 def test_stops_inside_accepted_drafts() -> None:
-    """EOS, stop ids, stop strings and max_tokens that fall among accepted drafts end the output there."""
+    """EOS, stop ids, stop strings and max_tokens that fall among accepted drafts end the output there; logprobs
+    and penalties (which depend on the tokens before each drafted position) equal the plain engine's."""
     model, cfg = tiny_model(seed=2, vocab=12)
     free = make_engine(model, cfg)
     free.add_request("x", REPEAT, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
@@ -96,6 +97,8 @@ def test_stops_inside_accepted_drafts() -> None:
         SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_str], ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.4,
+                       frequency_penalty=0.2, ignore_eos=True),  # penalties see the drafts before each position
     ]
     outs = {}
     for spec in (None, "layers:1"):
