@@ -160,6 +160,58 @@ def test_tp2_across_namespaces_equals_tp1(two_hosts, data_dir):
     assert min(sent) > 10_000, sent  # activations were all-reduced over the veth
 
 
+@pytest.mark.distributed
+def test_tp2_server_across_namespaces_via_the_slurm_rank_wrapper(two_hosts, data_dir):
+    """The documented launch: `torchrun --nnodes 2 ... --no-python recipes/slurm/rank.sh serve MODEL
+    --tensor-parallel-size 2` in each namespace; a client inside namespace 0 gets the TP=1 greedy text."""
+    if not _has_tensor_parallel():
+        pytest.skip("tensor parallelism (EngineConfig.tensor_parallel_size) has not landed yet")
+    import torch
+
+    from scratchlm.inference import LLM, SamplingParams
+
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    torch.set_num_threads(1)
+    ref = LLM(model).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                              use_tqdm=False)
+    url = f"http://{two_hosts.addr[0]}:8000"
+    procs = []
+    for i in range(2):
+        env = ["env", f"GLOO_SOCKET_IFNAME={two_hosts.dev[i]}", "OMP_NUM_THREADS=1", f"PYTHON={sys.executable}"]
+        cmd = ["ip", "netns", "exec", two_hosts.ns[i], *env, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "1", "--master-addr", two_hosts.addr[0],
+               "--master-port", "29518", "--max-restarts", "0", "--no-python", str(REPO / "recipes/slurm/rank.sh"),
+               "serve", str(model), "--tensor-parallel-size", "2", "--threads", "1", "--host", two_hosts.addr[0],
+               "--port", "8000"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
+    client = f"""
+import httpx, json, time
+deadline = time.monotonic() + 240
+while True:
+    try:
+        if httpx.get("{url}/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    assert time.monotonic() < deadline, "the TP=2 server did not come up"
+    time.sleep(0.5)
+texts = [httpx.post("{url}/v1/completions", timeout=240, json={{"prompt": p, "max_tokens": {MAX_TOKENS},
+         "temperature": 0, "ignore_eos": True}}).json()["choices"][0]["text"] for p in {PROMPTS!r}]
+print("{MARK}" + json.dumps(texts))
+"""
+    try:
+        res = subprocess.run(["ip", "netns", "exec", two_hosts.ns[0], sys.executable, "-c", client],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for p in procs:
+            p.terminate()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    log = "\n".join(f"--- node {i} ---\n{o[-3000:]}" for i, o in enumerate(outs))
+    assert res.returncode == 0 and MARK in res.stdout, res.stdout + res.stderr + log
+    texts = json.loads(res.stdout.split(MARK, 1)[1])
+    assert texts == [o.outputs[0].text for o in ref], log
+
+
 # ----- the worker torchrun starts in each namespace -------------------------------------------------------------
 
 
