@@ -40,6 +40,9 @@ def oracle(model) -> dict[tuple[str, int], str]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for p, o in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
             out[(p, n)] = o.outputs[0].text
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for p, o in zip(PROMPTS, llm.generate(PROMPTS, seeded, use_tqdm=False)):
+        out[(p, "seeded")] = o.outputs[0].text
     return out
 
 
@@ -75,8 +78,14 @@ def test_greedy_through_the_router_equals_one_engine_and_uses_both(cluster, orac
         for stream in (False, True):
             for p, text in zip(PROMPTS, pool.map(lambda p, s=stream: ask(p, s), PROMPTS)):
                 assert text == oracle[(p, MAX_TOKENS)], (p, stream)
+    with ThreadPoolExecutor(6) as pool:  # seeded sampling too: the same tokens whichever replica draws them
+        seeded = pool.map(lambda p: client.completions.create(
+            model="stories260K", prompt=p, max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=7,
+            extra_body={"ignore_eos": True}).choices[0].text, PROMPTS)
+        for p, text in zip(PROMPTS, seeded):
+            assert text == oracle[(p, "seeded")], p
     assert min(r.requests_total for r in router.replicas) > 0, [r.requests_total for r in router.replicas]
-    assert sum(r.requests_total for r in router.replicas) == 2 * len(PROMPTS) + 1  # + /v1/models
+    assert sum(r.requests_total for r in router.replicas) == 3 * len(PROMPTS) + 1  # + /v1/models
     assert router.retries_total == 0
     assert all(r.outstanding_tokens == 0 for r in router.replicas)
     status, body = router.health()
@@ -84,8 +93,8 @@ def test_greedy_through_the_router_equals_one_engine_and_uses_both(cluster, orac
     from scratchlm.server.metrics import parse_prometheus
 
     m = parse_prometheus(httpx.get(front.url + "/metrics", timeout=10).text)  # both replicas, summed
-    assert m['scratchlm:request_success_total{model_name="stories260K",finished_reason="length"}'] == 2 * len(PROMPTS)
-    assert m['scratchlm:generation_tokens_total{model_name="stories260K"}'] == 2 * len(PROMPTS) * MAX_TOKENS
+    assert m['scratchlm:request_success_total{model_name="stories260K",finished_reason="length"}'] == 3 * len(PROMPTS)
+    assert m['scratchlm:generation_tokens_total{model_name="stories260K"}'] == 3 * len(PROMPTS) * MAX_TOKENS
 
 
 def test_replica_stopping_mid_load_loses_no_request(cluster, oracle):
