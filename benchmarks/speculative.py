@@ -119,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("speculative", "Speculative decoding: speed-up over plain decoding on SmolLM2-135M-Instruct",
                     argv if argv is not None else __import__("sys").argv[1:])
     methods = ["plain", "ngram", f"layers:{args.layers}"]
-    engines = {m: LLMEngine.from_pretrained(None, EngineConfig(max_num_seqs=1, speculative=None if m == "plain" else m))
-               for m in methods}
+    from scratchlm.model import load
+
+    target = load(default_model_path())  # one copy of the weights shared by every engine (the machine is shared)
+
+    def make(spec: str | None) -> LLMEngine:
+        cfg = EngineConfig(max_num_seqs=1, max_model_len=1024, speculative=spec)
+        return LLMEngine(target.model, target.tokenizer, target.config, cfg)
+
+    engines = {m: make(None if m == "plain" else m) for m in methods}
     chat = engines["plain"].apply_chat_template
     workloads = {
         "grounded": [chat([{"role": "user", "content": f"{ins}\n\n{text}"}]) for ins, text in passages(data,
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         n_tok = min(args.tokens, 32)
         drows = []
         for m in [f"draft:{path}", f"layers:{args.layers}"]:
-            eng = LLMEngine.from_pretrained(None, EngineConfig(max_num_seqs=1, speculative=m))
+            eng = make(m)
             eng.speculator.adaptive = False
             c = eng.speculator.proposer.cost
             for w, prompts in workloads.items():
