@@ -6,7 +6,6 @@ Oracle: greedy completions from a separate single engine (DP=1).
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -111,8 +110,10 @@ def test_replica_stopping_mid_load_loses_no_request(cluster, oracle):
         while router.replicas[1].outstanding_requests < 2:
             assert time.monotonic() < deadline, "no requests in flight on replica 1"
             time.sleep(0.01)
-        threading.Thread(target=replicas[1].stop, daemon=True).start()  # its engine loop and port go away
+        victim = replicas[1].server  # dies at once: no graceful wait, its port and its connections go away
+        victim.force_exit = victim.should_exit = True
         results = [f.result() for f in futures]
+    victim.config.app.state.server.loop.stop()  # (force_exit skipped the app's shutdown)
     for p, (status, text) in zip(PROMPTS, results):
         assert status == 200, text
         assert text == oracle[(p, LONG_TOKENS)], p
