@@ -28,6 +28,7 @@ def test_serve_flags_reach_engine_config() -> None:
     assert cfg.speculative == "layers:2" and cfg.num_speculative_tokens == 3
 
 
+@pytest.mark.slow  # a subprocess start-up: ~15 s on the loaded machine
 def test_serve_rejects_a_bad_method() -> None:
     res = subprocess.run([sys.executable, "-m", "scratchlm", "serve", "--speculative", "beam:3"], capture_output=True,
                          text=True, timeout=120)
@@ -38,7 +39,7 @@ def test_serve_rejects_a_bad_method() -> None:
 @pytest.mark.parametrize("spec", ["ngram", pytest.param("layers:3", marks=pytest.mark.slow)])
 def test_server_greedy_equals_plain_engine(data_dir, spec: str) -> None:
     path = data_dir / "models" / "stories260K" / "stories260K.bin"
-    ref = LLM(str(path), max_num_seqs=8).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48),
+    ref = LLM(str(path), max_num_seqs=8).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24),
                                                   use_tqdm=False)
     engine = LLMEngine.from_pretrained(path, EngineConfig(max_num_seqs=8, speculative=spec))
     engine.speculator.adaptive = False  # always draft, so the server path surely verifies
@@ -46,7 +47,7 @@ def test_server_greedy_equals_plain_engine(data_dir, spec: str) -> None:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
         def ask(prompt: str) -> str:
-            stream = client.completions.create(model="stories260K", prompt=prompt, max_tokens=48, temperature=0,
+            stream = client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0,
                                                stream=True)
             return "".join(c.choices[0].text for c in stream)
 
