@@ -2,8 +2,9 @@
 
 `init_groups` makes three kinds of group, created in the same order on every rank:
 
-- the default group, used only to hand rank 0's step command to the workers; its timeout is the
-  short one on rank 0 and unlimited on the workers (a server may sit idle for hours between requests);
+- the default group (rendezvous, group creation, the start-up handshake; 10 min on rank 0);
+- a command group over all ranks for rank 0's step commands: the short timeout on rank 0 and
+  unlimited on the workers (a server may sit idle for hours between requests);
 - a *step* group over all ranks with the short collective timeout (60 s by default) for the
   point-to-point activations of the pipeline;
 - one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers.
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from scratchlm.parallel.layout import RankLayout
 
 IDLE_TIMEOUT = timedelta(days=30)  # waiting for the next step: the server may be idle
+STARTUP_TIMEOUT = timedelta(minutes=10)  # rank 0 waiting for the workers to start and load their shards
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -35,15 +37,15 @@ def init_default_group(backend: str, rank: int, world_size: int, init_method: st
                        timeout_s: float = 60.0) -> None:
     """Join the default process group (env:// from torchrun when `init_method` is None).
 
-    The default group carries rank 0's step commands. Its timeout is per process: rank 0 waits at most
-    `timeout_s` for workers to take a command (a hung worker fails the step), while workers wait for the
-    next command without limit (`IDLE_TIMEOUT`: a server may be idle for hours)."""
+    The default group only rendezvouses, creates the other groups and hands out the KV pool size once
+    every rank has loaded its shard, so rank 0 gives it `STARTUP_TIMEOUT` (loading is slow on a busy
+    machine) and workers `IDLE_TIMEOUT`."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, expected rank {rank} of {world_size}")
         return
-    timeout = timedelta(seconds=timeout_s) if rank == 0 else IDLE_TIMEOUT
+    timeout = max(STARTUP_TIMEOUT, timedelta(seconds=timeout_s)) if rank == 0 else IDLE_TIMEOUT
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                             timeout=timeout)
 
@@ -58,6 +60,8 @@ class Comm:
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         world = list(range(layout.tp * layout.pp))
+        # Step commands: rank 0 waits `timeout_s` for the workers to take one, workers wait without limit.
+        self.cmd_group = dist.new_group(world, timeout=timeout if layout.rank == 0 else IDLE_TIMEOUT, backend=backend)
         self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
         self.tp_group = None
         for stage in range(layout.pp):  # every rank creates every group, in the same order
@@ -76,11 +80,13 @@ class Comm:
         self.calls.clear()
 
     # --- commands (default group, long timeout) -------------------------------------------------
-    def broadcast_command(self, obj: object) -> object:
-        """Rank 0 sends `obj` (picklable) to every rank; the others receive and return it."""
+    def broadcast_command(self, obj: object, startup: bool = False) -> object:
+        """Rank 0 sends `obj` (picklable) to every rank; the others receive and return it.
+        `startup`: over the default group (long timeout: the workers may still be loading)."""
         t = time.perf_counter()
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.backend == "nccl" else None)
+        dist.broadcast_object_list(box, src=0, group=None if startup else self.cmd_group,
+                                   device=self.device if self.backend == "nccl" else None)
         self._timed("broadcast", t)
         return box[0]
 

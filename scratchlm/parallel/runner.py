@@ -37,11 +37,11 @@ class ParallelWorkerError(RuntimeError):
     """A tensor/pipeline-parallel rank died, hung past the timeout, or failed: the engine cannot continue."""
 
 
-def _shutdown(comm_ok: list[bool], procs: list, timeout: float = 10.0) -> None:
+def _shutdown(comm_ok: list[bool], procs: list, cmd_group, timeout: float = 10.0) -> None:
     """Stop the workers: a stop command if the group still works, then join/terminate/kill."""
     if comm_ok[0] and dist.is_initialized():
         with contextlib.suppress(Exception):  # a dead peer: fall through to terminate
-            dist.broadcast_object_list([("stop", None)], src=0)
+            dist.broadcast_object_list([("stop", None)], src=0, group=cmd_group)
     deadline = time.monotonic() + (timeout if comm_ok[0] else 0.0)
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -73,8 +73,9 @@ class ParallelRunner:
         self._error: str | None = None
         self._comm_ok = [True]
         self.steps = 0
-        self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs) if self.layout.rank == 0 \
-            else None
+        self._finalizer = None
+        if self.layout.rank == 0:
+            self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs, comm.cmd_group)
 
     # --- set-up ----------------------------------------------------------------------------------
     def _allocate(self, num_blocks: int) -> None:
@@ -84,17 +85,19 @@ class ParallelRunner:
 
     def start(self, num_blocks: int) -> ParallelRunner:
         """Rank 0: tell every rank the KV pool size the engine chose, allocate this rank's cache shard."""
-        self._guard(lambda: self.comm.broadcast_command(("init", num_blocks)))
+        self._guard(lambda: self.comm.broadcast_command(("init", num_blocks), startup=True))
         self._allocate(num_blocks)
         return self
 
     def serve_forever(self) -> None:
         """Ranks > 0: allocate the cache, then execute rank 0's steps until it says stop."""
+        kind, payload = self.comm.broadcast_command(None, startup=True)
+        if kind != "init":
+            return
+        self._allocate(payload)
         while True:
             kind, payload = self.comm.broadcast_command(None)
-            if kind == "init":
-                self._allocate(payload)
-            elif kind == "step":
+            if kind == "step":
                 self._step(payload)
             else:
                 return
