@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -142,6 +143,7 @@ def worker_main(rank: int, world_size: int, init_method: str, path: str, config_
                 parent_pid: int) -> None:
     """Entry of a spawned worker rank: join, load the shard, run rank 0's steps until told to stop."""
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     logging.basicConfig(level=logging.WARNING)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     config = EngineConfig(**json.loads(config_json))
