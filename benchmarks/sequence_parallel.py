@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="1024,2048,4096", help="comma-separated prompt lengths")
     ap.add_argument("--worlds", default="1,2,4", help="comma-separated numbers of ranks")
     ap.add_argument("--backend", default="ring", choices=["ring", "ulysses"])
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one point's ranks")
     args = ap.parse_args(argv)
     set_threads(1)
     model_path = str(args.model or default_model_path())
@@ -95,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                f"one thread per rank, gloo over loopback, "
                f"{os.cpu_count()} cores on the machine (P=4 oversubscribes them: wall time then includes waiting).")
     rows, points = [], []
+    out = RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-{name}.json"
     for seq_len in lengths:
         for world in worlds:
             print(f"[seq bench] T={seq_len} P={world} load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-            res = spawn_gloo(_worker, world, model_path, seq_len, args.backend)
+            res = spawn_gloo(_worker, world, model_path, seq_len, args.backend, timeout=args.timeout)
             wall = max(r["wall_s"] for r in res)
             cpu = max(r["cpu_s"] for r in res)
             peak = max(r["peak_mib"] for r in res)
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             points.append({"backend": args.backend, "world": world, "seq_len": seq_len, "wall_s": wall,
                            "cpu_s": cpu, "peak_mib": peak, "kv_mib": kv, "sent_bytes": sent,
                            "formula_bytes": formula, "per_rank": res})
+            out.write_text(json.dumps({"model": Path(model_path).name, "config": cfg.to_dict(), "points": points},
+                                      indent=1))  # after every point: a later failure keeps the earlier ones
             rows.append([seq_len, world, f"{wall:.2f}", f"{cpu:.2f}", f"{peak:.0f}", f"{kv:.1f}",
                          f"{sent / 2**20:.2f}", f"{formula / 2**20:.2f}",
                          f"{sent / formula:.3f}" if formula else "-"])
@@ -132,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         report.table(["T", "P", "peak memory vs P=1", "1/P", "KV vs P=1", "CPU-time speed-up", "wall speed-up"],
                      scale, "Scaling against one rank")
     report.write()
-    out = RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-{name}.json"
-    out.write_text(json.dumps({"model": Path(model_path).name, "config": cfg.to_dict(), "points": points}, indent=1))
     print(f"[figures in {out}]", file=sys.stderr)
     return 0
 

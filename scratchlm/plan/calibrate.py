@@ -41,10 +41,31 @@ def measure_gemm(n: int = 1024, clock: str = "wall") -> float:
     return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out), clock=clock)
 
 
-def measure_gemv(rows: int = 8192, cols: int = 4096, clock: str = "wall") -> float:
-    """Bytes/s streamed by a float32 matrix-vector product (the matrix is larger than the caches)."""
-    a, x = torch.randn(rows, cols), torch.randn(cols)
-    return rows * cols * 4 / _best(lambda: torch.mv(a, x), clock=clock)
+def measure_gemv(rows: int = 1536, cols: int = 576, total_bytes: float = 1.6e8, clock: str = "wall") -> float:
+    """Bytes/s streamed by decode-like GEMVs: `x @ W.t()` over many distinct float32 (rows x cols) and
+    (cols x rows) weights (together larger than the caches, as a model's layers are), one after another."""
+    n = max(4, int(total_bytes / (rows * cols * 4)))
+    ws = [torch.randn(rows, cols) if i % 2 == 0 else torch.randn(cols, rows) for i in range(n)]
+    xs = {cols: torch.randn(1, cols), rows: torch.randn(1, rows)}
+
+    def run() -> None:
+        for w in ws:
+            xs[w.shape[1]] @ w.t()
+
+    return sum(w.numel() for w in ws) * 4 / _best(run, repeats=3, clock=clock)
+
+
+def measure_layer_overhead(layers: int = 8, clock: str = "wall") -> float:
+    """Seconds per transformer layer of a one-token forward through a tiny model (d_model 64), where the
+    arithmetic is negligible: what dispatching a layer's ops costs."""
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.transformer import TransformerLM
+
+    model = TransformerLM(ModelConfig(vocab_size=256, d_model=64, n_layers=layers, n_heads=8, n_kv_heads=4,
+                                      max_seq_len=64)).eval()
+    x = torch.tensor([[1]])
+    with torch.no_grad():
+        return _best(lambda: model(x), repeats=10, clock=clock) / layers
 
 
 def measure_softmax_rate(flops: float, t: int = 512, heads: int = 8, kv_heads: int = 4, d: int = 64,
@@ -99,6 +120,7 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall") -> Cl
     flops = measure_gemm(clock=clock)
     bw = measure_gemv(clock=clock)
     smax = measure_softmax_rate(flops, clock=clock)
+    overhead = measure_layer_overhead(clock=clock)
     lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
     try:
         mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
@@ -107,4 +129,5 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall") -> Cl
         mem_total = 8 * 2**30
     return ClusterSpec(name="local (calibrated)", nodes=1, devices_per_node=max(1, cores // threads), flops=flops,
                        mem_bw=bw, mem_capacity=mem_total / max(1, cores // threads), softmax_rate=smax,
-                       intra_bw=net_bw, intra_latency=lat, inter_bw=net_bw, inter_latency=lat, dtype_bytes=4)
+                       layer_overhead=overhead, intra_bw=net_bw, intra_latency=lat, inter_bw=net_bw,
+                       inter_latency=lat, dtype_bytes=4)

@@ -30,6 +30,10 @@ class ClusterSpec:
     intra_latency: float = field(default=2e-5, metadata={"help": "latency of one message inside a node (s)"})
     inter_bw: float = field(default=3.125e9, metadata={"help": "bandwidth between two nodes (bytes/s, per rank)"})
     inter_latency: float = field(default=5e-5, metadata={"help": "latency of one message between nodes (s)"})
+    layer_overhead: float = field(
+        default=0.0,
+        metadata={"help": "fixed seconds per transformer layer per forward step (op dispatch / kernel launches)"},
+    )
     dtype_bytes: int = field(default=4, metadata={"help": "bytes per weight / activation element (4 fp32, 2 bf16)"})
     kv_dtype_bytes: int = field(default=0, metadata={"help": "bytes per KV-cache element; 0 = dtype_bytes"})
 
@@ -42,7 +46,7 @@ class ClusterSpec:
         for name in ("flops", "mem_bw", "mem_capacity", "intra_bw", "inter_bw"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("intra_latency", "inter_latency", "softmax_rate"):
+        for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
         if problems:

@@ -63,16 +63,17 @@ class Terms:
     memory: float = 0.0
     network: float = 0.0
     overlapped_network: float = 0.0  # hidden behind compute where it is smaller
+    overhead: float = 0.0  # fixed per-layer dispatch / launch cost
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.memory, self.overlapped_network) + self.network
+        return max(self.compute, self.memory, self.overlapped_network) + self.network + self.overhead
 
     @property
     def bottleneck(self) -> str:
         net = self.network + max(0.0, self.overlapped_network - max(self.compute, self.memory))
-        return max((("compute", self.compute), ("memory bandwidth", self.memory), ("network", net)),
-                   key=lambda kv: kv[1])[0]
+        return max((("compute", self.compute), ("memory bandwidth", self.memory), ("network", net),
+                    ("per-op overhead", self.overhead)), key=lambda kv: kv[1])[0]
 
 
 @dataclass
@@ -206,9 +207,10 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     else:
         score = h_local * ring_score_elements(t, cp)
     attn_flops = 4 * score * c.head_dim * c.n_layers
-    elementwise = c.n_layers * (score + tl * (6 * c.d_model + 4 * c.d_ff / tp))  # softmax + norms, rope, silu
+    streamed = c.n_layers * tl * (6 * c.d_model + 4 * c.d_ff / tp) * 12  # norms, rope, silu: ~3 passes of 4 B
     pre = Terms()
-    pre.compute = (gemm_flops + attn_flops) / flops + elementwise / smax
+    pre.compute = (gemm_flops + attn_flops) / flops + c.n_layers * score / smax + streamed / mem_bw
+    pre.overhead = c.n_layers * cluster.layer_overhead
     pre.memory = c.n_layers * layer_local * e / mem_bw + emb * e / mem_bw
     act = tl * c.d_model * e
     pre.network += c.n_layers * 2 * _allreduce(act, tp, tp_lat, tp_bw)
@@ -229,6 +231,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     st_bytes = stage_params * e + batch * s_avg / cp * kv_per_token
     dec.compute = pp * (st_flops / flops + batch * ls * (s_avg / cp) * h_local / smax)
     dec.memory = pp * st_bytes / mem_bw
+    dec.overhead = c.n_layers * cluster.layer_overhead
     x = batch * c.d_model * e
     dec.network = c.n_layers * 2 * _allreduce(x, tp, tp_lat, tp_bw) + (pp - 1) * (pp_lat + x / pp_bw)
     if cp > 1:  # partial outputs + LSE gathered and merged in every layer

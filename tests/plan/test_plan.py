@@ -31,10 +31,12 @@ def test_single_rank_prediction_matches_hand_computation():
     assert p.kv_bytes == pytest.approx(2 * (256 + 16) * 2 * 4 * 4 * 8 * 4)  # batch 2, K+V, 4 layers, 4 heads, D 8
     gemm = 2 * 256 * 4 * layer + 2 * 64 * 1000
     score = 8 * 256 * 256  # one rank computes the full square
-    compute = (gemm + 4 * score * 8 * 4) / 1e10 + 4 * (score + 256 * (6 * 64 + 4 * 256)) / 1e9
+    compute = (gemm + 4 * score * 8 * 4) / 1e10 + 4 * score / 1e9 + 4 * 256 * (6 * 64 + 4 * 256) * 12 / 1e10
     assert p.prefill.compute == pytest.approx(compute)
     assert p.prefill.network == 0 and p.decode.network == 0
     assert p.feasible and p.throughput == pytest.approx(2 * 16 / p.total_s)
+    slow = ClusterSpec(**{**BOX.__dict__, "layer_overhead": 1e-3})
+    assert predict(TINY, w, slow, Layout()).decode.total == pytest.approx(p.decode.total + 4e-3)
 
 
 def test_splitting_divides_memory_and_adds_communication():
@@ -121,11 +123,12 @@ def test_plan_command(capsys, tmp_path):
 
 
 def test_calibration_measures_positive_figures():
-    from scratchlm.plan.calibrate import measure_gemm, measure_gemv, measure_softmax_rate
+    from scratchlm.plan.calibrate import measure_gemm, measure_gemv, measure_layer_overhead, measure_softmax_rate
 
+    assert 0 < measure_layer_overhead(layers=2) < 1
     f = measure_gemm(256)
     assert f > 1e6  # loose: the machine is shared, figures swing several-fold
-    assert measure_gemv(1024, 1024) > 1e6
+    assert measure_gemv(256, 128, total_bytes=4e6) > 1e6
     assert measure_softmax_rate(f, t=128) > 1e3
 
 
