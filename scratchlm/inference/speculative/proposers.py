@@ -33,10 +33,15 @@ class Proposal:
 
 
 def model_cost(model: torch.nn.Module) -> int:
-    """Weights read per decoded token: the blocks plus the output head (the embedding lookup is ~free)."""
-    blocks = sum(p.numel() for layer in model.layers for p in layer.parameters())
-    head = getattr(model, "output_weight", None)
-    return blocks + (head.numel() if isinstance(head, torch.Tensor) else 0)
+    """Weight bytes read per decoded token: the blocks plus the output head (the embedding lookup is ~free).
+    Buffers count too, so packed quantized weights are measured by their real size."""
+    blocks = sum(t.numel() * t.element_size() for layer in model.layers
+                 for t in [*layer.parameters(), *layer.buffers()])
+    try:
+        head = model.output_weight
+    except (AttributeError, RuntimeError):
+        head = None
+    return blocks + (head.numel() * head.element_size() if isinstance(head, torch.Tensor) else 0)
 
 
 class NgramProposer:
