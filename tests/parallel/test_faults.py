@@ -47,6 +47,7 @@ def test_killed_worker_gives_clear_error_fast() -> None:
     try:
         os.kill(worker.pid, signal.SIGKILL)  # mid-generation: requests are running
         err, elapsed = steps_until_error(engine, 60)
+        print(f"killed rank 1: ParallelWorkerError after {elapsed:.2f} s")
         assert elapsed < 60
         assert "rank 1" in str(err) and "exited with code -9" in str(err) and "restarted" in str(err)
         with pytest.raises(ParallelWorkerError, match="rank 1"):  # the engine stays failed, no hang
@@ -64,6 +65,7 @@ def test_hung_worker_times_out() -> None:
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         err, elapsed = steps_until_error(engine, 60)
+        print(f"stopped rank 1: ParallelWorkerError after {elapsed:.2f} s (timeout 5 s)")
         assert elapsed < 30
         assert "did not answer within 5 s" in str(err)
     finally:
