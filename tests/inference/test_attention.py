@@ -66,3 +66,41 @@ def test_copy_blocks() -> None:
     cache.copy_blocks([(1, 3)])
     torch.testing.assert_close(cache.k[:, 3], before_k)
     torch.testing.assert_close(cache.v[:, 3], cache.v[:, 1])
+
+
+@pytest.mark.parametrize("d", [6, 8, 64])
+@pytest.mark.parametrize("use_simd", [True, False])
+def test_decode_kernel_matches_torch_ops(d: int, use_simd: bool) -> None:
+    """The C++ decode kernel (AVX2 and scalar paths) against the torch-ops gather path, GQA, ragged lengths."""
+    from scratchlm.inference.attention import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the C++ paged-attention kernel could not be built here (the torch path is tested above)")
+    torch.manual_seed(1)
+    h, hkv, bs, num_blocks = 9, 3, 4, 40
+    cache = KVCache.allocate(1, num_blocks, bs, hkv, d, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    lens = [1, 4, 5, 37]
+    perm = torch.randperm(num_blocks).tolist()
+    width = -(-max(lens) // bs)
+    tables = torch.tensor([[perm.pop() for _ in range(-(-n // bs))] + [0] * (width - -(-n // bs)) for n in lens])
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lens),
+                             decode_block_tables=tables, decode_context_lens=torch.tensor(lens))
+    q = torch.randn(len(lens), h, d)
+    want = PagedAttention(cache, meta, use_kernel=False)._decode(q, cache.k[0], cache.v[0])
+    got = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, torch.tensor(lens), d ** -0.5, use_simd)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_rejects_bad_lengths() -> None:
+    from scratchlm.inference.attention import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the C++ paged-attention kernel could not be built here")
+    cache = KVCache.allocate(1, 4, 4, 1, 8, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.paged_decode_attention(torch.randn(1, 1, 8), cache.k[0], cache.v[0], torch.tensor([[0]]),
+                                       torch.tensor([5]), 1.0)

@@ -1,0 +1,73 @@
+"""JIT-built C++ CPU kernels (quantized matmuls, paged attention), cached, with a pure-torch fallback.
+
+`CppExtension(name, source).load()` compiles once with `torch.utils.cpp_extension.load` into a cache
+directory (``$SCRATCHLM_QUANT_BUILD_DIR`` or ``~/.cache/scratchlm/quant_kernels``, one subfolder per torch
+version); later processes reuse the shared object. If no compiler is found or the build fails, a warning
+is logged once and `load()` returns None: every caller then runs its pure-torch reference path.
+``SCRATCHLM_QUANT_NO_EXTENSION=1`` turns every extension off (the reference paths everywhere).
+`python -m scratchlm.inference.quantization.build` builds them all at install time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # AVX2 functions carry their own target attributes
+
+
+def build_dir() -> Path:
+    """Where compiled extensions are cached (one subfolder per torch version)."""
+    root = os.environ.get("SCRATCHLM_QUANT_BUILD_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "scratchlm" / "quant_kernels"
+    return base / f"torch-{torch.__version__.replace('+', '_')}"
+
+
+def _put_venv_ninja_on_path() -> None:
+    """torch's JIT build runs `ninja` from PATH; the `ninja` wheel installs it next to this Python, which is
+    not on PATH when the venv is used without activation (e.g. `.venv/bin/python`)."""
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+
+
+class CppExtension:
+    """One C++ source built into a Python module on first use; `state` caches the module or None per process."""
+
+    def __init__(self, name: str, source: Path, purpose: str):
+        self.name, self.source, self.purpose = name, source, purpose
+        self.state: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def load(self, verbose: bool = False) -> Any | None:
+        """The compiled module, building it if needed; None (with one logged warning) on failure."""
+        with self._lock:
+            if "module" in self.state:
+                return self.state["module"]
+            module = None
+            if os.environ.get("SCRATCHLM_QUANT_NO_EXTENSION"):
+                log.warning("SCRATCHLM_QUANT_NO_EXTENSION is set: %s use the pure-torch reference path", self.purpose)
+            else:
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    _put_venv_ninja_on_path()
+                    directory = build_dir() / self.name
+                    directory.mkdir(parents=True, exist_ok=True)
+                    module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+                except Exception as e:  # compiler missing, build error, ninja missing: all fall back
+                    msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                    log.warning("the C++ kernels of %s could not be built (%s: %s); using the slower pure-torch "
+                                "reference path", self.purpose, type(e).__name__, msg)
+            self.state["module"] = module
+            return module
