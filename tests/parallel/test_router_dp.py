@@ -50,7 +50,8 @@ def oracle(model) -> dict[tuple[str, int], str]:
 
 
 @pytest.fixture(scope="module")
-def router_url(model, tmp_path_factory):
+def dp_server(model, tmp_path_factory):
+    """(url, process) of `scratchlm serve --data-parallel-size 2` on stories260K."""
     from scratchlm.parallel.router import free_port
 
     port = free_port()
@@ -73,7 +74,7 @@ def router_url(model, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "router not healthy in 180 s:\n" + log_path.read_text()
             time.sleep(0.3)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -81,6 +82,11 @@ def router_url(model, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         print(log_path.read_text()[-4000:])
+
+
+@pytest.fixture(scope="module")
+def router_url(dp_server) -> str:
+    return dp_server[0]
 
 
 def health(url: str) -> dict:
@@ -162,3 +168,11 @@ def test_killed_replica_loses_no_accepted_request(router_url, oracle):
     assert after["replicas"][1]["dead"] or not after["replicas"][1]["healthy"]
     assert after["replicas"][1]["failures_total"] >= 1 and after["replicas_in_rotation"] == 1
     wait_for(lambda: health(router_url)["replicas"][1]["dead"], "replica 1 to be seen dead")
+
+
+def test_router_exits_nonzero_when_every_replica_died(dp_server):
+    router_url, proc = dp_server
+    for r in health(router_url)["replicas"]:
+        if not r["dead"]:
+            os.kill(r["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=60) == 1
