@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -140,24 +141,37 @@ def main(argv: list[str] | None = None) -> int:
             r, ok_s, _ = _verdict(pw.decode.total, wall)
             rows.append([label, "wall s (info)", f"{pw.decode.total * 1e3:.1f} ms", f"{wall * 1e3:.1f} ms", r, ok_s])
 
-    # 4. the parallelism benchmark's figures, when it has written them
-    for path in _latest("*-parallel.json"):
-        try:
-            data = json.loads(path.read_text())
-            for p in data.get("points", []):
-                lay = Layout(dp=p.get("dp", 1), tp=p.get("tp", 1), pp=p.get("pp", 1), cp=p.get("cp", 1))
-                w = Workload(prompt_len=p["prompt_len"], output_len=p.get("output_len", 1),
-                             concurrency=p.get("concurrency", 1))
-                pr = predict(cfg, w, local, lay, ranks_per_node=max(cores, lay.world))
-                key, pred = ("decode_step_s", pr.tpot_s) if "decode_step_s" in p else ("prefill_s", pr.prefill.total)
-                if key not in p:
-                    continue
-                r, ok_s, ok = _verdict(pred, p[key])
-                n_ok += ok
-                n_all += 1
-                rows.append([f"{path.stem}: {lay}", key, f"{pred:.3f}", f"{p[key]:.3f}", r, ok_s])
-        except (KeyError, ValueError, TypeError) as e:
-            report.add(f"(could not read {path.name}: {e})")
+    # 4. the parallelism benchmark's figures (benchmarks/parallel.py: engine, batch-1 and 32 requests, wall time)
+    wall_spec = None
+    for path in _latest("*-parallel.md"):
+        text = path.read_text()
+        m = re.search(r"--model (\S+)", text)
+        pm = re.search(r"prompts of (\d+) random tokens, (\d+) greedy tokens", text)
+        if pm is None:
+            continue
+        bench_cfg = load_model_config(m.group(1) if m else None)
+        prompt_len, gen = int(pm.group(1)), int(pm.group(2))
+        if wall_spec is None:
+            wall_spec = calibrate(clock="wall")
+        for row in re.finditer(r"^\| ((?:TP|PP)=\d[^|]*?) \| ([\d.]+) ms \| [^|]+ \| ([\d.]+) tok/s \|", text, re.M):
+            name, ms, tps = row.group(1), float(row.group(2)), float(row.group(3))
+            if "2 threads" in name:
+                continue  # one rank with two threads: not a layout of the model
+            tp = int(re.search(r"TP=(\d)", name).group(1)) if "TP=" in name else 1
+            pp = int(re.search(r"PP=(\d)", name).group(1)) if "PP=" in name else 1
+            lay = Layout(tp=tp, pp=pp)
+            one = predict(bench_cfg, Workload(prompt_len, gen, 1), wall_spec, lay, ranks_per_node=cores)
+            per_tok = one.total_s / gen
+            r, ok_s, ok = _verdict(per_tok, ms / 1e3)
+            n_ok += ok
+            n_all += 1
+            label = f"{path.stem}: {Path(m.group(1)).name if m else 'default'} engine {lay}"
+            rows.append([label, "batch-1 time / token (wall)", f"{per_tok * 1e3:.1f} ms", f"{ms:.1f} ms", r, ok_s])
+            many = predict(bench_cfg, Workload(prompt_len, gen, 32), wall_spec, lay, ranks_per_node=cores)
+            r, ok_s, ok = _verdict(many.throughput, tps)
+            n_ok += ok
+            n_all += 1
+            rows.append([label, "32 requests: tok/s (wall)", f"{many.throughput:.0f}", f"{tps:.0f}", r, ok_s])
 
     report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
                  rows, f"Predicted vs measured: {n_ok} of {n_all} checked figures within +-30 % "

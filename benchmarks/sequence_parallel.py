@@ -7,7 +7,8 @@ length, for P = 1, 2, 4 local gloo ranks (one thread each).
 Every (P, T) point runs in fresh processes. Per rank it records:
 - prefill wall time and the rank's thread CPU time (the work itself, less sensitive to other load);
 - peak memory of the prefill: VmHWM after the prefill minus VmRSS before it, with the peak reset by
-  writing 5 to /proc/self/clear_refs just before (so model loading does not count);
+  writing 5 to /proc/self/clear_refs just before (so model loading does not count), and glibc's mmap
+  threshold fixed at 64 KiB in the ranks so that freed tensors leave the RSS;
 - the bytes of KV cache it holds, and the bytes it sent (counted at every isend / all-to-all /
   all-gather) next to the formula of docs/sequence_parallel.md.
 Figures also go to results/DATE-sequence_parallel[-BACKEND].json for benchmarks/plan_validation.py.
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one point's ranks")
     args = ap.parse_args(argv)
     set_threads(1)
+    # A fixed mmap threshold: every allocation of 64 KiB or more gets its own mapping and is unmapped when
+    # freed, so the ranks' RSS follows their live tensors (glibc's default threshold grows up to 32 MiB and
+    # then serves tensors from heap memory that earlier frees left resident, hiding them from VmHWM).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     model_path = str(args.model or default_model_path())
     cfg = load(model_path).config
     lengths = [int(x) for x in args.lengths.split(",")]
