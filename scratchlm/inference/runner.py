@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from scratchlm.inference.fast_linear import skinny_linear, use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
+from scratchlm.model.transformer import TransformerLM
 
 
 @dataclass
@@ -79,6 +81,8 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
+        use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
+        self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -99,4 +103,9 @@ class ModelRunner:
         tokens = self._tensor(inp.token_ids)[None, :]  # (1, N)
         positions = self._tensor(inp.positions)  # (N,)
         attn = PagedAttention(self.cache, meta)
-        return self.model(tokens, positions, attn=attn, logits_index=self._tensor(inp.logits_indices))
+        index = self._tensor(inp.logits_indices)
+        if not self._plain_lm:
+            return self.model(tokens, positions, attn=attn, logits_index=index)
+        h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)
+        h = self.model.norm(h.reshape(-1, h.shape[-1]).index_select(0, index))  # (len(index), d)
+        return skinny_linear(h, self.model.output_weight)  # (len(index), vocab)

@@ -1,4 +1,4 @@
-"""Compile the C++ extensions (quantized matmuls, paged attention) ahead of time:
+"""Compile the C++ extensions (quantized matmuls, paged attention, decode matmuls) ahead of time:
 ``python -m scratchlm.inference.quantization.build``.
 
 Exit status 0 when the extension builds (or is already cached) and passes a smoke test against
@@ -69,6 +69,25 @@ def build_attention_kernel(verbose: bool) -> int:
         print(f"paged-attention smoke test failed: max |kernel - torch| = {err:.3g}", file=sys.stderr)
         return 1
     print(f"built/loaded the paged-attention kernel in {time.perf_counter() - t0:.1f}s; smoke test passed "
+          f"(max |kernel - torch| = {err:.2g})")
+    return build_skinny_gemm(verbose)
+
+
+def build_skinny_gemm(verbose: bool) -> int:
+    """The decode-matmul kernel (scratchlm/inference/csrc/skinny_gemm.cpp), checked against torch."""
+    from scratchlm.inference.fast_linear import load_kernels
+
+    t0 = time.perf_counter()
+    ext = load_kernels(verbose)
+    if ext is None:
+        print("skinny-GEMM kernel build failed: decode matmuls use torch", file=sys.stderr)
+        return 1
+    x, w = torch.randn(5, 64), torch.randn(9, 64)
+    err = (ext.skinny_linear(x, w) - x @ w.T).abs().max().item()
+    if err > 1e-4:
+        print(f"skinny-GEMM smoke test failed: max |kernel - torch| = {err:.3g}", file=sys.stderr)
+        return 1
+    print(f"built/loaded the skinny-GEMM kernel in {time.perf_counter() - t0:.1f}s; smoke test passed "
           f"(max |kernel - torch| = {err:.2g})")
     return 0
 
