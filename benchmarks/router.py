@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     model = args.model or str(shared_data_dir() / "models" / "stories260K" / "stories260K.bin")
-    from scratchlm.parallel.router import free_port
+    from scratchlm.parallel.router import free_ports
 
-    ports = [free_port() for _ in range(5)]
+    ports = free_ports(5)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = [start([model, "--threads", "1"], ports[0]), start([model, "--threads", "1"], ports[1]),
              start([model, "--threads", "2"], ports[4])]

@@ -521,11 +521,19 @@ def create_router_app(router: Router) -> Any:
 # ----- launching replicas -------------------------------------------------------------------------------------------
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that are free now (all held open while choosing, so they differ; another
+    process may still take one before its server binds it: the usual small race)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the usual small race: another process may take it before we bind)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """One TCP port that is free now (see `free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -567,8 +575,8 @@ def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str 
 
     replicas = [Replica(index=i, url=u.rstrip("/")) for i, u in enumerate(config.replica_urls or [])]
     env = dict(os.environ)
-    for i in range(0 if replicas else count):
-        port = free_port()
+    ports = [] if replicas else free_ports(count)
+    for i, port in enumerate(ports):
         cmd = [sys.executable, "-m", "scratchlm", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
         log.info("starting replica %d: %s", i, " ".join(cmd))
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=_die_with_parent)
