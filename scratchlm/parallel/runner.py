@@ -73,6 +73,7 @@ class ParallelRunner:
         self._error: str | None = None
         self._comm_ok = [True]
         self.steps = 0
+        self.failure_callbacks: list = []  # called once with the error message when a step fails (the server exits)
         self._finalizer = None
         if self.layout.rank == 0:
             self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs, comm.cmd_group)
@@ -133,6 +134,9 @@ class ParallelRunner:
                 + f"; the engine cannot continue and must be restarted. Cause: {type(e).__name__}: {e}"
             )
             log.error(self._error)
+            for callback in self.failure_callbacks:
+                with contextlib.suppress(Exception):
+                    callback(self._error)
             raise ParallelWorkerError(self._error) from e
 
     def _dead_workers(self) -> list[tuple[int, int, int]]:

@@ -130,6 +130,17 @@ def run(args: argparse.Namespace) -> int:
              "; API key required" if server_config.api_key else "")
     if host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
-    uvicorn.run(app, host=host, port=server_config.port, log_level=server_config.log_level.lower(),
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=server_config.port,
+                                          log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5))
+    failed: list[str] = []
+    runner = getattr(getattr(app.state.server, "engine", None), "runner", None)
+    if hasattr(runner, "failure_callbacks"):  # TP/PP: a dead or hung rank stops the server, exit status 1
+
+        def on_failure(message: str) -> None:
+            failed.append(message)
+            log.critical("stopping the server: %s", message)
+            server.should_exit = True
+
+        runner.failure_callbacks.append(on_failure)
+    server.run()
+    return 1 if failed else 0

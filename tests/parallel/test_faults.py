@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,49 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.distributed
+def test_server_exits_nonzero_when_a_rank_dies(tmp_path) -> None:
+    """`scratchlm serve --tensor-parallel-size 2`: SIGKILL rank 1 during a request -> the server exits with
+    status 1 within 60 s, saying which rank died."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(STORIES), "--tensor-parallel-size",
+                                   "2", "--threads", "1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                  env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, log.read_text()
+                time.sleep(0.5)
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert workers, children
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        body = b'{"prompt": "Once upon a time", "max_tokens": 50}'
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(OSError):  # urllib's HTTPError (5xx) or a closed connection
+            urllib.request.urlopen(req, timeout=60)
+        code = server.wait(timeout=60)
+        assert time.monotonic() - t0 < 60
+        assert code == 1
+        text = log.read_text()
+        assert "stopping the server: tensor/pipeline-parallel step failed" in text and "rank 1" in text
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
