@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         for proc, _ in clients.values():
             proc.join(30)
     load = os.getloadavg()
-    name = "parallel" if args.model is None else f"parallel-{Path(args.model).stem}"
-    rep = Report(name, "Tensor / pipeline parallel inference vs one process (CPU, gloo)", argv or sys.argv[1:])
+    rep = Report("parallel", "Tensor / pipeline parallel inference vs one process (CPU, gloo)", argv or sys.argv[1:])
     rep.add(f"Model: `{args.model or 'SmolLM2-135M-Instruct (default GGUF, dequantized to fp32)'}`; prompts of "
             f"{args.prompt_len} random tokens, {args.gen} greedy tokens each; median of {args.repeats} interleaved "
             f"rounds after a warm-up round. Load average at the end: {load[0]:.2f} / {load[1]:.2f} "
@@ -133,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{total / (wall / steps):.0%}", detail])
     rep.table(["layout", "workload", "step time", "comm / step (rank 0)", "share", "per kind (per step)"], crow,
               "Communication per engine step, measured on rank 0")
+    if args.model is not None:  # results/DATE-parallel-MODEL.md next to the default model's
+        rep.name = f"parallel-{Path(args.model).stem}"
     rep.write()
 
 
