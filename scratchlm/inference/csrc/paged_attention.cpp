@@ -9,7 +9,7 @@
 // Work item = (sequence b, kv head h): its G = H / Hkv query heads share every K/V row they read
 // (grouped-query attention without repeating K/V). Two passes over the context: scores
 // s[t, g] = q_g . k_t * scale (K read once), a softmax per query head, then out_g = sum_t p[t, g] v_t
-// (V read once). Items are split across threads with at::parallel_for.
+// (V read once). Items are split across threads with at::parallel_for. The GIL is released while it runs.
 // An AVX2+FMA path (function target attributes, chosen at run time) and a portable scalar path.
 
 #include <torch/extension.h>
@@ -187,6 +187,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("use_simd") = true);
+        py::arg("scale"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
 }

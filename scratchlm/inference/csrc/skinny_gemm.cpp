@@ -121,6 +121,6 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, bool use_simd) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T for few rows of x (CPU, float32)",
-        py::arg("x"), py::arg("w"), py::arg("use_simd") = true);
+        py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
 }

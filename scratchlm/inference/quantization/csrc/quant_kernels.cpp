@@ -344,8 +344,10 @@ bool has_avx2() { return cpu_has_avx2(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_linear", &int4_linear, "y = x @ W^T, W int4 (packed nibbles, fp16 scales [, mins])",
-          py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("group_size"), py::arg("use_simd") = true);
+          py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("group_size"), py::arg("use_simd") = true,
+          py::call_guard<py::gil_scoped_release>());  // other threads (the server's event loop) run meanwhile
   mod.def("int8_linear", &int8_linear, "y = x @ W^T, W int8 with float32 group scales",
-          py::arg("x"), py::arg("q"), py::arg("s"), py::arg("group_size"), py::arg("use_simd") = true);
+          py::arg("x"), py::arg("q"), py::arg("s"), py::arg("group_size"), py::arg("use_simd") = true,
+          py::call_guard<py::gil_scoped_release>());
   mod.def("has_avx2", &has_avx2, "whether the CPU supports AVX2 + FMA (the vectorized path)");
 }
