@@ -2,7 +2,7 @@
 
     python -m benchmarks.speculative [--threads 1] [--tokens 64] [--rounds 2] [--layers 24]
 
-Workloads (greedy, chat template, one request at a time = batch-1 decode):
+Workloads (greedy, chat template, one request at a time = batch-1 decode, each answer ends at EOS or --tokens):
 - grounded: repeat or summarize a passage of the shared corpora (TinyStories valid, WikiText-2 test);
 - open-ended: questions whose answer is not in the prompt.
 
@@ -57,7 +57,7 @@ def run_one(engine, prompt: str, max_tokens: int) -> dict:
     spec = engine.speculator
     before = (spec.stats.steps, spec.stats.verifies, spec.stats.drafted, spec.stats.accepted,
               spec.stats.rejected) if spec else (0,) * 5
-    engine.add_request("b", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    engine.add_request("b", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))  # stops at EOS
     engine.step()  # prefill + first token: not timed
     steps = 0
     w0, c0 = time.perf_counter(), time.thread_time()
@@ -182,16 +182,28 @@ def main(argv: list[str] | None = None) -> int:
             cost = engines[m].speculator.proposer.cost if m != "plain" else 0.0
             formula = expected_speedup(alpha, kbar, cost) if verifies else 1.0
             formula_v = expected_speedup(alpha, kbar, cost, v0, v) if verifies else 1.0
-            summary[(w, m)] = base_wall / wall
+            summary[(w, m)] = (base_wall / wall, base_cpu / cpu)
             rows.append([w, m, f"{tokens / wall:.2f}", f"**{base_wall / wall:.2f}x**", f"{base_cpu / cpu:.2f}x",
                          f"{tokens / steps:.2f}", f"{accepted / drafted:.2f}" if drafted else "-",
                          f"{alpha:.2f}" if verifies else "-", f"{kbar:.2f}", f"{verifies / steps:.2f}",
                          f"{cost:.2f}", f"{formula:.2f}x", f"{formula_v:.2f}x", "yes" if same else "NO"])
+    prow = []
+    tasks = [ins.split(" the following")[0] for ins, _ in passages(data, args.prompts)] + OPEN[: args.prompts]
+    for wi, w in enumerate(workloads):
+        for i in range(len(workloads[w])):
+            b_cpu = statistics.median(rnd[i]["cpu"] for rnd in results[(w, "plain")])
+            n_cpu = statistics.median(rnd[i]["cpu"] for rnd in results[(w, "ngram")])
+            x = results[(w, "ngram")][0][i]
+            prow.append([w, tasks[wi * args.prompts + i][:40], x["tokens"] + 1, f"{x['tokens'] / x['steps']:.2f}",
+                         f"{x['accepted'] / x['drafted']:.2f}" if x["drafted"] else "-", f"{b_cpu / n_cpu:.2f}x"])
+    report.table(["workload", "prompt", "generated tokens", "ngram tokens / target call", "ngram acceptance",
+                  "ngram speed-up (thread CPU)"], prow, caption="Per prompt (ngram): how much the answer copies")
     report.table(["workload", "method", "tok/s (wall)", "speed-up (wall)", "speed-up (thread CPU)",
                   "tokens / target call", "acceptance (accepted/drafted)", "alpha", "mean k", "verify steps / steps",
                   "c", "formula", "formula with verify cost", "greedy ids = plain"], rows,
                  caption=f"{args.prompts} prompts x {args.tokens} greedy tokens per workload, batch 1, "
                          f"median of {args.rounds} interleaved rounds")
+    report.sections[-2:] = report.sections[-2:][::-1]  # the summary table first, then the per-prompt one
 
     report.table(*verify_rows[:2], caption=verify_rows[2])
     if not args.skip_draft:
@@ -217,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"SmolLM2 here): a functional check, alpha = 1 and c = 1 by construction")
 
     g = summary[("grounded", "ngram")]
-    worst_open = min(summary[("open-ended", m)] for m in methods if m != "plain")
-    report.add(f"Targets: >= 1.8x on grounded prompts: ngram **{g:.2f}x** ({'met' if g >= 1.8 else 'not met'}); "
-               f"<= 10 % slowdown on open-ended: worst method **{worst_open:.2f}x** "
-               f"({'met' if worst_open >= 0.9 else 'not met'}).")
+    worst = min((summary[("open-ended", m)] for m in methods if m != "plain"), key=lambda x: x[1])
+    report.add(f"Targets (thread-CPU figure decides; wall clock in brackets): >= 1.8x on grounded prompts: ngram "
+               f"**{g[1]:.2f}x** ({g[0]:.2f}x wall): {'met' if g[1] >= 1.8 else 'not met'}; <= 10 % slowdown on "
+               f"open-ended: worst method **{worst[1]:.2f}x** ({worst[0]:.2f}x wall): "
+               f"{'met' if worst[1] >= 0.9 else 'not met'}.")
     report.write()
     return 0
 

@@ -18,8 +18,9 @@ Adaptive k: each sequence keeps a decayed estimate of its per-token acceptance r
 [0, k_max] that maximizes the expected tokens per step over the step's cost,
 (1 - alpha^(k+1)) / (1 - alpha) / (1 + k c + [k > 0] (v0 + v k)), where c is the draft's cost per token relative
 to the target (0 for n-grams) and v0 + v k the target's extra cost of verifying k drafts in its forward (on this
-CPU a (k + 1)-row GEMM costs far more than the 1-row GEMV of a decode: v0 = 0.5, v = 0.1 measured, see
-docs/speculative.md). When k = 0 wins it stops drafting and probes with k = 1 every `probe_every` steps.
+CPU a (k + 1)-row GEMM costs far more than the 1-row GEMV of a decode: v0 ~ 0.3, v ~ 0.08 measured, see
+docs/speculative.md). When k = 0 wins it stops drafting and probes with k = 1 after `probe_every` steps, then
+after twice as many while probes keep failing (up to 16x).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _Adaptive:
     accepted: float = 1.5  # prior: alpha ~ 0.6
     rejected: float = 1.0
     idle: int = 0
+    probe_every: int = 0  # 0 = the speculator's base interval; doubles after each failed probe
 
     @property
     def alpha(self) -> float:
@@ -99,8 +101,8 @@ class _Pending:
 class Speculator:
     """Owns the proposer and the per-sequence adaptive state; `step()` replaces the engine's step."""
 
-    def __init__(self, engine: Any, method: SpecMethod | str, k_max: int | None = None, verify_fixed: float = 0.5,
-                 verify_per_token: float = 0.1, adaptive: bool = True, probe_every: int = 16, decay: float = 0.8):
+    def __init__(self, engine: Any, method: SpecMethod | str, k_max: int | None = None, verify_fixed: float = 0.3,
+                 verify_per_token: float = 0.08, adaptive: bool = True, probe_every: int = 16, decay: float = 0.9):
         self.engine = engine
         self.method = parse_speculative(method) if isinstance(method, str) else method
         if k_max is None:
@@ -132,9 +134,13 @@ class Speculator:
         best = max(range(self.k_max + 1), key=lambda k: expected_speedup(st.alpha, k, c, v0, v))
         if best == 0:
             st.idle += 1
-            if st.idle >= self.probe_every:
+            if st.idle >= (st.probe_every or self.probe_every):
                 st.idle = 0
+                # back off exponentially while probes keep failing (a model draft's probe also pays a catch-up)
+                st.probe_every = min(2 * (st.probe_every or self.probe_every), 16 * self.probe_every)
                 return 1
+        else:
+            st.probe_every = 0
         return best
 
     def _observe(self, seq_id: int, drafted: int, accepted: int) -> None:

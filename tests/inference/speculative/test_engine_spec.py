@@ -176,6 +176,8 @@ def test_adaptive_k_backs_off_and_recovers() -> None:
         spec._observe(1, 4, 0)
     ks = [spec.choose_k(1) for _ in range(spec.probe_every)]
     assert ks[:-1] == [0] * (spec.probe_every - 1) and ks[-1] == 1  # backs off to 0, probes with k = 1
+    ks = [spec.choose_k(1) for _ in range(2 * spec.probe_every)]
+    assert ks.count(1) == 1 and ks[-1] == 1  # a failed probe doubles the interval
     for _ in range(10):
         spec._observe(1, 4, 4)
     assert spec.choose_k(1) == spec.k_max
