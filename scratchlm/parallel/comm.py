@@ -2,7 +2,8 @@
 
 `init_groups` makes three kinds of group, created in the same order on every rank:
 
-- the default group (rendezvous, group creation, the start-up handshake; 10 min on rank 0);
+- the default group (rendezvous and group creation; 2 min on rank 0) and a start-up group for the
+  handshake after every rank loaded its shard (10 min on rank 0);
 - a command group over all ranks for rank 0's step commands: the short timeout on rank 0 and
   unlimited on the workers (a server may sit idle for hours between requests);
 - a *step* group over all ranks with the short collective timeout (60 s by default) for the
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from scratchlm.parallel.layout import RankLayout
 
 IDLE_TIMEOUT = timedelta(days=30)  # waiting for the next step: the server may be idle
-STARTUP_TIMEOUT = timedelta(minutes=10)  # rank 0 waiting for the workers to start and load their shards
+STARTUP_TIMEOUT = timedelta(minutes=10)  # rank 0 waiting for the workers to load their shards
+RENDEZVOUS_TIMEOUT = timedelta(minutes=2)  # rank 0 waiting for the workers to join (a crashed one never does)
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -37,15 +39,14 @@ def init_default_group(backend: str, rank: int, world_size: int, init_method: st
                        timeout_s: float = 60.0) -> None:
     """Join the default process group (env:// from torchrun when `init_method` is None).
 
-    The default group only rendezvouses, creates the other groups and hands out the KV pool size once
-    every rank has loaded its shard, so rank 0 gives it `STARTUP_TIMEOUT` (loading is slow on a busy
-    machine) and workers `IDLE_TIMEOUT`."""
+    The default group only rendezvouses and creates the other groups: rank 0 waits `RENDEZVOUS_TIMEOUT`
+    for the workers to join (a worker that crashed at start never does), workers `IDLE_TIMEOUT`."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, expected rank {rank} of {world_size}")
         return
-    timeout = max(STARTUP_TIMEOUT, timedelta(seconds=timeout_s)) if rank == 0 else IDLE_TIMEOUT
+    timeout = max(RENDEZVOUS_TIMEOUT, timedelta(seconds=timeout_s)) if rank == 0 else IDLE_TIMEOUT
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                             timeout=timeout)
 
@@ -61,6 +62,9 @@ class Comm:
         timeout = timedelta(seconds=timeout_s)
         world = list(range(layout.tp * layout.pp))
         # Step commands: rank 0 waits `timeout_s` for the workers to take one, workers wait without limit.
+        # The start-up handshake (after every rank loaded its shard: slow on a busy machine).
+        self.startup_group = dist.new_group(world, timeout=STARTUP_TIMEOUT if layout.rank == 0 else IDLE_TIMEOUT,
+                                            backend=backend)
         self.cmd_group = dist.new_group(world, timeout=timeout if layout.rank == 0 else IDLE_TIMEOUT, backend=backend)
         self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
         self.tp_group = None
@@ -82,10 +86,10 @@ class Comm:
     # --- commands (default group, long timeout) -------------------------------------------------
     def broadcast_command(self, obj: object, startup: bool = False) -> object:
         """Rank 0 sends `obj` (picklable) to every rank; the others receive and return it.
-        `startup`: over the default group (long timeout: the workers may still be loading)."""
+        `startup`: over the start-up group (long timeout: the workers may still be loading)."""
         t = time.perf_counter()
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=None if startup else self.cmd_group,
+        dist.broadcast_object_list(box, src=0, group=self.startup_group if startup else self.cmd_group,
                                    device=self.device if self.backend == "nccl" else None)
         self._timed("broadcast", t)
         return box[0]

@@ -192,17 +192,20 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
                             args=(r, world, init_method, str(path), cfg_json, torch.get_num_threads(), os.getpid()))
             p.start()
             procs.append(p)
-        try:
-            init_default_group(backend_for(_rank_device(config, 0)), 0, world, init_method, config.parallel_timeout_s)
-        except BaseException:
-            for p in procs:
-                p.kill()
-            raise
     try:
+        if not joined:
+            init_default_group(backend_for(_rank_device(config, 0)), 0, world, init_method, config.parallel_timeout_s)
         runner, tokenizer = build_rank(path, model_config, config, rank, local_rank, stage_layers, procs)
-    except BaseException:
+    except BaseException as e:
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
         for p in procs:
             p.kill()
+        if not joined and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if dead:
+            who = ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+            raise RuntimeError(f"tensor/pipeline-parallel start-up failed: {who} (its traceback is above); "
+                               f"{type(e).__name__}: {e}") from e
         raise
     if rank != 0:
         runner.serve_forever()
