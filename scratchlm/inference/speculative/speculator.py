@@ -20,7 +20,8 @@ Adaptive k: each sequence keeps a decayed estimate of its per-token acceptance r
 to the target (0 for n-grams) and v0 + v k the target's extra cost of verifying k drafts in its forward (on this
 CPU a (k + 1)-row GEMM costs far more than the 1-row GEMV of a decode: v0 ~ 0.3, v ~ 0.08 measured, see
 docs/speculative.md). When k = 0 wins it stops drafting and probes with k = 1 after `probe_every` steps, then
-after twice as many while probes keep failing (up to 16x).
+after twice as many while probes keep failing (up to 16x); a draft that could not pay even at alpha = 0.95
+never probes.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Speculator:
             self.proposer = build_model_proposer(engine, self.method)
         self.stats = SpecStats()
         self._adapt: dict[int, _Adaptive] = {}
+        # The best this draft could do with a near-perfect acceptance rate: if even that loses, never probe.
+        c, v0, v = self.proposer.cost, verify_fixed, verify_per_token
+        self.ceiling = max(expected_speedup(0.95, k, c, v0, v) for k in range(1, self.k_max + 1))
         log.info("speculative decoding: %s, k_max %d, draft cost %.3f of the target", self.method, k_max,
                  self.proposer.cost)
 
@@ -132,6 +136,8 @@ class Speculator:
         st = self._adapt.setdefault(seq_id, _Adaptive())
         c, v0, v = self.proposer.cost, self.verify_fixed, self.verify_per_token
         best = max(range(self.k_max + 1), key=lambda k: expected_speedup(st.alpha, k, c, v0, v))
+        if best == 0 and self.ceiling <= 1.0:
+            return 0  # a draft this expensive cannot pay for itself (e.g. layers:K with K close to n_layers)
         if best == 0:
             st.idle += 1
             if st.idle >= (st.probe_every or self.probe_every):
