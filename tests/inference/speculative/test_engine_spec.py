@@ -225,3 +225,14 @@ def test_draft_vocab_mismatch(tmp_path: Path) -> None:
     path = save_model(tmp_path / "other.pt", other)
     with pytest.raises(ValueError, match="vocab_size 20"):
         _engine(f"draft:{path}")
+
+
+def test_a_draft_that_cannot_pay_never_probes() -> None:
+    """layers:K with K close to the target's depth costs ~the target per draft: adaptive k stays at 0 for good."""
+    model, cfg = tiny_model(seed=0, vocab=12, n_layers=4)
+    eng = make_engine(model, cfg, speculative="layers:3")
+    spec = eng.speculator
+    assert spec.ceiling <= 1.0
+    assert [spec.choose_k(1) for _ in range(10 * spec.probe_every)] == [0] * (10 * spec.probe_every)
+    cheap = make_engine(model, cfg, speculative="layers:1").speculator
+    assert cheap.ceiling > 1.0
