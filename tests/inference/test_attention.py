@@ -68,7 +68,7 @@ def test_copy_blocks() -> None:
     torch.testing.assert_close(cache.v[:, 3], cache.v[:, 1])
 
 
-@pytest.mark.parametrize("d", [6, 8, 64])
+@pytest.mark.parametrize("d", [6, 8, 32, 64, 80, 128])
 @pytest.mark.parametrize("use_simd", [True, False])
 def test_decode_kernel_matches_torch_ops(d: int, use_simd: bool) -> None:
     """The C++ decode kernel (AVX2 and scalar paths) against the torch-ops gather path, GQA, ragged lengths."""

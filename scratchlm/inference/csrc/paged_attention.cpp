@@ -90,36 +90,60 @@ AVX2_FN inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// D % 8 == 0.
+// Head dim D = 8 * NC. Walks the block table block by block (no division per token). Scores: each K row is
+// loaded once per 8-float chunk and multiplied into all G query heads. Values: one query head at a time with
+// its D outputs held in NC registers while V streams by (V of one sequence stays in L2 across the G passes).
+template <int NC>
 AVX2_FN void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
-  const int64_t G = a.H / a.Hkv, D = a.D, T = a.lens[b];
+  constexpr int64_t D = 8 * NC;
+  const int64_t G = a.H / a.Hkv, T = a.lens[b], stride = a.Hkv * D;
   const int64_t* table = a.tables + b * a.max_blocks;
-  const float* q = a.q + (b * a.H + h * G) * D;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* kr = row(a.k, a, table, t, h);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kr + d), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(kr + d + 8), acc1);
+  const float* q = a.q + (b * a.H + h * G) * D;  // (G, D)
+  for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
+    const float* base = a.k + (table[blk] * a.bs * a.Hkv + h) * D;
+    const int64_t n = std::min(a.bs, T - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kr = base + i * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 acc0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
+        __m256 acc1 = _mm256_setzero_ps();
+        for (int c = 1; c < NC; c += 2) {
+          acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc1);
+          if (c + 1 < NC) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), _mm256_loadu_ps(kr + 8 * c + 8), acc0);
+        }
+        scores[(t0 + i) * G + g] = hsum256(_mm256_add_ps(acc0, acc1)) * a.scale;
       }
-      for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kr + d), acc0);
-      scores[t * G + g] = hsum256(_mm256_add_ps(acc0, acc1)) * a.scale;
     }
   }
   softmax_columns(scores, T, G);
-  float* o = a.out + (b * a.H + h * G) * D;
-  std::fill(o, o + G * D, 0.f);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* vr = row(a.v, a, table, t, h);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 p = _mm256_set1_ps(scores[t * G + g]);
-      float* og = o + g * D;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(og + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(og + d)));
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 o[NC];
+    for (int c = 0; c < NC; ++c) o[c] = _mm256_setzero_ps();
+    for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
+      const float* base = a.v + (table[blk] * a.bs * a.Hkv + h) * D;
+      const int64_t n = std::min(a.bs, T - t0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vr = base + i * stride;
+        const __m256 p = _mm256_set1_ps(scores[(t0 + i) * G + g]);
+        for (int c = 0; c < NC; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
+      }
     }
+    float* og = a.out + (b * a.H + h * G + g) * D;
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + 8 * c, o[c]);
+  }
+}
+
+using ItemFn = void (*)(const Args&, int64_t, int64_t, float*);
+
+ItemFn avx2_item_for(int64_t D) {
+  switch (D) {
+    case 32: return item_avx2<4>;
+    case 64: return item_avx2<8>;
+    case 80: return item_avx2<10>;
+    case 96: return item_avx2<12>;
+    case 128: return item_avx2<16>;
+    default: return nullptr;
   }
 }
 
@@ -164,23 +188,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     max_len = std::max(max_len, len);
   }
   const int64_t G = H / Hkv;
+  ItemFn item = item_scalar;
 #ifdef SCRATCHLM_X86
-  const bool simd = use_simd && D % 8 == 0 && cpu_has_avx2();
-#else
-  const bool simd = false;
+  if (use_simd && cpu_has_avx2() && avx2_item_for(D) != nullptr) item = avx2_item_for(D);
 #endif
   // Grain: enough items per thread that small batches stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, max_len * D));
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len * G);
-    for (int64_t i = begin; i < end; ++i) {
-#ifdef SCRATCHLM_X86
-      if (simd) { item_avx2(a, i / Hkv, i % Hkv, scores.data()); continue; }
-#endif
-      item_scalar(a, i / Hkv, i % Hkv, scores.data());
-    }
+    for (int64_t i = begin; i < end; ++i) item(a, i / Hkv, i % Hkv, scores.data());
   });
-  (void)simd;
   return out;
 }
 

@@ -67,7 +67,11 @@ AVX2_FN inline void micro(const float* x, const float* w, float* y, int64_t K, i
 template <int R>
 AVX2_FN inline void rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) micro<R, 3>(x, w, y, K, N, n, m);
+  if (M > 16) {  // measured: 4 x 3 tiles win for larger M, 4 x 2 (fewer registers live) for smaller
+    for (; m + 3 <= M; m += 3) micro<R, 3>(x, w, y, K, N, n, m);
+  } else {
+    for (; m + 2 <= M; m += 2) micro<R, 2>(x, w, y, K, N, n, m);
+  }
   if (M - m == 2) micro<R, 2>(x, w, y, K, N, n, m);
   else if (M - m == 1) micro<R, 1>(x, w, y, K, N, n, m);
 }
