@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 log = logging.getLogger("scratchlm.router")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETRY_STATUSES = (502, 503, 504)
+RETRY_STATUSES = (500, 502, 503, 504)  # a replica shutting down answers in-flight requests with 500
 # hop-by-hop and length headers are the proxy's own business
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
 _DROP_RESPONSE_HEADERS = {"content-length", "connection", "transfer-encoding", "content-encoding", "keep-alive",
@@ -179,7 +179,14 @@ def choose_replica(replicas: list[Replica], key: str | None, slack: int = 0,
 
 
 class ReplicaFailed(Exception):
-    """The replica could not answer (connection error, 5xx, or it left rotation while we waited)."""
+    """The replica could not answer (connection error, 5xx, or it left rotation while we waited).
+
+    `take_down`: whether the replica leaves rotation at once. A plain 500 does not take it down (it may be
+    this one request); the health checks decide, and the request is still retried on another replica."""
+
+    def __init__(self, message: str, take_down: bool = True):
+        super().__init__(message)
+        self.take_down = take_down
 
 
 class Router:
@@ -281,7 +288,8 @@ class Router:
             try:
                 if resp.status_code in RETRY_STATUSES:
                     await resp.aread()
-                    raise ReplicaFailed(f"answered {resp.status_code}: {resp.text[:200]}")
+                    raise ReplicaFailed(f"answered {resp.status_code}: {resp.text[:200]}",
+                                        take_down=resp.status_code != 500)
                 if not stream or not resp.headers.get("content-type", "").startswith("text/event-stream"):
                     data = await resp.aread()
                     await resp.aclose()
@@ -363,7 +371,8 @@ class Router:
                 release()
                 replica.failures_total += 1
                 failures.append(f"replica {replica.index}: {e}")
-                self.mark_down(replica, str(e))
+                if e.take_down:
+                    self.mark_down(replica, str(e))
                 self.retries_total += 1
                 log.warning("request %s %s failed on replica %d (%s); retrying on another", method, path,
                             replica.index, e)
