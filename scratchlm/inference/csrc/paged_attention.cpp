@@ -20,12 +20,11 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define SCRATCHLM_X86 1
-#endif
+#include "simd_common.h"
 
 namespace {
+
+using scratchlm_simd::cpu_has_avx2;
 
 struct Args {
   const float* q; const float* k; const float* v;
@@ -81,14 +80,7 @@ void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
 }
 
 #ifdef SCRATCHLM_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
-
-AVX2_FN inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using scratchlm_simd::hsum256;
 
 // Head dim D = 8 * NC. Walks the block table block by block (no division per token). Scores: each K row is
 // loaded once per 8-float chunk and multiplied into all G query heads. Values: one query head at a time with
@@ -147,12 +139,6 @@ ItemFn avx2_item_for(int64_t D) {
   }
 }
 
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-bool cpu_has_avx2() { return false; }
 #endif
 
 }  // namespace

@@ -13,12 +13,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define SCRATCHLM_X86 1
-#endif
+#include "simd_common.h"
 
 namespace {
+
+using scratchlm_simd::cpu_has_avx2;
 
 void tile_scalar(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -33,14 +32,7 @@ void tile_scalar(const float* x, const float* w, float* y, int64_t M, int64_t K,
 }
 
 #ifdef SCRATCHLM_X86
-#define AVX2_FN __attribute__((target("avx2,fma")))
-
-AVX2_FN inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using scratchlm_simd::hsum256;
 
 // Rows n .. n+R-1 of W against rows m .. m+C-1 of x; K % 8 == 0.
 template <int R, int C>
@@ -82,12 +74,6 @@ AVX2_FN void tile_avx2(const float* x, const float* w, float* y, int64_t M, int6
   for (; n < n1; ++n) rows_avx2<1>(x, w, y, M, K, N, n);
 }
 
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-bool cpu_has_avx2() { return false; }
 #endif
 
 }  // namespace
