@@ -60,6 +60,15 @@ class EngineConfig:
     pipeline_microbatches: int | None = field(
         default=None, metadata={"help": "micro-batches in flight per step under PP; None = pipeline_parallel_size"}
     )
+    context_parallel_size: int = field(
+        default=1, metadata={"help": "context-parallel ranks: a sequence's KV cache is sharded over them token by "
+                                     "token, long prefill chunks run ring attention, decode merges by LSE; "
+                                     "world = TP x CP (docs/sequence_parallel.md)"}
+    )
+    context_parallel_threshold: int = field(
+        default=512, metadata={"help": "prefill chunks of at least this many tokens are split over the CP ranks "
+                                       "(ring attention); shorter chunks and decodes run replicated"}
+    )
     parallel_timeout_s: float = field(
         default=60.0, metadata={"help": "seconds before a TP/PP step collective with a dead or hung rank fails"}
     )
@@ -75,7 +84,8 @@ class EngineConfig:
                 problems.append(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             problems.append(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                     "context_parallel_threshold"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} must be a positive integer")

@@ -59,21 +59,27 @@ class LLMEngine:
         dtype = c.torch_dtype
         device = torch.device(c.device)
         self.max_model_len = c.max_model_len or model_config.max_seq_len
+        # Context parallelism: a logical block of C x block_size tokens is one block_size block on each of
+        # the C ranks (token p on rank p % C), so num_blocks counts blocks per rank (docs/sequence_parallel.md).
+        block = c.block_size * c.context_parallel_size
         num_blocks = num_blocks_for_budget(
-            c.kv_cache_memory, model_config.n_layers, model_config.n_kv_heads, model_config.head_dim, c.block_size,
+            c.kv_cache_memory, model_config.n_layers, model_config.n_kv_heads, model_config.head_dim, block,
             dtype,
         )
         # Never more blocks than max_num_seqs full-length sequences can use (saves memory on small models).
-        num_blocks = min(num_blocks, c.max_num_seqs * -(-self.max_model_len // c.block_size) + 1)
-        if num_blocks * c.block_size < self.max_model_len:
+        num_blocks = min(num_blocks, c.max_num_seqs * -(-self.max_model_len // block) + 1)
+        if num_blocks * block < self.max_model_len:
             log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
-                        self.max_model_len, num_blocks * c.block_size, num_blocks, c.block_size)
-            self.max_model_len = num_blocks * c.block_size
+                        self.max_model_len, num_blocks * block, num_blocks, block)
+            self.max_model_len = num_blocks * block
+        if runner_factory is None and c.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={c.context_parallel_size} needs the multi-process runner: "
+                             f"build the engine with LLMEngine.from_pretrained(path, config) or LLM(path, ...)")
         if runner_factory is None:
             model = model.to(device=device, dtype=dtype).eval()
             self.cache = KVCache.allocate(model_config.n_layers, num_blocks, c.block_size, model_config.n_kv_heads,
                                           model_config.head_dim, dtype, device)
-        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         if runner_factory is None:
             self.runner = ModelRunner(model, self.cache, device)
@@ -105,7 +111,7 @@ class LLMEngine:
 
         config = config or EngineConfig()
         path = Path(model_path) if model_path is not None else default_model_path()
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        if config.tensor_parallel_size * config.pipeline_parallel_size * config.context_parallel_size > 1:
             from scratchlm.parallel.launch import from_pretrained_parallel
 
             return from_pretrained_parallel(cls, path, config)

@@ -46,16 +46,20 @@ log = logging.getLogger(__name__)
 
 
 def check_engine_config(config: EngineConfig, model_config: ModelConfig, world_size: int | None = None) -> list[int]:
-    """Fail fast on a TP/PP config that cannot work with this model; returns the explicit stage split or None."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    """Fail fast on a TP/PP/CP config that cannot work with this model; returns the explicit stage split or None."""
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
+    sizes = f"tensor_parallel_size={tp} / pipeline_parallel_size={pp} / context_parallel_size={cp}"
     if config.quantization not in (None, "none"):
-        raise ValueError(f"quantization={config.quantization!r} is not supported with tensor_parallel_size={tp} / "
-                         f"pipeline_parallel_size={pp} (the sharded layers are float); drop one of them")
+        raise ValueError(f"quantization={config.quantization!r} is not supported with {sizes} "
+                         f"(the sharded layers are float); drop one of them")
     if config.speculative not in (None, "none"):
-        raise ValueError(f"speculative={config.speculative!r} is not supported with tensor_parallel_size={tp} / "
-                         f"pipeline_parallel_size={pp}; drop one of them")
+        raise ValueError(f"speculative={config.speculative!r} is not supported with {sizes}; drop one of them")
     stage_layers = parse_stage_layers(config.pipeline_stage_layers)
-    check_parallel_config(model_config, tp, pp, world_size, stage_layers)
+    check_parallel_config(model_config, tp, pp, world_size, stage_layers, cp)
+    if cp > 1 and config.context_parallel_threshold > config.max_num_batched_tokens:
+        log.warning("context_parallel_threshold=%d > max_num_batched_tokens=%d: no prefill chunk can reach the "
+                    "threshold, so every prefill runs replicated on the %d CP ranks (no ring attention)",
+                    config.context_parallel_threshold, config.max_num_batched_tokens, cp)
     return stage_layers
 
 
@@ -115,17 +119,28 @@ def load_shard(path: Path, model_config: ModelConfig, layout, dtype: torch.dtype
 def build_rank(path: Path, model_config: ModelConfig, config: EngineConfig, rank: int, local_rank: int,
                stage_layers: list[int] | None, procs: list = ()) -> tuple[ParallelRunner, Any]:
     """Groups, shard and runner of `rank` (the default process group must be initialised)."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
     device = _rank_device(config, local_rank)
-    layout = plan_layout(model_config, tp, pp, rank, stage_layers)
-    comm = Comm(layout, config.parallel_timeout_s, backend_for(device), device)
+    layout = plan_layout(model_config, tp, pp, rank, stage_layers, cp)
+    if cp > 1:
+        from scratchlm.parallel.context import ContextParallelComm
+
+        comm = ContextParallelComm(layout, config.parallel_timeout_s, backend_for(device), device)
+    else:
+        comm = Comm(layout, config.parallel_timeout_s, backend_for(device), device)
     state, tokenizer = load_shard(path, model_config, layout, config.torch_dtype, device, want_tokenizer=rank == 0)
     model = ShardedLM(model_config, layout, state, comm).eval()
-    log.info("rank %d: layers %s, kv heads %s, q heads %s, ff %s, vocab %s (%.1f M parameters)", rank,
-             layout.layers, layout.kv_heads, layout.q_heads, layout.ff, layout.vocab,
+    log.info("rank %d: cp rank %d, layers %s, kv heads %s, q heads %s, ff %s, vocab %s (%.1f M parameters)", rank,
+             layout.cp_rank, layout.layers, layout.kv_heads, layout.q_heads, layout.ff, layout.vocab,
              sum(p.numel() for p in model.parameters()) / 1e6)
-    micro = config.pipeline_microbatches or pp
-    runner = ParallelRunner(model, comm, config.block_size, config.torch_dtype, device, micro, procs)
+    if cp > 1:
+        from scratchlm.parallel.context import ContextParallelRunner
+
+        runner = ContextParallelRunner(model, comm, config.block_size, config.torch_dtype, device,
+                                       config.context_parallel_threshold, procs)
+    else:
+        micro = config.pipeline_microbatches or pp
+        runner = ParallelRunner(model, comm, config.block_size, config.torch_dtype, device, micro, procs)
     return runner, tokenizer
 
 
@@ -166,8 +181,8 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
     path = Path(path)
     model_config = read_model_config(path)
     joined = torchrun_world()
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    world = joined[2] if joined else tp * pp
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
+    world = joined[2] if joined else tp * pp * cp
     stage_layers = check_engine_config(config, model_config, world)  # before any weight loads
     procs: list = []
     if joined:
@@ -176,7 +191,8 @@ def from_pretrained_parallel(engine_cls: type, path: str | Path, config: EngineC
                            config.parallel_timeout_s)
     else:
         if torch.multiprocessing.current_process().daemon:
-            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs to spawn worker "
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} "
+                             f"needs to spawn worker "
                              f"processes, which a daemon process (e.g. `scratchlm serve --engine-process`) cannot; "
                              f"run without --engine-process, or launch the ranks with torchrun")
         if torch.distributed.is_initialized():

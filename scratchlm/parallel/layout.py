@@ -1,7 +1,9 @@
 """Which slice of the model each rank holds, and the fail-fast checks run before any weight loads.
 
-Ranks are numbered ``rank = stage * tp + tp_rank``: the `tp` ranks of one pipeline stage are
-neighbours (one tensor-parallel group per stage), and rank 0 (stage 0, tp rank 0) runs the scheduler.
+Ranks are numbered ``rank = cp_rank * (pp * tp) + stage * tp + tp_rank``: the `tp` ranks of one pipeline
+stage are neighbours (one tensor-parallel group per stage), and rank 0 (stage 0, tp rank 0, cp rank 0) runs
+the scheduler. Context parallelism (CP) replicates the TP x PP model C times; the ranks with the same stage
+and tp rank form one CP group, which shares a sequence's KV cache by token (`scratchlm.parallel.context`).
 
 Tensor parallelism shards attention *by KV head*: a rank keeps a contiguous range of KV heads and
 the query heads of their groups (GQA), so its paged KV cache holds only its KV heads. Shards are as
@@ -85,17 +87,21 @@ def parse_stage_layers(text: str | None) -> list[int] | None:
 
 
 def check_parallel_config(config: ModelConfig, tp: int, pp: int, world_size: int | None = None,
-                          stage_layers: list[int] | None = None) -> None:
+                          stage_layers: list[int] | None = None, cp: int = 1) -> None:
     """Raise one ValueError naming every factor that does not fit; call it before loading any weight."""
     problems = []
-    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("context_parallel_size", cp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.append(f"{name}={v!r} must be a positive integer")
     if problems:
         raise ValueError("invalid parallel configuration: " + "; ".join(problems))
-    if world_size is not None and tp * pp != world_size:
-        problems.append(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}) = {tp * pp} "
+    if world_size is not None and tp * pp * cp != world_size:
+        cp_text = f" x context_parallel_size ({cp})" if cp > 1 else ""
+        problems.append(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}){cp_text} = {tp * pp * cp} "
                         f"!= world size {world_size}")
+    if cp > 1 and pp > 1:
+        problems.append(f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
+                        f"(CP composes with tensor parallelism only); drop one of them")
     if tp > config.n_kv_heads:
         problems.append(f"tensor_parallel_size={tp} exceeds the model's n_kv_heads={config.n_kv_heads} "
                         f"(n_heads={config.n_heads}): attention and the KV cache are sharded by KV head, "
@@ -131,6 +137,7 @@ class RankLayout:
     ff: tuple[int, int]  # [start, stop) of the MLP hidden units
     vocab: tuple[int, int]  # [start, stop) of vocabulary rows (real ones)
     vocab_shard: int  # rows per vocabulary shard, padded: every rank holds this many
+    cp: int = 1  # context-parallel replicas of the TP x PP model
 
     @property
     def tp_rank(self) -> int:
@@ -138,7 +145,15 @@ class RankLayout:
 
     @property
     def stage(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -148,17 +163,24 @@ class RankLayout:
     def is_last_stage(self) -> bool:
         return self.stage == self.pp - 1
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """Global ranks of `stage`'s tensor-parallel group."""
-        return list(range(stage * self.tp, (stage + 1) * self.tp))
+    def stage_ranks(self, stage: int, cp_rank: int | None = None) -> list[int]:
+        """Global ranks of `stage`'s tensor-parallel group (in CP replica `cp_rank`, default: this rank's)."""
+        base = (self.cp_rank if cp_rank is None else cp_rank) * self.tp * self.pp + stage * self.tp
+        return list(range(base, base + self.tp))
+
+    def cp_ranks(self, stage: int | None = None, tp_rank: int | None = None) -> list[int]:
+        """Global ranks of the context-parallel group of (stage, tp_rank) (default: this rank's)."""
+        stage = self.stage if stage is None else stage
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return [c * self.tp * self.pp + stage * self.tp + tp_rank for c in range(self.cp)]
 
 
 def plan_layout(config: ModelConfig, tp: int, pp: int, rank: int,
-                stage_layers: list[int] | None = None) -> RankLayout:
-    """The layout of `rank` in a TP x PP world (checked with `check_parallel_config` first)."""
-    check_parallel_config(config, tp, pp, None, stage_layers)
+                stage_layers: list[int] | None = None, cp: int = 1) -> RankLayout:
+    """The layout of `rank` in a TP x PP x CP world (checked with `check_parallel_config` first)."""
+    check_parallel_config(config, tp, pp, None, stage_layers, cp)
     sizes = stage_layers or balanced_stages(config, pp)
-    stage, tp_rank = divmod(rank, tp)
+    stage, tp_rank = divmod(rank % (tp * pp), tp)
     start = sum(sizes[:stage])
     kv = split_range(config.n_kv_heads, tp)[tp_rank]
     group = config.n_heads // config.n_kv_heads
@@ -167,7 +189,7 @@ def plan_layout(config: ModelConfig, tp: int, pp: int, rank: int,
     return RankLayout(
         rank=rank, tp=tp, pp=pp, layers=(start, start + sizes[stage]), kv_heads=kv,
         q_heads=(kv[0] * group, kv[1] * group), ff=split_range(config.d_ff, tp)[tp_rank],
-        vocab=(vstart, min(vstart + shard, config.vocab_size)), vocab_shard=shard,
+        vocab=(vstart, min(vstart + shard, config.vocab_size)), vocab_shard=shard, cp=cp,
     )
 
 
