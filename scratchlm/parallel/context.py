@@ -30,12 +30,14 @@ each rank), and forks (copy-on-write), preemption and prefix caching work unchan
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -322,6 +324,19 @@ class ContextParallelAttention:
 # The runner
 
 
+def _proc_status_kib(*names: str) -> dict[str, int]:
+    """{name: KiB} from /proc/self/status (empty where unavailable)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in names:
+                out[key] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
 class ContextParallelRunner(ParallelRunner):
     """One rank's runner in a TP x CP world; on rank 0 `execute(ModelInput)` -> logits (see module docstring).
 
@@ -346,21 +361,24 @@ class ContextParallelRunner(ParallelRunner):
             if kind == "step":
                 self._step(payload)
             elif kind == "stats":
-                self._gather_stats()
+                self._gather_stats(payload)
             else:
                 return
 
-    def rank_stats(self) -> list[dict]:
-        """Rank 0: every rank's memory and KV figures, by rank (max RSS, KV pool bytes, KV slots written in
-        layer 0, steps, communication seconds/calls/bytes)."""
-        return self._guard(lambda: (self.comm.broadcast_command(("stats", None)), self._gather_stats())[1])
+    def rank_stats(self, reset_peak: bool = False) -> list[dict]:
+        """Rank 0: every rank's memory and KV figures, by rank: max RSS, VmRSS / VmHWM (KiB, Linux), KV pool
+        bytes, KV slots written in layer 0, steps, communication seconds/calls/bytes. `reset_peak`: afterwards
+        reset each rank's VmHWM to its current RSS (/proc/self/clear_refs), to measure the peak of what follows."""
+        return self._guard(lambda: (self.comm.broadcast_command(("stats", reset_peak)),
+                                    self._gather_stats(reset_peak))[1])
 
-    def _gather_stats(self) -> list[dict]:
+    def _gather_stats(self, reset_peak: bool = False) -> list[dict]:
         lay = self.layout
         k0 = self.cache.k[0]  # (blocks, bs, Hkv, D)
         mine = {
             "rank": lay.rank, "cp_rank": lay.cp_rank, "tp_rank": lay.tp_rank,
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **_proc_status_kib("VmRSS", "VmHWM"),
             "kv_pool_bytes": 2 * self.cache.k.numel() * self.cache.k.element_size(),
             "kv_slots_written": int((k0.abs().sum(dim=(-1, -2)) != 0).sum()),
             "kv_bytes_per_slot": 2 * self.cache.k[:, 0, 0].numel() * self.cache.k.element_size(),
@@ -370,6 +388,9 @@ class ContextParallelRunner(ParallelRunner):
         }
         out: list = [None] * lay.world_size
         dist.all_gather_object(out, mine, group=self.comm.cmd_group)
+        if reset_peak:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")
         return out
 
     @torch.inference_mode()
