@@ -9,6 +9,7 @@ while CP=1 runs) and are timed interleaved A B A B. One timing = `LLMEngine.step
 fresh random prompt of T tokens (prefix caching off) with max_tokens=1 until it finishes: one prefill of
 the whole prompt in one chunk (max_num_batched_tokens = T, so CP=2 runs it as ring attention with the
 GEMMs split per rank) and the first token. Per rank it records:
+- wall time, and the thread CPU time of the rank's steps (the work itself, less sensitive to load);
 - the KV bytes the prompt holds (blocks of its table x the rank's bytes per block) and the K/V rows
   actually written on the rank (layer 0 rows that are non-zero; the pools start zeroed);
 - the peak RSS growth of the prefill (VmHWM after it minus VmRSS before, with the peak reset through
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if lay == (1, 1):
             k = engine.cache.k
             out = {"rank": 0, "VmRSS": _status_kib("VmRSS"), "VmHWM": _status_kib("VmHWM"),
+                   "step_cpu_s": time.thread_time(),
                    "kv_pool_bytes": 2 * k.numel() * k.element_size(),
                    "kv_slots_written": int((k[0].abs().sum(dim=(-1, -2)) != 0).sum()),
                    "kv_bytes_per_slot": 2 * k[:, 0, 0].numel() * k.element_size()}
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill(engine, min(t, 256 * lay[0]))
     times = {lay: [] for lay in layouts}
     peaks = {lay: [] for lay in layouts}
+    cpus = {lay: [] for lay in layouts}  # the slowest rank's thread CPU seconds in the prefill
     written = {}
     for r in range(args.repeats):
         for lay, engine in engines.items():
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             times[lay].append(prefill(engine, t))
             after = rank_figures(engine, lay, reset=False)
             peaks[lay].append([(a["VmHWM"] - b["VmRSS"]) / 1024 for a, b in zip(after, before)])
+            cpus[lay].append(max(a["step_cpu_s"] - b["step_cpu_s"] for a, b in zip(after, before)))
             if r == 0:
                 written[lay] = ([a["kv_slots_written"] - w for a, w in zip(after, base_written)], after)
         now = ", ".join(f"{names[lay]} {times[lay][-1]:.2f}s" for lay in layouts)
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                f"repeats, median. The machine has {os.cpu_count()} cores shared with other work "
                f"(load average {os.getloadavg()[0]:.1f} at the end): wall-time ratios are noisy.")
     base = statistics.median(times[(1, 1)])
+    base_cpu = statistics.median(cpus[(1, 1)])
     rows = []
     for lay in layouts:
         cp, tp = lay
@@ -135,14 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         base_kv = -(-t // args.block_size) * args.block_size * written[(1, 1)][1][0]["kv_bytes_per_slot"]
         peak = max(max(p) for p in peaks[lay])
         base_peak = max(max(p) for p in peaks[(1, 1)])
+        cpu = statistics.median(cpus[lay])
         rows.append([names[lay], cp * tp, f"{med:.2f}", f"{min(times[lay]):.2f}", f"{base / med:.2f}x",
+                     f"{cpu:.2f}", f"{base_cpu / cpu:.2f}x",
                      f"{seq_kv / 2**20:.2f}", f"{seq_kv / base_kv:.3f}",
                      " / ".join(str(s) for s in slots), f"{peak:.0f}", f"{peak / base_peak:.2f}",
                      f"{after[0]['kv_pool_bytes'] / 2**20:.0f}"])
-    report.table(["layout", "ranks", "prefill s (median)", "best", "speed-up vs CP=1", "KV MiB of the prompt / rank",
+    report.table(["layout", "ranks", "prefill wall s (median)", "best", "wall speed-up vs CP=1",
+                  "rank CPU s (max, median)", "CPU-time speed-up", "KV MiB of the prompt / rank",
                   "KV vs CP=1", "K/V rows written per rank", "peak RSS growth MiB / rank (max)",
                   "peak vs CP=1", "KV pool MiB / rank"], rows, f"One prefill of {t} tokens")
-    report.add("KV per rank is the prompt's blocks on one rank (CP=C: ceil(T / (C x block_size)) blocks of "
+    report.add("Rank CPU s: the slowest rank's thread CPU time in the prefill's steps (the work itself; "
+               "waiting for the cores or for a peer is not counted): on a shared machine read speed-ups from it. "
+               "KV per rank is the prompt's blocks on one rank (CP=C: ceil(T / (C x block_size)) blocks of "
                "block_size rows; TP shards the KV heads). 'K/V rows written' counts layer-0 rows that became "
                "non-zero on each rank during the first timed prefill: the token-interleaved ownership (p % C).")
     report.write()

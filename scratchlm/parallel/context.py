@@ -349,6 +349,7 @@ class ContextParallelRunner(ParallelRunner):
         if self.layout.pp != 1:
             raise ValueError(f"context parallelism runs with pipeline_parallel_size=1, got {self.layout.pp}")
         self.threshold = threshold
+        self.step_cpu_s = 0.0  # this thread's CPU time in steps (the work itself; waiting on peers is not counted)
 
     def serve_forever(self) -> None:
         """Ranks > 0: allocate the cache, then execute rank 0's steps (and stats queries) until it says stop."""
@@ -367,8 +368,9 @@ class ContextParallelRunner(ParallelRunner):
 
     def rank_stats(self, reset_peak: bool = False) -> list[dict]:
         """Rank 0: every rank's memory and KV figures, by rank: max RSS, VmRSS / VmHWM (KiB, Linux), KV pool
-        bytes, KV slots written in layer 0, steps, communication seconds/calls/bytes. `reset_peak`: afterwards
-        reset each rank's VmHWM to its current RSS (/proc/self/clear_refs), to measure the peak of what follows."""
+        bytes, KV slots written in layer 0, steps and their thread CPU seconds, communication seconds/calls/bytes.
+        `reset_peak`: afterwards reset each rank's VmHWM to its current RSS (/proc/self/clear_refs), to measure
+        the peak of what follows."""
         return self._guard(lambda: (self.comm.broadcast_command(("stats", reset_peak)),
                                     self._gather_stats(reset_peak))[1])
 
@@ -382,7 +384,7 @@ class ContextParallelRunner(ParallelRunner):
             "kv_pool_bytes": 2 * self.cache.k.numel() * self.cache.k.element_size(),
             "kv_slots_written": int((k0.abs().sum(dim=(-1, -2)) != 0).sum()),
             "kv_bytes_per_slot": 2 * self.cache.k[:, 0, 0].numel() * self.cache.k.element_size(),
-            "steps": self.steps,
+            "steps": self.steps, "step_cpu_s": self.step_cpu_s,
             "comm": {k: (self.comm.seconds[k], self.comm.calls[k]) for k in self.comm.seconds},
             "comm_bytes": dict(self.comm.bytes),
         }
@@ -393,8 +395,15 @@ class ContextParallelRunner(ParallelRunner):
                 Path("/proc/self/clear_refs").write_text("5")
         return out
 
-    @torch.inference_mode()
     def _step(self, inp: ModelInput) -> Tensor | None:
+        t = time.thread_time()
+        try:
+            return self._cp_step(inp)
+        finally:
+            self.step_cpu_s += time.thread_time() - t
+
+    @torch.inference_mode()
+    def _cp_step(self, inp: ModelInput) -> Tensor | None:
         self.steps += 1
         self.cache.copy_blocks(inp.block_copies)
         lay, model = self.layout, self.model
