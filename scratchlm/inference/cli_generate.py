@@ -13,6 +13,7 @@ EPILOG = """examples:
   scratchlm generate --temperature 0.8 --top-p 0.95 --seed 1 "The meaning of life is"
   scratchlm generate --model runs/tiny/checkpoint.pt --max-tokens 200 "Once upon a time"
   scratchlm generate --model stories260K.bin --chat "Tell me a story"   # --chat: apply the chat template
+  scratchlm generate --context-parallel-size 2 --threads 1 "$(cat long.txt)"   # KV sharded over 2 ranks
 """
 
 
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--speculative", default=None,
                         help="speculative decoding: ngram | draft:PATH | layers:K (see docs/speculative.md)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (spawned)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="context-parallel ranks: the KV cache sharded by token, long prefills by ring "
+                             "attention (docs/sequence_parallel.md); world = TP x CP")
+    parser.add_argument("--context-parallel-threshold", type=int, default=512,
+                        help="prefill chunks of at least this many tokens are split over the CP ranks")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does, and the speed")
 
@@ -60,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
         config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device,
-                              speculative=getattr(args, "speculative", None))
+                              speculative=getattr(args, "speculative", None),
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                              context_parallel_size=getattr(args, "context_parallel_size", 1),
+                              context_parallel_threshold=getattr(args, "context_parallel_threshold", 512))
         engine = LLMEngine.from_pretrained(args.model, config)
         prompt = args.prompt
         if args.chat:

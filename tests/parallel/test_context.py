@@ -292,3 +292,20 @@ def test_smollm2_long_prompt_cp2(default_model_path, data_dir) -> None:
         assert got == ref, f"max_num_batched_tokens={budget}"
         written = [s["kv_slots_written"] for s in stats]
         assert max(written) <= (3000 + 16 + 20) // 2 + 1, written  # each rank holds half the long prompt's KV
+
+
+def test_generate_cli_with_context_parallelism() -> None:
+    """`scratchlm generate --context-parallel-size 2` (its own process: ranks spawned from the CLI) prints the
+    single-process greedy text."""
+    import os
+    import subprocess
+    import sys
+
+    prompt = "Once upon a time there was a little girl named Lily. She loved to play outside"
+    want = LLM(STORIES).generate([prompt], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    out = subprocess.run([sys.executable, "-m", "scratchlm", "generate", "--model", str(STORIES), "--threads", "1",
+                          "--context-parallel-size", "2", "--context-parallel-threshold", "8", "--max-tokens", "20",
+                          prompt], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want.outputs[0].text.strip()
