@@ -15,7 +15,7 @@ each rank), and forks (copy-on-write), preemption and prefix caching work unchan
 
 - *Replicated rows* (decodes, and prefill chunks shorter than the threshold): every CP rank computes
   q/k/v for all of them (replicated GEMMs), stores the K/V of the tokens it owns, attends over its own
-  KV shard (`attention_with_lse`: output and log-sum-exp) and the C partial results are all-gathered
+  KV shard (`attention_lse_sorted`: output and log-sum-exp) and the C partial results are all-gathered
   and merged by LSE in rank order (`merge_attention_states`), so every rank continues with the same
   output. For a decode that is one (o, lse) per head: the cheap path, and the one vLLM's DCP takes.
 - *Sharded rows* (a prefill chunk of >= threshold tokens): each rank takes only the chunk's tokens it
@@ -23,7 +23,8 @@ each rank), and forks (copy-on-write), preemption and prefix caching work unchan
   chunk splits 1/C per rank; their K/V go straight into the rank's cache. Attention is ring attention
   (pass-KV): the rank's whole KV shard of the sequence (cached prefix + this chunk, padded to the same
   length on every rank) travels round the CP ring with `isend`/`irecv` posted before each block is
-  computed, partial results merged by LSE; key runs that the causal mask hides are skipped.
+  computed, partial results merged by LSE; per run of 256 queries, the keys they all see go through
+  torch's fused CPU attention (which returns the LSE) unmasked, the diagonal band masked, the rest skipped.
 - The sampled row of a sharded chunk lives on its owner: it is summed into rank 0 with an all-reduce
   of zeros elsewhere (exact), and CP rank 0's TP group computes the logits.
 """
@@ -48,10 +49,10 @@ from scratchlm.inference.runner import ModelInput
 from scratchlm.parallel.comm import IDLE_TIMEOUT, STARTUP_TIMEOUT, Comm
 from scratchlm.parallel.layout import RankLayout
 from scratchlm.parallel.runner import ParallelRunner
-from scratchlm.parallel.sequence import _block_attention, attention_with_lse, merge_many
+from scratchlm.parallel.sequence import merge_many
 
 _PAD_POS = float(1 << 24)  # position of padding keys in a ring block: after every query (exact in float32)
-_RUN = 256  # rows per query/key run in ring blocks (runs the causal mask hides are skipped)
+_RUN = 256  # query rows per fused attention call (keys the causal mask hides from a whole run are skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +134,62 @@ def plan_cp_step(inp: ModelInput, cp: int, cp_rank: int, block_size: int, thresh
 
 
 # ---------------------------------------------------------------------------------------------
+# Partial attention over position-sorted keys
+
+
+def _flash_lse(qh: Tensor, kh: Tensor, vh: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q (1, H, Tq, D), k/v (1, H, Tk, D) float32 -> o (1, H, Tq, D), lse (1, H, Tq); `mask` (Tq, Tk) additive."""
+    if qh.device.type == "cpu":  # torch's fused CPU kernel returns the log-sum-exp too
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, False, attn_mask=mask)
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(qh.shape[-1] ** -0.5)  # (1, H, Tq, Tk)
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, dim=-1)  # (1, H, Tq)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vh), lse
+
+
+def attention_lse_sorted(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
+                         run: int = _RUN) -> tuple[Tensor, Tensor]:
+    """Causal attention of q (Tq, H, D) at q_pos over k/v (Tk, Hkv, D) whose positions k_pos (Tk,) ascend
+    (padding keys last, at `_PAD_POS`): key j is visible to query t when k_pos[j] <= q_pos[t].
+
+    Queries go in runs of `run` rows: the keys every query of a run sees (a prefix of k) in one unmasked
+    fused call, the band where the diagonal falls in one masked call, the rest skipped. Returns o (Tq, H, D)
+    and lse (Tq, H) float32 (a query without a visible key: o = 0, lse = -inf, so it drops out of a merge)."""
+    tq, h, d = q.shape
+    tk, hkv = k.shape[0], k.shape[1]
+    o = torch.zeros(tq, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((tq, h), float("-inf"), dtype=torch.float32, device=q.device)
+    if tq == 0 or tk == 0:
+        return o, lse
+    qh = q.float().transpose(0, 1).unsqueeze(0)  # (1, H, Tq, D)
+    kh = k.float().repeat_interleave(h // hkv, dim=1).transpose(0, 1).unsqueeze(0)  # (1, H, Tk, D): GQA
+    vh = v.float().repeat_interleave(h // hkv, dim=1).transpose(0, 1).unsqueeze(0)  # (1, H, Tk, D)
+    for start in range(0, tq, run):
+        stop = min(start + run, tq)
+        qp = q_pos[start:stop]
+        lo = int(torch.searchsorted(k_pos, qp.min(), right=True))  # keys [0, lo): visible to the whole run
+        hi = int(torch.searchsorted(k_pos, qp.max(), right=True))  # keys [hi, Tk): hidden from the whole run
+        parts = []
+        if lo > 0:
+            po, pl = _flash_lse(qh[:, :, start:stop], kh[:, :, :lo], vh[:, :, :lo], None)
+            parts.append((po[0].transpose(0, 1), pl[0].transpose(0, 1)))  # (n, H, D), (n, H)
+        if hi > lo:
+            hidden = k_pos[lo:hi][None, :] > qp[:, None]  # (n, hi - lo)
+            mask = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device).masked_fill_(hidden, float("-inf"))
+            po, pl = _flash_lse(qh[:, :, start:stop], kh[:, :, lo:hi], vh[:, :, lo:hi], mask)
+            po, pl = po[0].transpose(0, 1), pl[0].transpose(0, 1)  # (n, H, D), (n, H)
+            none = (qp < k_pos[lo])[:, None]  # (n, 1): queries before the band's first key see none of it
+            if bool(none.any()):  # the kernel's o/lse of a fully masked row are meaningless: make it drop out
+                po = po.masked_fill(none[..., None], 0.0)
+                pl = pl.masked_fill(none, float("-inf"))
+            parts.append((po, pl))
+        if parts:
+            o[start:stop], lse[start:stop] = merge_many(parts)
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------
 # Communication
 
 
@@ -194,8 +251,6 @@ class ContextParallelComm(Comm):
         cp = self.layout.cp
         n_kv = k.numel()
         block = torch.cat((k.float().reshape(-1), v.float().reshape(-1), k_pos.float()))  # (2 L Hkv D + L,)
-        q_runs = max(1, min(32, q.shape[0] // _RUN))
-        k_runs = max(1, min(32, k.shape[0] // _RUN))
         o = lse = None
         for step in range(cp):
             reqs, incoming = [], None
@@ -209,7 +264,7 @@ class ContextParallelComm(Comm):
             kb = block[:n_kv].view_as(k)
             vb = block[n_kv:2 * n_kv].view_as(v)
             kp = block[2 * n_kv:].to(torch.long)
-            part = _block_attention(q[None], q_pos, kb[None], vb[None], kp, q_runs, k_runs)  # (1, Tq, H, D), (1, Tq, H)
+            part = attention_lse_sorted(q, q_pos, kb, vb, kp)  # (Tq, H, D), (Tq, H)
             o, lse = part if o is None else merge_many([(o, lse), part])
             t = time.perf_counter()
             for r in reqs:
@@ -218,7 +273,7 @@ class ContextParallelComm(Comm):
                 self._timed("cp_ring_wait", t)
             if incoming is not None:
                 block = incoming
-        return o[0]
+        return o
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,14 +356,9 @@ class ContextParallelAttention:
             parts_lse.append(lse)
         for i, (start, n, ctx, _) in enumerate(plan.replicated):
             ks, vs, kpos = self._local_kv(k_cache, v_cache, self.tables[i], ctx)
-            qs = q[start:start + n]
-            if ks.shape[0] == 0:  # this rank holds none of the context yet
-                parts_o.append(torch.zeros(qs.shape, dtype=torch.float32, device=q.device))
-                parts_lse.append(torch.full(qs.shape[:2], float("-inf"), device=q.device))
-                continue
-            o, lse = attention_with_lse(qs[None], ks[None], vs[None], self.positions[start:start + n], kpos)
-            parts_o.append(o[0])
-            parts_lse.append(lse[0])
+            o, lse = attention_lse_sorted(q[start:start + n], self.positions[start:start + n], ks, vs, kpos)
+            parts_o.append(o)
+            parts_lse.append(lse)
         if parts_o:
             merged = self.comm.cp_merge(torch.cat(parts_o), torch.cat(parts_lse))  # (n_rep, H, D)
             out.index_copy_(0, self.rep_rows, merged.to(q.dtype))

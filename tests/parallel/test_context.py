@@ -309,3 +309,23 @@ def test_generate_cli_with_context_parallelism() -> None:
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want.outputs[0].text.strip()
+
+
+@pytest.mark.parametrize(("tq", "tk", "stride", "offset", "pad"), [(300, 310, 2, 1, 0), (40, 700, 3, 0, 5),
+                                                                   (513, 257, 2, 0, 3), (7, 4, 1, 9, 2)])
+def test_sorted_partial_attention_equals_reference(tq, tk, stride, offset, pad) -> None:
+    """`attention_lse_sorted` (fused kernel per query run, prefix unmasked, band masked) = the plain
+    `attention_with_lse` on interleaved / prefix / padded key sets, including queries that see no key."""
+    from scratchlm.parallel.context import _PAD_POS, attention_lse_sorted
+    from scratchlm.parallel.sequence import attention_with_lse
+
+    g = torch.Generator().manual_seed(tq)
+    q, k, v = torch.randn(tq, 6, 16, generator=g), torch.randn(tk + pad, 2, 16, generator=g), \
+        torch.randn(tk + pad, 2, 16, generator=g)
+    q_pos = torch.arange(tq) * stride + (tk * stride - tq * stride) // 2 * (tk > tq)  # queries inside the keys' span
+    k_pos = torch.cat((torch.arange(tk) * stride + offset, torch.full((pad,), int(_PAD_POS))))
+    o, lse = attention_lse_sorted(q, q_pos, k, v, k_pos, run=64)
+    ref_o, ref_lse = attention_with_lse(q[None], k[None], v[None], q_pos, k_pos)
+    torch.testing.assert_close(o, ref_o[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse[0], atol=1e-5, rtol=1e-5)
+    assert bool(torch.isinf(lse[q_pos < k_pos[0]]).all())
