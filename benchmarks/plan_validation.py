@@ -1,68 +1,147 @@
-"""The planner's predictions against measured figures on this machine, then projections on paper.
+"""The planner's predictions against figures measured in the same run, then projections on paper.
 
-    python -m benchmarks.sequence_parallel            # first: the measured prefill figures (JSON in results/)
-    python -m benchmarks.plan_validation              # calibrate, measure decode, compare, project
+    python -m benchmarks.plan_validation              # calibrate, measure, compare, project (~10 min)
+    python -m benchmarks.plan_validation --quick      # fewer points (a smoke run)
 
-1. Calibrate this machine (`scratchlm.plan.calibrate`): GEMM FLOP/s, GEMV bandwidth and softmax rate in
-   thread CPU time (the work, which the shared machine's load does not inflate), gloo all-reduce in wall time.
-2. Prefill: every point of the latest results/*-sequence_parallel*.json (T tokens on P ranks, ring or
-   Ulysses) against `predict(..., Layout(cp=P))`: rank CPU time vs the predicted compute + memory time,
-   wall time vs the prediction with P ranks sharing the cores, KV and peak memory per rank.
-3. Decode: greedy decode steps from a sharded KV cache (P = 1, 2, 4), measured here, against the
-   predicted decode step.
-4. Parallelism benchmark figures (results/*-parallel.json from benchmarks/parallel.py), when present.
-5. Projections: a 16-node CPU cluster on 25 GbE, 8 x H100 NVLink, 1,000 H100s; the best layouts, and
+1. Calibrate this machine (`scratchlm.plan.calibrate`) at each measured model's shapes: the linear curve
+   (weight elements/s against rows), attention, elementwise and overhead rates in thread CPU time (the
+   work, which the other users of this shared machine do not inflate as much as wall time), activation
+   memory per token / per score element, gloo all-reduce in wall time.
+2. Sequence-parallel prefill (the sequence benchmark's configurations, measured here): T tokens on P
+   ranks, ring (SmolLM2-135M) and Ulysses (stories260K), against `predict(..., Layout(cp=P))`: the busiest
+   rank's CPU time vs the predicted work, KV and peak memory per rank; wall time as info.
+3. The parallelism issue's engine configurations (benchmarks/parallel.py, benchmarks/router.py): the real
+   `LLMEngine` with TP=1, TP=2, PP=2 (one thread per rank) and DP=2 (two TP=1 engines, the router's
+   replicas, each with half of the requests), batch 1 and 32 requests of 16-token prompts and 16 greedy
+   tokens: CPU time per decode step of every rank against the predicted work of that rank, the
+   32-request throughput per busiest-rank CPU second against the prediction without communication, and
+   communication per step (`comm_stats` on rank 0) against the alpha-beta prediction. Wall figures as info.
+4. Projections: a 16-node CPU cluster on 25 GbE, 8 x H100 NVLink, 1,000 H100s; the best layouts, and
    where communication overtakes compute.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing as mp
 import os
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads
+from benchmarks.common import REPO_ROOT, Report, set_threads, shared_data_dir
 
 CLUSTERS = REPO_ROOT / "recipes" / "clusters"
+ENGINE_LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}  # name: (tp, pp); DP=2 is two TP=1 engines
 
 
-def _decode_worker(rank: int, world: int, model_path: str, prompt_len: int, steps: int) -> dict:
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_client(conn, model: str | None, tp: int, pp: int, prompt_len: int, gen: int,
+                   batches: list[int], start=None) -> None:
+    """One engine (TP x PP ranks; workers spawned by the engine) in its own process: for each batch size, the
+    prefill step and every decode step timed on rank 0 (thread CPU, wall), the workers' process CPU over the
+    decode steps, and rank 0's communication."""
     import torch
 
-    from scratchlm.model import load
-    from scratchlm.parallel.sequence import ContextParallelLM
+    torch.set_num_threads(1)
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 
-    model = load(model_path).model.eval()
-    ids = torch.randint(3, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    cp = ContextParallelLM(model, "ring")
-    tok = int(cp.logits(cp.prefill(ids)[-1]).argmax())
-    walls, cpus = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        tok = int(cp.decode_step(tok).argmax())
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.thread_time() - c0)
-    return {"wall_s": statistics.median(walls[1:]), "cpu_s": statistics.median(cpus[1:])}
+    engine = LLMEngine.from_pretrained(model, EngineConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                           max_num_seqs=32, max_num_batched_tokens=1024))
+    runner = engine.runner
+    procs = list(getattr(runner, "procs", []))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    out = {}
+    n = 0
+    if start is not None:
+        start.wait()  # DP: the replicas run side by side
+    for rep, batch in enumerate([1] + batches):  # the first run warms up
+        for _ in range(batch):
+            n += 1
+            engine.add_request(f"v{n}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
+        if hasattr(runner, "comm"):
+            runner.comm.reset_stats()
+        c0, t0 = time.process_time(), time.perf_counter()
+        engine.step()  # the prompts' prefill (one step: batch x prompt_len <= max_num_batched_tokens)
+        prefill = {"cpu": time.process_time() - c0, "wall": time.perf_counter() - t0}
+        comm_prefill = runner.comm_stats() if hasattr(runner, "comm_stats") else {}
+        if hasattr(runner, "comm"):
+            runner.comm.reset_stats()
+        workers0 = [_proc_cpu(p.pid) for p in procs]
+        cpus, walls = [], []
+        while engine.has_unfinished_requests():  # rank 0: process CPU, as the workers' (gloo's threads too)
+            c0, t0 = time.process_time(), time.perf_counter()
+            engine.step()
+            cpus.append(time.process_time() - c0)
+            walls.append(time.perf_counter() - t0)
+        steps = len(cpus)
+        workers = [(_proc_cpu(p.pid) - w0) / steps for p, w0 in zip(procs, workers0)]
+        comm = runner.comm_stats() if hasattr(runner, "comm_stats") else {}
+        if rep:
+            out[batch] = {"prefill": prefill, "step_cpu": statistics.median(cpus),
+                          "step_wall": statistics.median(walls), "decode_cpu_total": sum(cpus),
+                          "decode_wall_total": sum(walls), "steps": steps, "workers_step_cpu": workers,
+                          "comm": {k: (v[0] / steps, v[1] / steps) for k, v in comm.items()},
+                          "comm_prefill": comm_prefill, "load": os.getloadavg()[0]}
+    if hasattr(runner, "shutdown"):
+        runner.shutdown()
+    conn.send(out)
 
 
-def _latest(pattern: str) -> list[Path]:
-    return sorted(RESULTS_DIR.glob(pattern))
+def _run_engines(specs: list[tuple], model: str | None, prompt_len: int, gen: int, batches: list[list[int]]):
+    """Run one client per spec (tp, pp) at once (DP) or a single one; returns their results."""
+    ctx = mp.get_context("spawn")
+    start = ctx.Event() if len(specs) > 1 else None
+    pipes, procs = [], []
+    for (tp, pp), b in zip(specs, batches):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_engine_client, args=(child, model, tp, pp, prompt_len, gen, b, start))
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    if start is not None:
+        time.sleep(1.0)
+        start.set()  # the clients wait after loading; loading happens before
+    res = [c.recv() for c in pipes]
+    for p in procs:
+        p.join(60)
+    return res
 
 
-def _verdict(pred: float, meas: float) -> tuple[str, str, bool]:
-    r = pred / meas if meas else float("nan")
-    ok = 0.7 <= r <= 1.3
-    return f"{r:.2f}", "yes" if ok else "no", ok
+def _seq_worker(rank: int, world: int, model_path: str, seq_len: int, backend: str) -> dict:
+    from benchmarks.sequence_parallel import _worker
+
+    return _worker(rank, world, model_path, seq_len, backend)
+
+
+class Checks:
+    """Rows of predicted vs measured; counted rows must fall within +-30 %."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+        self.n_ok = self.n_all = 0
+
+    def add(self, label: str, figure: str, pred: float, meas: float, fmt: str, counted: bool = True) -> None:
+        r = pred / meas if meas else float("nan")
+        ok = 0.7 <= r <= 1.3
+        if counted:
+            self.n_ok += ok
+            self.n_all += 1
+        verdict = ("yes" if ok else "no") if counted else "(info)"
+        self.rows.append([label, figure, fmt.format(pred), fmt.format(meas), f"{r:.2f}", verdict])
 
 
 def main(argv: list[str] | None = None) -> int:
     from scratchlm.defaults import default_model_path
-    from scratchlm.model.config import ModelConfig
+    from scratchlm.model import load
     from scratchlm.parallel.sequence import spawn_gloo
     from scratchlm.plan import Layout, Workload, load_cluster, plan, predict
     from scratchlm.plan.calibrate import calibrate
@@ -70,114 +149,149 @@ def main(argv: list[str] | None = None) -> int:
     from scratchlm.plan.cost import explain
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--decode-prompt", type=int, default=256, help="prompt length before the timed decode steps")
-    ap.add_argument("--decode-steps", type=int, default=9)
-    ap.add_argument("--worlds", default="1,2,4")
-    ap.add_argument("--skip-measure", action="store_true", help="no decode measurement (projections only)")
+    ap.add_argument("--quick", action="store_true", help="fewer prefill points (a smoke run)")
+    ap.add_argument("--skip-measure", action="store_true", help="projections only")
+    ap.add_argument("--prompt-len", type=int, default=16, help="engine runs: prompt tokens")
+    ap.add_argument("--gen", type=int, default=16, help="engine runs: greedy tokens per request")
     args = ap.parse_args(argv)
     set_threads(1)
-    report = Report("plan_validation", "Planner: predicted vs measured, then projections",
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # Per-rank peak memory: every allocation >= 64 KiB gets its own mapping, so freed tensors leave the RSS
+    # (see benchmarks/sequence_parallel.py); set before any rank is spawned.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    report = Report("plan_validation", "Planner: predicted vs measured (same run), then projections",
                     argv if argv is not None else sys.argv[1:])
+    load0 = os.getloadavg()
+    smol_path = str(default_model_path())
+    stories_path = str(shared_data_dir() / "models" / "stories260K" / "stories260K.bin")
+    checks = Checks()
+    log = lambda s: print(f"[plan validation {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {s}",  # noqa: E731
+                          file=sys.stderr, flush=True)
 
-    # 1. calibration
-    local = calibrate(clock="thread_cpu")
-    cores = local.devices_per_node
-    report.table(["figure", "value"], [
-        ["GEMM (1 thread, thread CPU time)", f"{local.flops / 1e9:.1f} GFLOP/s"],
-        ["GEMV bandwidth (1 thread)", f"{local.mem_bw / 1e9:.2f} GB/s"],
-        ["attention softmax rate", f"{local.softmax_rate / 1e6:.0f} M score elements/s"],
-        ["gloo all-reduce latency (2 ranks, loopback)", f"{local.intra_latency * 1e6:.0f} us"],
-        ["gloo all-reduce bandwidth", f"{local.intra_bw / 1e9:.2f} GB/s"],
-        ["cores (ranks without oversubscription)", str(cores)],
-    ], "Calibration of this machine")
-
-    rows, n_ok, n_all = [], 0, 0
-    # 2. prefill figures from the sequence benchmark
-    for path in _latest("*-sequence_parallel*.json"):
-        data = json.loads(path.read_text())
-        cfg = ModelConfig.from_dict(data["config"]) if hasattr(ModelConfig, "from_dict") else ModelConfig(
-            **data["config"])
-        for p in data["points"]:
-            w = Workload(prompt_len=p["seq_len"], output_len=1, concurrency=1)
-            lay = Layout(cp=p["world"])
-            pr = predict(cfg, w, local, lay, ranks_per_node=cores, cp_kind=p["backend"])  # no oversubscription
-            work = max(pr.prefill.compute, pr.prefill.memory)
-            r, ok_s, ok = _verdict(work, p["cpu_s"])
-            n_ok += ok
-            n_all += 1
-            label = f"{data['model']} prefill T={p['seq_len']} {p['backend']} CP={p['world']}"
-            rows.append([label, "rank CPU s", f"{work:.2f}", f"{p['cpu_s']:.2f}", r, ok_s])
-            pw = predict(cfg, w, local, lay, ranks_per_node=max(cores, p["world"]), cp_kind=p["backend"])
-            r, ok_s, _ = _verdict(pw.prefill.total, p["wall_s"])
-            rows.append([label, "wall s (info)", f"{pw.prefill.total:.2f}", f"{p['wall_s']:.2f}", r, ok_s])
-            r, ok_s, ok = _verdict(pr.kv_bytes / 2**20, p["kv_mib"])
-            n_ok += ok
-            n_all += 1
-            rows.append([label, "KV MiB / rank", f"{pr.kv_bytes / 2**20:.1f}", f"{p['kv_mib']:.1f}", r, ok_s])
-            mem = (pr.kv_bytes + pr.activation_bytes) / 2**20
-            r, ok_s, ok = _verdict(mem, p["peak_mib"])
-            n_ok += ok
-            n_all += 1
-            rows.append([label, "peak MiB / rank (KV + activations)", f"{mem:.0f}", f"{p['peak_mib']:.0f}", r, ok_s])
-
-    # 3. decode steps
-    model_path = str(default_model_path())
-    cfg = load_model_config(model_path)
     if not args.skip_measure:
-        for world in [int(x) for x in args.worlds.split(",")]:
-            print(f"[plan validation] decode P={world} load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-            res = spawn_gloo(_decode_worker, world, model_path, args.decode_prompt, args.decode_steps)
-            cpu = max(r["cpu_s"] for r in res)
-            wall = max(r["wall_s"] for r in res)
-            w = Workload(prompt_len=args.decode_prompt, output_len=2, concurrency=1)
-            pr = predict(cfg, w, local, Layout(cp=world), ranks_per_node=cores)
-            work = max(pr.decode.compute, pr.decode.memory)
-            r, ok_s, ok = _verdict(work, cpu)
-            n_ok += ok
-            n_all += 1
-            label = f"SmolLM2-135M decode step, prompt {args.decode_prompt}, CP={world}"
-            rows.append([label, "rank CPU s", f"{work * 1e3:.1f} ms", f"{cpu * 1e3:.1f} ms", r, ok_s])
-            pw = predict(cfg, w, local, Layout(cp=world), ranks_per_node=max(cores, world))
-            r, ok_s, _ = _verdict(pw.decode.total, wall)
-            rows.append([label, "wall s (info)", f"{pw.decode.total * 1e3:.1f} ms", f"{wall * 1e3:.1f} ms", r, ok_s])
+        # 1. calibration at each model's shapes
+        smol = load(smol_path)
+        cal = {}
+        log("calibrating at SmolLM2-135M's shapes")
+        cal["smol"] = calibrate(clock="thread_cpu", model=smol.config, tokenizer=smol.tokenizer, log=log)
+        stories_cfg = load_model_config(stories_path)
+        log("calibrating at stories260K's shapes")
+        cal["stories"] = calibrate(clock="thread_cpu", model=stories_cfg, network=False, log=log)
+        del smol
+        cores = cal["smol"].devices_per_node
+        rows = []
+        for name, s in cal.items():
+            rows.append([name, f"{s.linear_rate[0] * 4 / 1e9:.2f} GB/s",
+                         f"{2 * s.linear_rows[-1] * s.linear_rate[-1] / 1e9:.1f}",
+                         " ".join(f"{m}:{2 * m * r / 1e9:.1f}" for m, r in zip(s.linear_rows, s.linear_rate)),
+                         f"{s.softmax_rate / 1e6:.0f} M/s", f"{s.elementwise_rate / 1e6:.0f} M/s",
+                         f"{s.layer_overhead * 1e6:.0f} us",
+                         f"{s.step_overhead * 1e6:.0f} / {s.seq_overhead * 1e6:.0f} us",
+                         f"{s.ring_step_overhead * 1e6:.0f} us", f"{s.comm_cpu * 1e6:.0f} us",
+                         f"{s.token_bytes / 1024:.1f} KiB / {s.score_bytes:.2f} B"])
+        report.table(["shapes of", "GEMV (M=1)", "GEMM GFLOP/s (M=512)", "linear GFLOP/s by rows M", "softmax",
+                      "elementwise", "layer overhead", "engine step / seq", "ring step", "comm CPU / call",
+                      "act. per token / score"],
+                     rows, "Calibration of this machine (thread CPU time, one thread)")
+        net = cal["smol"]
+        report.add(f"gloo all-reduce over loopback (2 ranks, wall): latency {net.intra_latency * 1e6:.0f} us, "
+                   f"bandwidth {net.intra_bw / 1e9:.2f} GB/s. Cores: {cores}. Load average at the start: "
+                   f"{load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}.")
+        for name in cal:  # the network figures of the stories calibration were skipped
+            cal[name].intra_latency = cal[name].inter_latency = net.intra_latency
+            cal[name].intra_bw = cal[name].inter_bw = net.intra_bw
+            cal[name].comm_cpu = net.comm_cpu
 
-    # 4. the parallelism benchmark's figures (benchmarks/parallel.py: engine, batch-1 and 32 requests, wall time)
-    wall_spec = None
-    for path in _latest("*-parallel.md"):
-        text = path.read_text()
-        m = re.search(r"--model (\S+)", text)
-        pm = re.search(r"prompts of (\d+) random tokens, (\d+) greedy tokens", text)
-        if pm is None:
-            continue
-        bench_cfg = load_model_config(m.group(1) if m else None)
-        prompt_len, gen = int(pm.group(1)), int(pm.group(2))
-        if wall_spec is None:
-            wall_spec = calibrate(clock="wall")
-        for row in re.finditer(r"^\| ((?:TP|PP)=\d[^|]*?) \| ([\d.]+) ms \| [^|]+ \| ([\d.]+) tok/s \|", text, re.M):
-            name, ms, tps = row.group(1), float(row.group(2)), float(row.group(3))
-            if "2 threads" in name:
-                continue  # one rank with two threads: not a layout of the model
-            tp = int(re.search(r"TP=(\d)", name).group(1)) if "TP=" in name else 1
-            pp = int(re.search(r"PP=(\d)", name).group(1)) if "PP=" in name else 1
-            lay = Layout(tp=tp, pp=pp)
-            one = predict(bench_cfg, Workload(prompt_len, gen, 1), wall_spec, lay, ranks_per_node=cores)
-            per_tok = one.total_s / gen
-            r, ok_s, ok = _verdict(per_tok, ms / 1e3)
-            n_ok += ok
-            n_all += 1
-            label = f"{path.stem}: {Path(m.group(1)).name if m else 'default'} engine {lay}"
-            rows.append([label, "batch-1 time / token (wall)", f"{per_tok * 1e3:.1f} ms", f"{ms:.1f} ms", r, ok_s])
-            many = predict(bench_cfg, Workload(prompt_len, gen, 32), wall_spec, lay, ranks_per_node=cores)
-            r, ok_s, ok = _verdict(many.throughput, tps)
-            n_ok += ok
-            n_all += 1
-            rows.append([label, "32 requests: tok/s (wall)", f"{many.throughput:.0f}", f"{tps:.0f}", r, ok_s])
+        # 2. sequence-parallel prefill, measured here
+        points = [(smol_path, "smol", "ring", t) for t in ((512,) if args.quick else (512, 1024))]
+        points += [(stories_path, "stories", "ulysses", t) for t in ((1024,) if args.quick else (1024, 2048))]
+        for path, key, backend, t in points:
+            cfg = load_model_config(path)
+            for world in (1, 2, 4):
+                log(f"prefill {Path(path).name} {backend} T={t} P={world}")
+                res = spawn_gloo(_seq_worker, world, path, t, backend)
+                cpu = max(r["cpu_s"] for r in res)
+                wall = max(r["wall_s"] for r in res)
+                w = Workload(prompt_len=t, output_len=1, concurrency=1)
+                lay = Layout(cp=world)
+                pr = predict(cfg, w, cal[key], lay, ranks_per_node=cores, cp_kind=backend)
+                label = f"{Path(path).stem} prefill T={t} {backend} CP={world}"
+                checks.add(label, "rank CPU s", pr.prefill.work, cpu, "{:.2f}")
+                pw = predict(cfg, w, cal[key], lay, ranks_per_node=max(cores, world), cp_kind=backend)
+                checks.add(label, "wall s", pw.prefill.total, wall, "{:.2f}", counted=False)
+                checks.add(label, "KV MiB / rank", pr.kv_bytes / 2**20, max(r["kv_mib"] for r in res), "{:.1f}")
+                checks.add(label, "peak MiB / rank (KV + activations)", (pr.kv_bytes + pr.activation_bytes) / 2**20,
+                           max(r["peak_mib"] for r in res), "{:.0f}")
 
-    report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
-                 rows, f"Predicted vs measured: {n_ok} of {n_all} checked figures within +-30 % "
-                 "(rows marked 'info' are wall times on a shared, oversubscribed machine and are not counted)")
+        # 3. the engine: TP / PP / DP
+        smol_cfg = load_model_config(smol_path)
+        s = cal["smol"]
+        runs = {}
+        for name, (tp, pp) in ENGINE_LAYOUTS.items():
+            log(f"engine {name}")
+            runs[name] = _run_engines([(tp, pp)], None, args.prompt_len, args.gen, [[1, 32]])[0]
+        log("engine DP=2 (two TP=1 replicas, 16 requests each, side by side)")
+        dp = _run_engines([(1, 1), (1, 1)], None, args.prompt_len, args.gen, [[16], [16]])
+        comm_rows = []
+        for name, res in [*runs.items(), ("DP=2", None)]:
+            tp, pp = ENGINE_LAYOUTS.get(name, (1, 1))
+            lay = Layout(dp=2) if name == "DP=2" else Layout(tp=tp, pp=pp)
+            for batch in (1, 32):
+                if name == "DP=2" and batch == 1:
+                    continue
+                w = Workload(args.prompt_len, args.gen, batch)
+                pr = predict(smol_cfg, w, s, lay, ranks_per_node=cores)
+                label = f"SmolLM2-135M engine {name}, batch {batch}"
+                if name == "DP=2":
+                    r = max((x[16] for x in dp), key=lambda x: x["step_cpu"])
+                    ranks = [("replica (busiest)", r["step_cpu"], pr.decode_rank.work)]
+                else:
+                    r = res[1 if batch == 1 else 32]
+                    m = pr.microbatches
+                    stage_of = [i // tp for i in range(tp * pp)]  # rank -> pipeline stage (TP innermost)
+                    meas = [r["step_cpu"], *r["workers_step_cpu"]]
+                    bcast = 2 * s.comm_cpu if lay.world > 1 else 0.0  # the step command
+                    ranks = [(f"rank {i}", meas[i], m * pr.decode_stages[stage_of[i]].work + bcast
+                              + (pr.engine_overhead if i == 0 else 0.0)) for i in range(len(meas))]
+                for who, meas_cpu, pred_cpu in ranks:
+                    checks.add(label, f"decode step CPU, {who}", pred_cpu * 1e3, meas_cpu * 1e3, "{:.1f} ms")
+                pw = predict(smol_cfg, w, s, lay, ranks_per_node=max(cores, lay.world))
+                checks.add(label, "decode step wall", pw.decode.total * 1e3, r["step_wall"] * 1e3, "{:.1f} ms",
+                           counted=False)
+                if batch > 1:
+                    if name == "DP=2":
+                        busiest = max(x[16]["prefill"]["cpu"] + x[16]["decode_cpu_total"] for x in dp)
+                        walls = max(x[16]["prefill"]["wall"] + x[16]["decode_wall_total"] for x in dp)
+                    else:
+                        per_rank = [r["prefill"]["cpu"] + r["decode_cpu_total"]]
+                        busiest = max(per_rank[0], max((c * r["steps"] for c in r["workers_step_cpu"]), default=0.0)
+                                      + r["prefill"]["cpu"])  # workers: prefill taken as rank 0's
+                        walls = r["prefill"]["wall"] + r["decode_wall_total"]
+                    tokens = 32 * args.gen
+                    pred_work = pr.batch_prefill.work + args.gen * pr.decode_rank.work
+                    checks.add(label, "32 requests: tok/s per busiest-rank CPU s", tokens / pred_work,
+                               tokens / busiest, "{:.0f}")
+                    checks.add(label, "32 requests: tok/s (wall)", pw.throughput, tokens / walls, "{:.0f}",
+                               counted=False)
+                if name == "DP=2" or lay.world == 1:
+                    continue
+                comm = r["comm"]
+                keys = ["all_reduce", "all_gather", "broadcast"] if tp > 1 else ["broadcast", "send"]
+                meas_net = sum(comm.get(k, (0.0, 0))[0] for k in keys)
+                checks.add(label, "comm / step, rank 0 (" + " + ".join(keys) + ")", pr.decode.network * 1e3,
+                           meas_net * 1e3, "{:.2f} ms", counted=False)
+                comm_rows.append([label, f"{r['load']:.1f}", ", ".join(f"{k} {v[0] * 1e3:.2f} ms ({v[1]:.0f} calls)"
+                                                                         for k, v in sorted(comm.items())),
+                                  f"{pr.decode.network * 1e3:.2f} ms"])
+        report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
+                     checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
+                     "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "
+                     "times that include waiting for the peer rank; they are not counted)")
+        report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
+                     comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
+                     "the peer) vs the alpha-beta prediction")
 
-    # 5. projections on paper
+    # 4. projections on paper
     projections = [
         ("cpu16_25gbe.toml", "llama3-8b.toml", Workload(prompt_len=2048, output_len=256, concurrency=32)),
         ("h100x8_nvlink.toml", "llama3-70b.toml", Workload(prompt_len=4096, output_len=512, concurrency=64)),
@@ -202,13 +316,13 @@ def crossover_text(cfg, cluster) -> str:
     w = Workload(prompt_len=1024, output_len=128, concurrency=8)
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cfg.n_kv_heads and t <= cluster.devices]
     cells = []
+    over = None
     for tp in tps:
         p = predict(cfg, w, cluster, Layout(tp=tp))
-        cells.append(f"TP{tp}: {max(p.decode.compute, p.decode.memory) * 1e3:.2f} ms work + "
-                     f"{p.decode.network * 1e3:.2f} ms network")
-    over = next((tp for tp in tps if predict(cfg, w, cluster, Layout(tp=tp)).decode.network
-                 > max(predict(cfg, w, cluster, Layout(tp=tp)).decode.compute,
-                       predict(cfg, w, cluster, Layout(tp=tp)).decode.memory)), None)
+        work = p.decode.compute + p.decode.memory + p.decode.overhead
+        cells.append(f"TP{tp}: {work * 1e3:.2f} ms work + {p.decode.network * 1e3:.2f} ms network")
+        if over is None and p.decode.network > work:
+            over = tp
     lines.append("Decode step, batch 8, context ~1K, by TP degree: " + "; ".join(cells) + ". " +
                  (f"Communication overtakes the work at TP={over}." if over else
                   "Communication stays below the work up to the largest TP tried."))
@@ -218,7 +332,7 @@ def crossover_text(cfg, cluster) -> str:
         t_cross = None
         for t in [2**k for k in range(4, 21)]:
             p = predict(cfg, Workload(prompt_len=t, output_len=1, concurrency=1), cluster, Layout(cp=cp))
-            if p.prefill.compute >= p.prefill.overlapped_network:
+            if p.prefill.compute + p.prefill.memory >= p.prefill.overlapped_network:
                 t_cross = t
                 break
         cells.append(f"CP{cp}: {t_cross if t_cross else '> 1M'}")

@@ -1,29 +1,54 @@
 """`scratchlm plan --calibrate`: measure this machine's figures for the cost model (one thread per rank).
 
-- GEMM FLOP/s: a float32 (m x k) @ (k x n) matmul, best of a few;
-- GEMV bandwidth: a (rows x cols) float32 matrix times a vector, bytes of the matrix / time;
-- softmax rate: `attention_with_lse` on one block, its time less its GEMM FLOPs at the measured FLOP/s,
-  per score element;
+Every figure comes from a short micro-measurement, at the model's real shapes when a model is given
+(`calibrate(model=cfg)`), never from the runs the planner is validated against:
+
+- linear curve: the model's projection weights (q, k, v, o, gate, up, down of one layer, repeated past
+  the caches as a model's layers are) multiplied by M = 1 .. 512 rows with the engine's matmul
+  (`skinny_linear`: the C++ decode kernel for M <= 64, torch's GEMM above); weight elements per second
+  at each M. GEMM FLOP/s is its largest-M point (2 M elements per second); GEMV bandwidth its M = 1 point;
+- softmax rate: the model's causal attention (its heads, head_dim) at 1024 tokens, its time less its
+  GEMM FLOPs at the measured FLOP/s, per score element;
+- elementwise rate: the block's non-matmul ops at the model's shapes (two RMSNorms, RoPE on q and k,
+  SiLU x up, two residual adds) in elements of the touched tensors per second;
+- ring step overhead: one ring-attention step's block attention and merge on 4-token blocks;
+- engine overheads: decode steps of `LLMEngine` on tiny models (d_model 64, 2 and 10 layers) at batch 1
+  and 32, where the arithmetic is negligible: per layer (op dispatch), per step (scheduler, sampler) and
+  per sequence (`measure_layer_overhead`, a plain forward of such a model, is the engine-less variant);
+- activation memory: peak RSS of a 2-layer prefill (the model's widths, random weights) at two prompt
+  lengths in a fresh process, less its KV cache: bytes per prompt token and per attention-score element;
 - gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
-  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth).
+  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth), and the CPU time a rank's
+  process spends per small all-reduce (the caller plus gloo's transport threads).
+
+Rates are medians of a few timed calls (see `_best`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from scratchlm.model.config import ModelConfig
 from scratchlm.plan.cluster import ClusterSpec
+from scratchlm.plan.cost import elementwise_elements
 
 CLOCKS = {"wall": time.perf_counter, "thread_cpu": time.thread_time}
+LINEAR_ROWS = (1, 4, 16, 64, 256, 512)
+# The reference shapes when no model is given (SmolLM2-135M's widths).
+DEFAULT_MODEL = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+                            max_seq_len=8192)
 
 
 def _best(fn, repeats: int = 5, clock: str = "wall") -> float:
-    """Best of `repeats` calls after one warm-up, on `clock` ("wall", or "thread_cpu": this thread's CPU time,
-    which leaves out the time other processes take on a shared machine)."""
+    """The median of `repeats` calls after one warm-up, on `clock` ("wall", or "thread_cpu": this thread's CPU
+    time, which leaves out the time other processes take on a shared machine). The median, not the best: the
+    figures predicted from these rates are typical runs, and on a shared machine the best of a few calls is a
+    lucky moment (it made every prediction optimistic)."""
     now = CLOCKS[clock]
     fn()
     times = []
@@ -31,7 +56,7 @@ def _best(fn, repeats: int = 5, clock: str = "wall") -> float:
         t0 = now()
         fn()
         times.append(now() - t0)
-    return min(times)
+    return sorted(times)[len(times) // 2]
 
 
 def measure_gemm(n: int = 1024, clock: str = "wall") -> float:
@@ -39,6 +64,37 @@ def measure_gemm(n: int = 1024, clock: str = "wall") -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out), clock=clock)
+
+
+def layer_linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(d_out, d_in) of one block's projection weights: q, k, v, o, gate, up, down."""
+    hd = c.head_dim
+    return [(c.n_heads * hd, c.d_model), (c.n_kv_heads * hd, c.d_model), (c.n_kv_heads * hd, c.d_model),
+            (c.d_model, c.n_heads * hd), (c.d_ff, c.d_model), (c.d_ff, c.d_model), (c.d_model, c.d_ff)]
+
+
+def measure_linear_curve(c: ModelConfig = DEFAULT_MODEL, rows: tuple[int, ...] = LINEAR_ROWS,
+                         total_bytes: float = 1.2e8, clock: str = "wall") -> tuple[list[int], list[float]]:
+    """Weight elements per second of the engine's linear (`skinny_linear`) over the model's layer shapes,
+    for each row count M in `rows`: (rows, rates). Few rows stream the weights from memory (together
+    larger than the caches); many rows are GEMMs (the weights of a few layers suffice: compute-bound)."""
+    from scratchlm.inference.fast_linear import skinny_linear
+
+    shapes = layer_linear_shapes(c)
+    per_layer = sum(o * i for o, i in shapes)
+    layers = max(2, math.ceil(total_bytes / (per_layer * 4)))
+    ws = [torch.randn(o, i) for _ in range(layers) for o, i in shapes]
+    rates = []
+    for m in rows:
+        use = ws if m <= 64 else ws[: len(shapes) * 2]  # GEMMs: two layers' weights are enough
+        xs = {i: torch.randn(m, i) for _, i in shapes}
+
+        def run(use=use, xs=xs) -> None:
+            for w in use:
+                skinny_linear(xs[w.shape[1]], w)
+
+        rates.append(sum(w.numel() for w in use) / _best(run, repeats=5, clock=clock))
+    return list(rows), rates
 
 
 def measure_gemv(rows: int = 1536, cols: int = 576, total_bytes: float = 1.6e8, clock: str = "wall") -> float:
@@ -55,33 +111,190 @@ def measure_gemv(rows: int = 1536, cols: int = 576, total_bytes: float = 1.6e8, 
     return sum(w.numel() for w in ws) * 4 / _best(run, repeats=3, clock=clock)
 
 
+def _tiny_config(vocab: int = 256, layers: int = 8) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, d_model=64, n_layers=layers, n_heads=8, n_kv_heads=4, max_seq_len=256)
+
+
 def measure_layer_overhead(layers: int = 8, clock: str = "wall") -> float:
     """Seconds per transformer layer of a one-token forward through a tiny model (d_model 64), where the
     arithmetic is negligible: what dispatching a layer's ops costs."""
-    from scratchlm.model.config import ModelConfig
     from scratchlm.model.transformer import TransformerLM
 
-    model = TransformerLM(ModelConfig(vocab_size=256, d_model=64, n_layers=layers, n_heads=8, n_kv_heads=4,
-                                      max_seq_len=64)).eval()
+    model = TransformerLM(_tiny_config(layers=layers)).eval()
     x = torch.tensor([[1]])
     with torch.no_grad():
         return _best(lambda: model(x), repeats=10, clock=clock) / layers
 
 
-def measure_softmax_rate(flops: float, t: int = 512, heads: int = 8, kv_heads: int = 4, d: int = 64,
+def measure_ring_step_overhead(heads: int = 8, kv_heads: int = 4, d: int = 64, clock: str = "wall") -> float:
+    """Seconds of one ring-attention step's fixed cost (`_block_attention` over 2 x 2 visible chunk pairs and
+    one `merge_attention_states`) on 4-token blocks, where the arithmetic is negligible."""
+    from scratchlm.parallel.sequence import _block_attention, merge_attention_states
+
+    q, k, v = torch.randn(1, 4, heads, d), torch.randn(1, 4, kv_heads, d), torch.randn(1, 4, kv_heads, d)
+    q_pos, k_pos = torch.arange(8, 12), torch.arange(4)  # every key before every query: 4 unmasked pairs
+    o, lse = torch.zeros(1, 4, heads, d), torch.zeros(1, 4, heads)
+
+    def run() -> None:
+        merge_attention_states(o, lse, *_block_attention(q, q_pos, k, v, k_pos, 2, 2))
+
+    with torch.no_grad():
+        return _best(run, repeats=10, clock=clock)
+
+
+class _ByteDecoder:
+    """The least tokenizer an engine needs for detokenizing: ids -> bytes -> text."""
+
+    eos_id = None
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def measure_engine_overhead(layers: tuple[int, int] = (2, 10), clock: str = "wall",
+                            tokenizer=None) -> tuple[float, float, float]:
+    """(seconds per layer, per engine step, per sequence per step) of `LLMEngine` decode steps where the
+    arithmetic is negligible: tiny models (d_model 64) with two layer counts (the slope per layer, the
+    intercept per step) at batch 1, and batch 32 against batch 1 (per sequence); medians of 9 steps.
+    `tokenizer`: the one the engine will detokenize with (default: bytes)."""
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.model.transformer import TransformerLM
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    now = CLOCKS[clock]
+    step = {}
+    for n in layers:
+        cfg = _tiny_config(layers=n)
+        engine = LLMEngine(TransformerLM(cfg).eval(), tokenizer or _ByteDecoder(), cfg,
+                           EngineConfig(max_num_seqs=32, kv_cache_memory=2**24))
+        for rep, batch in enumerate((1, 32, 1, 32)):  # the first pair warms up
+            for i in range(batch):
+                engine.add_request(f"cal-{n}-{rep}-{i}", [1, 2, 3, 4], params)
+            engine.step()  # the prefill
+            times = []
+            while engine.has_unfinished_requests():
+                t0 = now()
+                engine.step()
+                times.append(now() - t0)
+            step[n, batch] = sorted(times)[len(times) // 2]
+    lo, hi = layers
+    per_layer = max(0.0, (step[hi, 1] - step[lo, 1]) / (hi - lo))
+    per_step = max(0.0, step[lo, 1] - lo * per_layer)
+    per_seq = max(0.0, (step[hi, 32] - step[hi, 1]) / 31)
+    return per_layer, per_step, per_seq
+
+
+def measure_softmax_rate(flops: float, t: int = 1024, heads: int = 8, kv_heads: int = 4, d: int = 64,
                          clock: str = "wall") -> float:
-    """Attention score elements per second, the GEMM part of the block taken out at `flops`."""
-    from scratchlm.parallel.sequence import attention_with_lse
+    """Attention score elements per second of the model's causal attention (`causal_attention`, the kernel of
+    a single-rank and an Ulysses prefill), the GEMM part of the block taken out at `flops`. At t = 1024 the
+    score matrices (H t^2 floats) outgrow the caches, as they do for the long prompts where attention matters;
+    measured ~25 % slower per element than at t = 256-512, where they fit in L3."""
+    from scratchlm.model.layers import causal_attention
 
     q, k, v = torch.randn(1, t, heads, d), torch.randn(1, t, kv_heads, d), torch.randn(1, t, kv_heads, d)
-    pos = torch.arange(t)
-    sec = _best(lambda: attention_with_lse(q, k, v, pos, pos), repeats=3, clock=clock)
+    with torch.no_grad():
+        sec = _best(lambda: causal_attention(q, k, v), repeats=5, clock=clock)
     elements = heads * t * t
     rest = max(sec - 4 * elements * d / flops, sec * 0.2)
     return elements / rest
 
 
-def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> dict[int, float]:
+def measure_elementwise(c: ModelConfig = DEFAULT_MODEL, t: int = 256, clock: str = "wall") -> float:
+    """Elements per second (counted by `elementwise_elements`) of one block's elementwise ops at t tokens."""
+    from scratchlm.model.layers import RMSNorm, RotaryEmbedding
+
+    d, hd = c.d_model, c.head_dim
+    norm = RMSNorm(d, c.norm_eps)
+    rope = RotaryEmbedding(hd, c.rope_theta)
+    x, a = torch.randn(1, t, d), torch.randn(1, t, d)
+    q, k = torch.randn(1, t, c.n_heads, hd), torch.randn(1, t, c.n_kv_heads, hd)
+    gate, up = torch.randn(1, t, c.d_ff), torch.randn(1, t, c.d_ff)
+    cos, sin = rope.cos_sin(torch.arange(t), x.dtype)
+
+    def run() -> None:
+        h = x + norm(x)
+        rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        torch.sigmoid(gate).mul_(gate).mul_(up)
+        h + norm(a)
+
+    with torch.no_grad():
+        sec = _best(run, repeats=5, clock=clock)
+    return t * elementwise_elements(c) / sec
+
+
+def _memory_worker(cfg_dict: dict, lengths: list[int], queue) -> None:
+    """In a fresh process: peak RSS growth (bytes) of a prefill at each length, and its KV cache bytes."""
+    torch.set_num_threads(1)
+    from scratchlm.model.transformer import TransformerLM
+    from scratchlm.parallel.sequence import ContextParallelLM
+
+    def status_kib(field: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1])
+
+    model = TransformerLM(ModelConfig(**cfg_dict)).eval()
+    out = []
+    ContextParallelLM(model, "ring").prefill(list(range(3, 35)))  # warm-up
+    for t in lengths:
+        ids = [3 + i % (cfg_dict["vocab_size"] - 3) for i in range(t)]
+        cp = ContextParallelLM(model, "ring")
+        Path("/proc/self/clear_refs").write_text("5")
+        rss0 = status_kib("VmRSS")
+        cp.prefill(ids)
+        out.append(((status_kib("VmHWM") - rss0) * 1024, cp.kv_cache_bytes()))
+        del cp
+    queue.put(out)
+
+
+def measure_activation_memory(c: ModelConfig = DEFAULT_MODEL, lengths: tuple[int, int] = (512, 1024),
+                              layers: int = 2) -> tuple[float, float]:
+    """(bytes per prompt token, bytes per attention-score element) live at a prefill's peak besides the KV
+    cache: a `layers`-layer model of `c`'s widths prefills two prompt lengths in a fresh process (glibc's mmap
+    threshold fixed at 64 KiB so freed tensors leave the RSS; peak reset through /proc/self/clear_refs);
+    peak - KV = token_bytes * T + score_bytes * H * T^2, solved from the two points."""
+    import multiprocessing as mp
+    from dataclasses import asdict
+
+    if not Path("/proc/self/clear_refs").exists():
+        raise RuntimeError("measure_activation_memory needs Linux /proc/self/clear_refs")
+    cfg = asdict(c)
+    cfg.update(n_layers=layers, vocab_size=256, max_seq_len=max(lengths) * 2)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned process only at start
+    try:
+        p = ctx.Process(target=_memory_worker, args=(cfg, list(lengths), q), daemon=True)
+        p.start()
+    finally:
+        if old is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+    import queue as _queue
+
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            res = q.get(timeout=1.0)
+            break
+        except _queue.Empty:
+            if not p.is_alive() or time.monotonic() > deadline:
+                p.kill()
+                raise RuntimeError(f"measure_activation_memory: the measuring process exited ({p.exitcode}) "
+                                   "without a result") from None
+    p.join(30)
+    (t1, t2) = lengths
+    y1, y2 = (peak - kv for peak, kv in res)
+    h = c.n_heads
+    # y = a T + b H T^2  ->  two equations
+    b = (y2 / t2 - y1 / t1) / (h * (t2 - t1))
+    a = y1 / t1 - b * h * t1
+    return max(a, 0.0), max(b, 0.0)
+
+
+def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> dict:
     import torch.distributed as dist
 
     out = {}
@@ -90,16 +303,20 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
         dist.all_reduce(x)
         dist.barrier()
         times = []
+        c0 = time.process_time()
         for _ in range(repeats):
             t0 = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
         out[n] = sorted(times)[len(times) // 2]
+        out["cpu", n] = (time.process_time() - c0) / repeats
     return out
 
 
-def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of gloo all-reduce between 2 local processes."""
+def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20,
+                      with_cpu: bool = False) -> tuple[float, ...]:
+    """(latency s, bandwidth bytes/s) of gloo all-reduce between 2 local processes; with `with_cpu` also the
+    process CPU seconds one rank spends per small all-reduce (the caller and gloo's transport threads)."""
     from scratchlm.parallel.sequence import spawn_gloo
 
     res = spawn_gloo(_allreduce_worker, 2, [small, large], repeats)
@@ -107,21 +324,39 @@ def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20
     t_large = max(r[large] for r in res)
     latency = t_small / 2  # ring all-reduce on 2 ranks: 2 (latency + n / (2 bw))
     bandwidth = large / max(t_large - 2 * latency, 1e-9)
+    if with_cpu:
+        return latency, bandwidth, sorted(r["cpu", small] for r in res)[0]
     return latency, bandwidth
 
 
-def calibrate(threads: int = 1, network: bool = True, clock: str = "wall") -> ClusterSpec:
-    """Measure this machine: one node, one device per usable core, `threads` torch threads per rank.
-    clock="thread_cpu" times the compute figures in thread CPU time (the work, without other processes' share)."""
+def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model: ModelConfig | None = None,
+              memory: bool = True, log=None, tokenizer=None) -> ClusterSpec:
+    """Measure this machine: one node, one device per usable core, `threads` torch threads per rank, at the
+    shapes of `model` (default: SmolLM2-135M's widths). clock="thread_cpu" times the compute figures in
+    thread CPU time (the work, without other processes' share). `memory`: also measure the activation memory
+    per token and per score element (a spawned process, Linux only). `log(str)`: progress lines. `tokenizer`:
+    the engine's detokenizer for the step overhead (default: bytes)."""
     if clock not in CLOCKS:
         raise ValueError(f"calibrate: clock={clock!r}, expected one of {sorted(CLOCKS)}")
+    say = log or (lambda s: None)
+    c = model or DEFAULT_MODEL
     torch.set_num_threads(threads)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    flops = measure_gemm(clock=clock)
-    bw = measure_gemv(clock=clock)
-    smax = measure_softmax_rate(flops, clock=clock)
-    overhead = measure_layer_overhead(clock=clock)
-    lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
+    say("linear curve")
+    rows, rates = measure_linear_curve(c, clock=clock)
+    flops = 2 * rows[-1] * rates[-1]
+    bw = rates[0] * 4
+    say("attention, elementwise, overheads")
+    smax = measure_softmax_rate(flops, heads=c.n_heads, kv_heads=c.n_kv_heads, d=c.head_dim, clock=clock)
+    elementwise = measure_elementwise(c, clock=clock)
+    ring_overhead = measure_ring_step_overhead(c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
+    overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer)
+    token_bytes = score_bytes = 0.0
+    if memory and Path("/proc/self/clear_refs").exists():
+        say("activation memory")
+        token_bytes, score_bytes = measure_activation_memory(c)
+    say("gloo all-reduce")
+    lat, net_bw, comm_cpu = measure_allreduce(with_cpu=True) if network else (2e-5, 5e9, 0.0)
     try:
         mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable"))
@@ -130,4 +365,7 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall") -> Cl
     return ClusterSpec(name="local (calibrated)", nodes=1, devices_per_node=max(1, cores // threads), flops=flops,
                        mem_bw=bw, mem_capacity=mem_total / max(1, cores // threads), softmax_rate=smax,
                        layer_overhead=overhead, intra_bw=net_bw, intra_latency=lat, inter_bw=net_bw,
-                       inter_latency=lat, dtype_bytes=4)
+                       inter_latency=lat, dtype_bytes=4, linear_rows=rows, linear_rate=rates,
+                       elementwise_rate=elementwise, ring_step_overhead=ring_overhead,
+                       step_overhead=step_overhead, seq_overhead=seq_overhead,
+                       token_bytes=token_bytes, score_bytes=score_bytes, comm_cpu=comm_cpu)

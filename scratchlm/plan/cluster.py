@@ -7,6 +7,7 @@ datasheet peaks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,28 @@ class ClusterSpec:
         default=0.0,
         metadata={"help": "fixed seconds per transformer layer per forward step (op dispatch / kernel launches)"},
     )
+    linear_rows: list[int] = field(
+        default_factory=list,
+        metadata={"help": "row counts M at which linear_rate was measured (empty: roofline of flops and mem_bw)"})
+    linear_rate: list[float] = field(
+        default_factory=list,
+        metadata={"help": "weight elements per second of a linear layer multiplied by linear_rows[i] rows"})
+    elementwise_rate: float = field(
+        default=0.0, metadata={"help": "elements/s of the blocks' elementwise ops (norms, RoPE, SiLU, adds); "
+                                       "0 = mem_bw / 12 bytes (three passes of 4 B)"})
+    ring_step_overhead: float = field(
+        default=0.0, metadata={"help": "fixed seconds per layer per extra ring-attention step (block + merge ops)"})
+    comm_cpu: float = field(
+        default=0.0, metadata={"help": "CPU seconds a rank spends per collective call (counted in its CPU time, "
+                                       "not in the step time, whose latency term covers it)"})
+    step_overhead: float = field(default=0.0, metadata={"help": "fixed seconds per engine step (scheduler, sampler)"})
+    seq_overhead: float = field(default=0.0, metadata={"help": "seconds per running sequence per engine step"})
+    token_bytes: float = field(
+        default=0.0, metadata={"help": "activation bytes per prompt token live at a prefill's peak, besides the "
+                                       "KV cache; 0 = the buffer count of docs/planning.md"})
+    score_bytes: float = field(
+        default=0.0, metadata={"help": "bytes live per attention-score element at a prefill's peak; "
+                                       "0 = 6 (a float32 matrix and half another)"})
     dtype_bytes: int = field(default=4, metadata={"help": "bytes per weight / activation element (4 fp32, 2 bf16)"})
     kv_dtype_bytes: int = field(default=0, metadata={"help": "bytes per KV-cache element; 0 = dtype_bytes"})
 
@@ -46,15 +69,45 @@ class ClusterSpec:
         for name in ("flops", "mem_bw", "mem_capacity", "intra_bw", "inter_bw"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead"):
+        for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead", "elementwise_rate",
+                     "ring_step_overhead", "comm_cpu", "step_overhead", "seq_overhead", "token_bytes", "score_bytes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
+        if len(self.linear_rows) != len(self.linear_rate):
+            problems.append(f"linear_rows ({len(self.linear_rows)}) and linear_rate ({len(self.linear_rate)}) "
+                            "must have the same length")
+        if any(m <= 0 for m in self.linear_rows) or any(r <= 0 for r in self.linear_rate):
+            problems.append("linear_rows and linear_rate must be positive")
+        if list(self.linear_rows) != sorted(self.linear_rows):
+            problems.append(f"linear_rows={self.linear_rows} must be increasing")
         if problems:
             raise ValueError(f"invalid cluster {self.name!r}: " + "; ".join(problems))
         if self.softmax_rate == 0:
             self.softmax_rate = self.mem_bw / 16
         if self.kv_dtype_bytes == 0:
             self.kv_dtype_bytes = self.dtype_bytes
+        if self.elementwise_rate == 0:
+            self.elementwise_rate = self.mem_bw / 12
+        if self.score_bytes == 0:
+            self.score_bytes = 6.0
+
+    def linear_time(self, weights: float, rows: float) -> float:
+        """Seconds to multiply `weights` weight elements by `rows` rows: the measured curve interpolated in
+        log(rows) (beyond its last point compute-bound: time grows with rows), or without a curve the roofline
+        max(weight bytes / mem_bw, 2 rows weights / flops)."""
+        if rows <= 0 or weights <= 0:
+            return 0.0
+        if not self.linear_rows:
+            return max(weights * self.dtype_bytes / self.mem_bw, 2 * rows * weights / self.flops)
+        ms, rs = self.linear_rows, self.linear_rate
+        if rows <= ms[0]:
+            return weights / rs[0]
+        if rows >= ms[-1]:
+            return weights / rs[-1] * rows / ms[-1]
+        i = next(j for j in range(1, len(ms)) if ms[j] >= rows)
+        f = (math.log(rows) - math.log(ms[i - 1])) / (math.log(ms[i]) - math.log(ms[i - 1]))
+        time_per_weight = (1 - f) / rs[i - 1] + f / rs[i]  # interpolate the time, which is smooth in rows
+        return weights * time_per_weight
 
     @property
     def devices(self) -> int:
@@ -81,6 +134,10 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
     for f in fields(spec):
         v = getattr(spec, f.name)
         help_text = f.metadata.get("help", "")
+        if isinstance(v, list):
+            lines.append(f"{f.name} = [{', '.join(f'{x:.4g}' if isinstance(x, float) else str(x) for x in v)}]"
+                         f"  # {help_text}")
+            continue
         value = f'"{v}"' if isinstance(v, str) else (f"{v:.4g}" if isinstance(v, float) else str(v))
         if isinstance(v, float) and "e" not in value and "." not in value:
             value += ".0"

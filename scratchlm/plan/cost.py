@@ -57,23 +57,38 @@ class Workload:
 
 @dataclass
 class Terms:
-    """Seconds spent in each resource; the step time combines them (see `total`)."""
+    """Seconds spent in each resource. Ops run one after another (one thread per rank on a CPU, one kernel at
+    a time on a GPU), each bound by compute or by memory: `compute` sums the compute-bound ops, `memory` the
+    memory-bound ones, and the step takes their sum (see `total`)."""
 
     compute: float = 0.0
     memory: float = 0.0
     network: float = 0.0
-    overlapped_network: float = 0.0  # hidden behind compute where it is smaller
-    overhead: float = 0.0  # fixed per-layer dispatch / launch cost
+    overlapped_network: float = 0.0  # hidden behind compute + memory where it is smaller
+    overhead: float = 0.0  # fixed per-layer dispatch / launch cost, engine step bookkeeping
+    comm_cpu: float = 0.0  # CPU time the rank spends in collective calls (in `work`, not in `total`)
+
+    @property
+    def work(self) -> float:
+        """One rank's busy (CPU) time: compute + memory + overhead + the CPU cost of its collective calls."""
+        return self.compute + self.memory + self.overhead + self.comm_cpu
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.memory, self.overlapped_network) + self.network + self.overhead
+        return max(self.compute + self.memory, self.overlapped_network) + self.network + self.overhead
 
     @property
     def bottleneck(self) -> str:
-        net = self.network + max(0.0, self.overlapped_network - max(self.compute, self.memory))
+        net = self.network + max(0.0, self.overlapped_network - self.compute - self.memory)
         return max((("compute", self.compute), ("memory bandwidth", self.memory), ("network", net),
                     ("per-op overhead", self.overhead)), key=lambda kv: kv[1])[0]
+
+    def add_op(self, compute_s: float, memory_s: float) -> None:
+        """One op (or a group of alike ops): it takes the larger of its compute and memory times."""
+        if compute_s >= memory_s:
+            self.compute += compute_s
+        else:
+            self.memory += memory_s
 
 
 @dataclass
@@ -88,6 +103,12 @@ class Prediction:
     activation_bytes: float = 0.0
     prefill: Terms = field(default_factory=Terms)  # one prompt
     decode: Terms = field(default_factory=Terms)  # one decode step of the replica's batch
+    decode_rank: Terms = field(default_factory=Terms)  # the busiest rank's share of that step
+    decode_stages: list[Terms] = field(default_factory=list)  # one micro-batch through each stage (a TP rank)
+    microbatches: int = 1
+    engine_overhead: float = 0.0  # rank 0's scheduler / sampler seconds per decode step
+    batch_prefill: Terms = field(default_factory=Terms)  # the replica's prompts in one forward
+    stage_layers: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     throughput: float = 0.0  # output tokens/s of the whole deployment
@@ -142,10 +163,55 @@ def ring_score_elements(t: int, cp: int) -> float:
     return float(t) * t if cp == 1 else t * t / (2 * cp) * (1 + 1 / (2 * cp))
 
 
+def elementwise_elements(c: ModelConfig, tp: int = 1) -> float:
+    """Elements per token per layer that the block's elementwise ops touch, as `calibrate.measure_elementwise`
+    counts them: two RMSNorms and two residual adds over d_model, RoPE over q and k, SiLU x up over d_ff."""
+    kv_local = math.ceil(c.n_kv_heads / tp)
+    h_local = kv_local * (c.n_heads // c.n_kv_heads)
+    return 4 * c.d_model + (h_local + kv_local) * c.head_dim + c.d_ff / tp
+
+
+def stage_layers(c: ModelConfig, pp: int) -> list[int]:
+    """Layers per pipeline stage as the engine splits them (`scratchlm.parallel.layout.balanced_stages`:
+    contiguous, balanced by parameter count with the embedding on the first stage and the head on the last)."""
+    if pp <= 1:
+        return [c.n_layers]
+    if pp > c.n_layers:
+        return [1] * c.n_layers + [0] * (pp - c.n_layers)
+    from scratchlm.parallel.layout import balanced_stages
+
+    return balanced_stages(c, pp)
+
+
+def per_token_activation_elements(c: ModelConfig, tp: int = 1) -> float:
+    """Float32 elements per prompt token live at a prefill's peak besides the KV cache and the scores, when the
+    cluster has no measured `token_bytes`: residual stream, norm output, q, k, v, attention output (d_model and
+    head widths), gate and up (d_ff)."""
+    kv_local = math.ceil(c.n_kv_heads / tp)
+    h_local = kv_local * (c.n_heads // c.n_kv_heads)
+    return 4 * c.d_model + 3 * c.d_ff / tp + (h_local + 2 * kv_local) * c.head_dim
+
+
+def _linear(t: Terms, cluster: ClusterSpec, weights: float, rows: float, slow: float) -> None:
+    """A linear layer of `weights` elements times `rows` rows: compute- or memory-bound by the roofline."""
+    if weights <= 0 or rows <= 0:
+        return
+    sec = cluster.linear_time(weights, rows) * slow
+    if 2 * rows * weights / cluster.flops >= weights * cluster.dtype_bytes / cluster.mem_bw:
+        t.compute += sec
+    else:
+        t.memory += sec
+
+
+def _broadcast(n: float, p: int, lat: float, bw: float) -> float:
+    """Tree broadcast of n bytes to p ranks."""
+    return 0.0 if p <= 1 else math.ceil(math.log2(p)) * (lat + n / bw)
+
+
 def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
             ranks_per_node: int | None = None, cp_kind: str = "ring") -> Prediction:
     """Predict memory and times of `layout`. `ranks_per_node` > devices_per_node models oversubscription
-    (ranks share devices: compute and memory slow down by the ratio), used to check the model locally."""
+    (ranks share devices: every time grows by the ratio), used to check the model locally."""
     pred = Prediction(layout, feasible=True)
     dp, tp, pp, cp = layout.dp, layout.tp, layout.pp, layout.cp
     problems = []
@@ -162,18 +228,26 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     e = cluster.dtype_bytes
     ekv = cluster.kv_dtype_bytes
     rpn = ranks_per_node or min(layout.world, cluster.devices_per_node)
-    share = min(1.0, cluster.devices_per_node / rpn)  # fraction of a device each rank gets
-    flops, mem_bw, smax = cluster.flops * share, cluster.mem_bw * share, cluster.softmax_rate * share
+    slow = max(1.0, rpn / cluster.devices_per_node)  # ranks sharing a device run this much slower
+    flops, mem_bw, smax = cluster.flops / slow, cluster.mem_bw / slow, cluster.softmax_rate / slow
+    elem_rate, overhead = cluster.elementwise_rate / slow, cluster.layer_overhead * slow
 
     kv_local = math.ceil(c.n_kv_heads / tp)  # the largest TP shard (whole KV-head groups)
     h_local = kv_local * (c.n_heads // c.n_kv_heads)
     a_frac = kv_local / c.n_kv_heads
-    ls = math.ceil(c.n_layers / pp)
-    layer_local = attention_params(c) * a_frac + mlp_params(c) / tp + 2 * c.d_model
+    stages = stage_layers(c, pp)
+    pred.stage_layers = stages
+    ls = max(stages)
+    lin_layer = attention_params(c) * a_frac + mlp_params(c) / tp  # linear weights of one layer on one rank
+    layer_local = lin_layer + 2 * c.d_model
     emb = c.vocab_size * c.d_model / tp
-    head = emb  # the output head (tied or not) is computed on the last stage
-    stage_params = ls * layer_local + (emb + (0 if c.tie_embeddings and pp == 1 else head))
-    pred.weights_bytes = stage_params * e
+    head_separate = not (c.tie_embeddings and pp == 1)  # a tied head on its own stage is a second copy
+
+    def stage_params(s: int) -> float:
+        return (stages[s] * layer_local + (emb if s == 0 else 0.0)
+                + ((emb if head_separate else 0.0) + c.d_model if s == pp - 1 else 0.0))
+
+    pred.weights_bytes = max(stage_params(s) for s in range(pp)) * e
 
     # KV cache: this replica's sequences, its stage's layers, its KV heads, 1/cp of the tokens.
     batch = math.ceil(w.concurrency / dp)
@@ -183,14 +257,17 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
 
     # Activations of one prompt's prefill (the peak): per-token buffers plus the attention scores.
     tl = math.ceil(w.prompt_len / cp)
-    per_token = (4 * c.d_model + 3 * c.d_ff / tp + (h_local + 2 * kv_local) * c.head_dim) * 4
+    if cluster.token_bytes:
+        per_token = cluster.token_bytes * per_token_activation_elements(c, tp) / per_token_activation_elements(c)
+    else:
+        per_token = per_token_activation_elements(c, tp) * 4
     if cp == 1 or cp_kind == "ulysses":
         heads = h_local if cp == 1 else h_local // cp
         sq = sk = w.prompt_len
     else:
         heads, sq = h_local, math.ceil(w.prompt_len / (2 * cp))
         sk = sq
-    pred.activation_bytes = tl * per_token + 1.5 * heads * sq * sk * 4
+    pred.activation_bytes = tl * per_token + cluster.score_bytes * heads * sq * sk
     if pred.memory_bytes > cluster.mem_capacity:
         problems.append(f"needs {pred.memory_bytes / 2**30:.2f} GiB per rank > {cluster.mem_capacity / 2**30:.2f} GiB")
 
@@ -198,52 +275,96 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     tp_lat, tp_bw = cluster.link(_spans_nodes(1, tp, cluster))
     cp_lat, cp_bw = cluster.link(_spans_nodes(tp, cp, cluster))
     pp_lat, pp_bw = cluster.link(_spans_nodes(tp * cp, pp, cluster))
+    L = c.n_layers
+    ew = elementwise_elements(c, tp)
 
-    # ---- prefill of one prompt (its stages run one after the other) ----
+    # ---- prefill: `prompts` prompts in one forward (the engine batches them), stages one after another ----
     t = w.prompt_len
-    gemm_flops = 2 * tl * (c.n_layers * layer_local) + 2 * c.d_model * c.vocab_size / tp  # + last token's logits
     if cp_kind == "ulysses" and cp > 1:
         score = h_local / cp * float(t) * t
     else:
         score = h_local * ring_score_elements(t, cp)
-    attn_flops = 4 * score * c.head_dim * c.n_layers
-    streamed = c.n_layers * tl * (6 * c.d_model + 4 * c.d_ff / tp) * 12  # norms, rope, silu: ~3 passes of 4 B
-    pre = Terms()
-    pre.compute = (gemm_flops + attn_flops) / flops + c.n_layers * score / smax + streamed / mem_bw
-    pre.overhead = c.n_layers * cluster.layer_overhead
-    pre.memory = c.n_layers * layer_local * e / mem_bw + emb * e / mem_bw
-    act = tl * c.d_model * e
-    pre.network += c.n_layers * 2 * _allreduce(act, tp, tp_lat, tp_bw)
-    pre.network += (pp - 1) * (pp_lat + act / pp_bw)
-    if cp > 1:
-        if cp_kind == "ulysses":
-            qkvo = tl * (2 * h_local + 2 * kv_local) * c.head_dim * e
-            pre.network += c.n_layers * _allgather(qkvo, cp, cp_lat, cp_bw)
-        else:
-            block = 2 * tl * kv_local * c.head_dim * e  # this rank's K and V
-            pre.overlapped_network = c.n_layers * (cp - 1) * (cp_lat + block / cp_bw)
-    pred.prefill = pre
+
+    def prefill_terms(prompts: int) -> Terms:
+        pre = Terms()
+        _linear(pre, cluster, L * lin_layer, prompts * tl, slow)
+        _linear(pre, cluster, emb, prompts, slow)  # the last token's logits
+        pre.add_op(prompts * L * (4 * score * c.head_dim / flops + score / smax), 0.0)
+        pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
+        pre.overhead = L * overhead
+        if cp > 1 and cp_kind != "ulysses":
+            pre.overhead += L * (cp - 1) * cluster.ring_step_overhead * slow  # the extra ring steps
+        act = prompts * tl * c.d_model * e
+        pre.network += (L * 2 + 1) * _allreduce(act, tp, tp_lat, tp_bw)
+        pre.network += (pp - 1) * (pp_lat + act / pp_bw)
+        if cp > 1:
+            if cp_kind == "ulysses":
+                qkvo = prompts * tl * (2 * h_local + 2 * kv_local) * c.head_dim * e
+                pre.network += L * _allgather(qkvo, cp, cp_lat, cp_bw)
+            else:
+                block = 2 * prompts * tl * kv_local * c.head_dim * e  # this rank's K and V
+                pre.overlapped_network = L * (cp - 1) * (cp_lat + block / cp_bw)
+        return pre
+
+    pred.prefill = prefill_terms(1)
+    batch_prefill = prefill_terms(batch)
 
     # ---- one decode step: every sequence of the replica advances one token ----
+    # With pp > 1 the batch is cut into m micro-batches that flow through the stages: a step costs the sum of
+    # the stages' times for one micro-batch plus (m - 1) times the slowest stage; each stage streams its weights
+    # once per micro-batch.
     s_avg = w.prompt_len + w.output_len / 2
+    m = min(pp, batch) if pp > 1 else 1
+    rows = batch / m
+    stage_terms = []
+    for s in range(pp):
+        st = Terms()
+        n = stages[s]
+        _linear(st, cluster, n * lin_layer, rows, slow)
+        if s == pp - 1:
+            _linear(st, cluster, emb, rows, slow)
+        ctx_tokens = rows * s_avg / cp
+        st.add_op(n * ctx_tokens * h_local * (4 * c.head_dim / flops + 1 / smax),
+                  n * ctx_tokens * 2 * kv_local * c.head_dim * ekv / mem_bw)
+        st.add_op(0.0, n * rows * ew / elem_rate)
+        st.overhead = n * overhead
+        calls = (2 * n + (s == 0) + (s == pp - 1)) if tp > 1 else 0  # all-reduces, the logits' all-gather
+        if pp > 1:  # activations in / out, the logits to rank 0
+            calls += (s > 0) + (s < pp - 1) + (s == pp - 1) + (s == 0)
+        st.comm_cpu = calls * cluster.comm_cpu * slow
+        stage_terms.append(st)
+    slowest = max(stage_terms, key=lambda x: x.work)
     dec = Terms()
-    st_flops = 2 * batch * (ls * layer_local + emb / pp) + 4 * batch * s_avg / cp * h_local * c.head_dim * ls
-    st_bytes = stage_params * e + batch * s_avg / cp * kv_per_token
-    dec.compute = pp * (st_flops / flops + batch * ls * (s_avg / cp) * h_local / smax)
-    dec.memory = pp * st_bytes / mem_bw
-    dec.overhead = c.n_layers * cluster.layer_overhead
-    x = batch * c.d_model * e
-    dec.network = c.n_layers * 2 * _allreduce(x, tp, tp_lat, tp_bw) + (pp - 1) * (pp_lat + x / pp_bw)
+    for name in ("compute", "memory", "overhead"):
+        setattr(dec, name, sum(getattr(x, name) for x in stage_terms) + (m - 1) * getattr(slowest, name))
+    engine = (cluster.step_overhead + batch * cluster.seq_overhead) * slow  # scheduler, sampler (rank 0)
+    dec.overhead += engine
+    x = rows * c.d_model * e
+    for s in range(pp):  # TP collectives of every stage, per micro-batch: 2 per layer, the embedding, the logits
+        calls = 2 * stages[s] + (1 if s == 0 else 0)
+        dec.network += m * calls * _allreduce(x, tp, tp_lat, tp_bw)
+    dec.network += m * _allgather(rows * c.vocab_size * e, tp, tp_lat, tp_bw)
+    if pp > 1:  # activations between stages, the logits back to rank 0
+        dec.network += m * ((pp - 1) * (pp_lat + x / pp_bw) + pp_lat + rows * c.vocab_size * e / pp_bw)
+    dec.network += 2 * _broadcast(64 + 48 * batch, tp * pp, pp_lat, pp_bw)  # the step command (size, payload)
     if cp > 1:  # partial outputs + LSE gathered and merged in every layer
-        dec.network += c.n_layers * _allgather(cp * batch * h_local * (c.head_dim + 1) * 4, cp, cp_lat, cp_bw)
+        dec.network += L * _allgather(cp * batch * h_local * (c.head_dim + 1) * 4, cp, cp_lat, cp_bw)
     pred.decode = dec
+    busiest = max(range(pp), key=lambda s: m * stage_terms[s].work + (engine if s == 0 else 0.0))
+    rank = Terms()
+    for name in ("compute", "memory", "overhead", "comm_cpu"):
+        setattr(rank, name, m * getattr(stage_terms[busiest], name))
+    if tp * pp > 1:
+        rank.comm_cpu += 2 * cluster.comm_cpu * slow  # the step command's two broadcasts
+    rank.overhead += engine if busiest == 0 else 0.0
+    pred.decode_rank = rank
+    pred.decode_stages, pred.microbatches, pred.engine_overhead = stage_terms, m, engine
+    pred.batch_prefill = batch_prefill
 
     pred.tpot_s = dec.total
-    t_prefill = pre.total
-    pred.ttft_s = t_prefill * (batch + 1) / 2  # prompts of a replica are prefilled one after another
-    prefill_time = batch * t_prefill
+    pred.ttft_s = batch_prefill.total  # the replica's prompts arrive together and share the first steps
     decode_time = w.output_len * dec.total
-    pred.total_s = prefill_time + decode_time
+    pred.total_s = batch_prefill.total + decode_time
     pred.decode_time_s = decode_time
     pred.throughput = w.concurrency * w.output_len / pred.total_s
     if problems:

@@ -26,17 +26,61 @@ def test_single_rank_prediction_matches_hand_computation():
     w = Workload(prompt_len=256, output_len=16, concurrency=2)
     p = predict(TINY, w, BOX, Layout())
     c = TINY
-    layer = c.d_model * c.head_dim * (2 * 8 + 2 * 4) + 3 * c.d_model * c.d_ff + 2 * c.d_model
-    assert p.weights_bytes == pytest.approx((4 * layer + 1000 * 64) * 4)  # tied head: one copy
+    lin = c.d_model * c.head_dim * (2 * 8 + 2 * 4) + 3 * c.d_model * c.d_ff  # linear weights of one layer
+    layer = lin + 2 * c.d_model
+    assert p.weights_bytes == pytest.approx((4 * layer + 1000 * 64 + 64) * 4)  # tied head: one copy; final norm
     assert p.kv_bytes == pytest.approx(2 * (256 + 16) * 2 * 4 * 4 * 8 * 4)  # batch 2, K+V, 4 layers, 4 heads, D 8
-    gemm = 2 * 256 * 4 * layer + 2 * 64 * 1000
+    # Prefill, op by op, each at the larger of its compute and memory times (no measured curve: roofline).
     score = 8 * 256 * 256  # one rank computes the full square
-    compute = (gemm + 4 * score * 8 * 4) / 1e10 + 4 * score / 1e9 + 4 * 256 * (6 * 64 + 4 * 256) * 12 / 1e10
+    ew = 4 * 64 + (8 + 4) * 8 + 256  # norms + adds, RoPE on q and k, SiLU x up
+    compute = 2 * 256 * 4 * lin / 1e10 + (4 * score * 8 * 4 / 1e10 + 4 * score / 1e9)
+    memory = 1000 * 64 * 4 / 1e10 + 4 * 256 * ew / (1e10 / 12)  # the last token's logits (a GEMV), elementwise
     assert p.prefill.compute == pytest.approx(compute)
+    assert p.prefill.memory == pytest.approx(memory)
+    assert p.prefill.total == pytest.approx(compute + memory)
+    # Decode: 2 rows per linear (compute-bound at 2 FLOPs per byte here), KV read, elementwise.
+    s_avg = 256 + 8
+    dec_compute = 2 * 2 * (4 * lin + 1000 * 64) / 1e10 + 4 * 2 * s_avg * 8 * (4 * 8 / 1e10 + 1 / 1e9)
+    dec_memory = 4 * 2 * ew / (1e10 / 12)
+    assert p.decode.compute == pytest.approx(dec_compute)
+    assert p.decode.memory == pytest.approx(dec_memory)
     assert p.prefill.network == 0 and p.decode.network == 0
     assert p.feasible and p.throughput == pytest.approx(2 * 16 / p.total_s)
-    slow = ClusterSpec(**{**BOX.__dict__, "layer_overhead": 1e-3})
-    assert predict(TINY, w, slow, Layout()).decode.total == pytest.approx(p.decode.total + 4e-3)
+    assert p.ttft_s == pytest.approx(p.batch_prefill.total)  # both prompts in one forward
+    slow = ClusterSpec(**{**BOX.__dict__, "layer_overhead": 1e-3, "step_overhead": 2e-3, "seq_overhead": 1e-4})
+    assert predict(TINY, w, slow, Layout()).decode.total == pytest.approx(p.decode.total + 4e-3 + 2e-3 + 2e-4)
+
+
+def test_linear_curve_interpolates_in_log_rows():
+    box = ClusterSpec(**{**BOX.__dict__, "linear_rows": [1, 4, 16], "linear_rate": [1e9, 2e9, 1e9]})
+    assert box.linear_time(1e6, 1) == pytest.approx(1e-3)
+    assert box.linear_time(1e6, 4) == pytest.approx(0.5e-3)
+    assert box.linear_time(1e6, 2) == pytest.approx((1e-3 + 0.5e-3) / 2)  # halfway in log(rows)
+    assert box.linear_time(1e6, 64) == pytest.approx(1e-3 * 64 / 16)  # past the curve: compute-bound
+    assert box.linear_time(1e6, 0.5) == pytest.approx(1e-3)
+    assert BOX.linear_time(1e6, 1) == pytest.approx(4e6 / 1e10)  # no curve: roofline, memory-bound
+    assert BOX.linear_time(1e6, 100) == pytest.approx(2e8 / 1e10)  # compute-bound
+    with pytest.raises(ValueError, match="same length"):
+        ClusterSpec(linear_rows=[1, 2], linear_rate=[1e9])
+    with pytest.raises(ValueError, match="increasing"):
+        ClusterSpec(linear_rows=[4, 2], linear_rate=[1e9, 1e9])
+
+
+def test_pipeline_stages_follow_the_engine_and_micro_batches_overlap():
+    from scratchlm.parallel.layout import balanced_stages
+
+    w = Workload(prompt_len=64, output_len=16, concurrency=8)
+    one, pp2 = predict(TINY, w, BOX, Layout()), predict(TINY, w, BOX, Layout(pp=2))
+    assert pp2.stage_layers == balanced_stages(TINY, 2)
+    assert pp2.microbatches == 2 and len(pp2.decode_stages) == 2
+    # A step: one micro-batch through both stages, plus (m - 1) more of the slowest stage.
+    st = pp2.decode_stages
+    slowest = max(st, key=lambda t: t.work)
+    assert pp2.decode.compute + pp2.decode.memory == pytest.approx(
+        sum(t.compute + t.memory for t in st) + slowest.compute + slowest.memory)
+    assert pp2.decode_rank.work < one.decode.work  # each rank does about half the work
+    batch1 = predict(TINY, Workload(prompt_len=64, output_len=16, concurrency=1), BOX, Layout(pp=2))
+    assert batch1.microbatches == 1  # one sequence cannot be split
 
 
 def test_splitting_divides_memory_and_adds_communication():
@@ -123,13 +167,37 @@ def test_plan_command(capsys, tmp_path):
 
 
 def test_calibration_measures_positive_figures():
-    from scratchlm.plan.calibrate import measure_gemm, measure_gemv, measure_layer_overhead, measure_softmax_rate
+    from scratchlm.plan.calibrate import (
+        measure_elementwise,
+        measure_engine_overhead,
+        measure_gemm,
+        measure_gemv,
+        measure_layer_overhead,
+        measure_linear_curve,
+        measure_ring_step_overhead,
+        measure_softmax_rate,
+    )
 
     assert 0 < measure_layer_overhead(layers=2) < 1
     f = measure_gemm(256)
     assert f > 1e6  # loose: the machine is shared, figures swing several-fold
     assert measure_gemv(256, 128, total_bytes=4e6) > 1e6
     assert measure_softmax_rate(f, t=128) > 1e3
+    rows, rates = measure_linear_curve(TINY, rows=(1, 8, 128), total_bytes=2e6)
+    assert rows == [1, 8, 128] and all(r > 1e5 for r in rates)
+    assert measure_elementwise(TINY, t=32) > 1e5
+    assert 0 < measure_ring_step_overhead(8, 4, 8) < 1
+    per_layer, per_step, per_seq = measure_engine_overhead(layers=(1, 3))
+    assert 0 <= per_layer < 1 and 0 <= per_step < 1 and 0 <= per_seq < 1
+
+
+@pytest.mark.slow
+def test_activation_memory_calibration():
+    from scratchlm.plan.calibrate import measure_activation_memory
+
+    token_bytes, score_bytes = measure_activation_memory(TINY, lengths=(256, 512))
+    # Between a bare float32 score matrix and a few of them; per token: some d_model-wide fp32 buffers.
+    assert 1 <= score_bytes <= 16 and token_bytes > 4 * TINY.d_model
 
 
 @pytest.mark.slow
