@@ -137,15 +137,18 @@ def plan_cp_step(inp: ModelInput, cp: int, cp_rank: int, block_size: int, thresh
 # Partial attention over position-sorted keys
 
 
-def _flash_lse(qh: Tensor, kh: Tensor, vh: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """q (1, H, Tq, D), k/v (1, H, Tk, D) float32 -> o (1, H, Tq, D), lse (1, H, Tq); `mask` (Tq, Tk) additive."""
-    if qh.device.type == "cpu":  # torch's fused CPU kernel returns the log-sum-exp too
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, False, attn_mask=mask)
-    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(qh.shape[-1] ** -0.5)  # (1, H, Tq, Tk)
+def _flash_lse(qg: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q (Hkv, G n, D) (the G query heads of each KV head stacked along the rows), k/v (Hkv, Tk, D) float32
+    -> o (Hkv, G n, D), lse (Hkv, G n); `mask` (G n, Tk) additive (-inf = hidden)."""
+    if qg.device.type == "cpu":  # torch's fused CPU kernel, which returns the log-sum-exp too
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg[None], k[None], v[None], 0.0, False,
+                                                                             attn_mask=mask)
+        return o[0], lse[0]
+    s = torch.matmul(qg, k.transpose(-1, -2)).mul_(qg.shape[-1] ** -0.5)  # (Hkv, G n, Tk)
     if mask is not None:
         s = s + mask
-    lse = torch.logsumexp(s, dim=-1)  # (1, H, Tq)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vh), lse
+    lse = torch.logsumexp(s, dim=-1)  # (Hkv, G n)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
 def attention_lse_sorted(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
@@ -154,38 +157,43 @@ def attention_lse_sorted(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: 
     (padding keys last, at `_PAD_POS`): key j is visible to query t when k_pos[j] <= q_pos[t].
 
     Queries go in runs of `run` rows: the keys every query of a run sees (a prefix of k) in one unmasked
-    fused call, the band where the diagonal falls in one masked call, the rest skipped. Returns o (Tq, H, D)
-    and lse (Tq, H) float32 (a query without a visible key: o = 0, lse = -inf, so it drops out of a merge)."""
+    fused call, the band where the diagonal falls in one masked call, the rest skipped. Grouped-query
+    attention without repeating K/V: the G query heads of a KV head are stacked as rows of one call.
+    Returns o (Tq, H, D) and lse (Tq, H) float32 (a query without a visible key: o = 0, lse = -inf, so it
+    drops out of a merge)."""
     tq, h, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
+    g = h // hkv
     o = torch.zeros(tq, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((tq, h), float("-inf"), dtype=torch.float32, device=q.device)
     if tq == 0 or tk == 0:
         return o, lse
-    qh = q.float().transpose(0, 1).unsqueeze(0)  # (1, H, Tq, D)
-    kh = k.float().repeat_interleave(h // hkv, dim=1).transpose(0, 1).unsqueeze(0)  # (1, H, Tk, D): GQA
-    vh = v.float().repeat_interleave(h // hkv, dim=1).transpose(0, 1).unsqueeze(0)  # (1, H, Tk, D)
+    kh = k.float().transpose(0, 1)  # (Hkv, Tk, D)
+    vh = v.float().transpose(0, 1)  # (Hkv, Tk, D)
     for start in range(0, tq, run):
         stop = min(start + run, tq)
+        n = stop - start
         qp = q_pos[start:stop]
+        qg = q[start:stop].float().view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)  # (Hkv, G n, D)
         lo = int(torch.searchsorted(k_pos, qp.min(), right=True))  # keys [0, lo): visible to the whole run
         hi = int(torch.searchsorted(k_pos, qp.max(), right=True))  # keys [hi, Tk): hidden from the whole run
         parts = []
         if lo > 0:
-            po, pl = _flash_lse(qh[:, :, start:stop], kh[:, :, :lo], vh[:, :, :lo], None)
-            parts.append((po[0].transpose(0, 1), pl[0].transpose(0, 1)))  # (n, H, D), (n, H)
+            parts.append(_flash_lse(qg, kh[:, :lo], vh[:, :lo], None))
         if hi > lo:
             hidden = k_pos[lo:hi][None, :] > qp[:, None]  # (n, hi - lo)
             mask = torch.zeros(hidden.shape, dtype=torch.float32, device=q.device).masked_fill_(hidden, float("-inf"))
-            po, pl = _flash_lse(qh[:, :, start:stop], kh[:, :, lo:hi], vh[:, :, lo:hi], mask)
-            po, pl = po[0].transpose(0, 1), pl[0].transpose(0, 1)  # (n, H, D), (n, H)
-            none = (qp < k_pos[lo])[:, None]  # (n, 1): queries before the band's first key see none of it
+            po, pl = _flash_lse(qg, kh[:, lo:hi], vh[:, lo:hi], mask.repeat(g, 1))  # mask rows: (G n, hi - lo)
+            none = qp < k_pos[lo]  # (n,): queries before the band's first key see none of it
             if bool(none.any()):  # the kernel's o/lse of a fully masked row are meaningless: make it drop out
-                po = po.masked_fill(none[..., None], 0.0)
-                pl = pl.masked_fill(none, float("-inf"))
+                rows = none.repeat(g)  # (G n,)
+                po = po.masked_fill(rows[None, :, None], 0.0)
+                pl = pl.masked_fill(rows[None, :], float("-inf"))
             parts.append((po, pl))
         if parts:
-            o[start:stop], lse[start:stop] = merge_many(parts)
+            po, pl = merge_many(parts)  # (Hkv, G n, D), (Hkv, G n)
+            o[start:stop] = po.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)  # (n, H, D)
+            lse[start:stop] = pl.view(hkv, g, n).permute(2, 0, 1).reshape(n, h)  # (n, H)
     return o, lse
 
 
