@@ -11,6 +11,7 @@ is logged once and `load()` returns None: every caller then runs its pure-torch 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -62,7 +63,10 @@ class CppExtension:
                     from torch.utils.cpp_extension import load
 
                     _put_venv_ninja_on_path()
-                    directory = build_dir() / self.name
+                    # One build folder per source location: torch writes the source path into its build.ninja,
+                    # so two checkouts sharing a folder would rebuild (about a minute) every time they alternate.
+                    where = hashlib.sha1(str(self.source.resolve().parent).encode()).hexdigest()[:10]
+                    directory = build_dir() / f"{self.name}-{where}"
                     directory.mkdir(parents=True, exist_ok=True)
                     # torch's own build lock is a file that a killed build leaves behind, and every later
                     # build then waits on it forever. An flock dies with its process: whoever holds it may
