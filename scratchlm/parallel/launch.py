@@ -1,11 +1,11 @@
-"""Starting a TP x PP engine: spawned workers, or joining a torchrun launch (one host or many).
+"""Starting a TP x PP (or TP x CP) engine: spawned workers, or joining a torchrun launch (one host or many).
 
 `LLMEngine.from_pretrained(path, EngineConfig(tensor_parallel_size=T, pipeline_parallel_size=P))`
-calls `from_pretrained_parallel`:
+(or `context_parallel_size=C`: `scratchlm.parallel.context`) calls `from_pretrained_parallel`:
 
-1. read the model's config from the checkpoint header and check T x P against it and against the
+1. read the model's config from the checkpoint header and check T x P x C against it and against the
    world size (`check_parallel_config`: one error naming every factor, before any weight loads);
-2. outside torchrun: spawn ranks 1..T*P-1 (`torch.multiprocessing`, spawn context) on a free local
+2. outside torchrun: spawn ranks 1..T*P*C-1 (`torch.multiprocessing`, spawn context) on a free local
    port; under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set, e.g. `--nnodes 2 --node-rank 1
    --master-addr HOST`): join the launch, rank 0 becomes the engine and every other rank a worker
    that never returns (it exits when rank 0 stops it);
