@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "context_parallel_engine" + ("" if t == 2048 and layouts[1] == (2, 1) else f"-T{t}-cp{args.cp}-tp{args.tp}")
     report = Report(name, "Context parallelism in the engine: one long prefill, CP=1 vs CP=C",
                     argv if argv is not None else sys.argv[1:])
+    report.command = "python -m benchmarks.context_parallel_engine " + " ".join(argv if argv is not None else
+                                                                                 sys.argv[1:])
     report.add(f"Model: `{path.name}` ({cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads, "
                f"{cfg.n_kv_heads} KV heads), float32, one torch thread per rank, gloo over loopback; prompt of "
                f"{t} random tokens prefilled in one chunk (ring attention at CP>1), then one token sampled; "
