@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what to rank the layouts by")
     parser.add_argument("--top", type=int, default=10, help="layouts to show")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine (GEMM FLOP/s, GEMV bandwidth, softmax rate, gloo all-reduce) "
-                        "and print or write a cluster TOML")
+                        help="measure this machine at the model's shapes (linear rate vs rows, softmax and "
+                        "elementwise rates, overheads, activation memory, gloo all-reduce) and print or write a "
+                        "cluster TOML")
     parser.add_argument("--out", type=Path, default=None, help="with --calibrate: write the cluster TOML here")
 
 
@@ -74,10 +75,11 @@ def format_table(preds, top: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run `scratchlm plan`."""
     try:
+        config = load_model_config(args.model)
         if args.calibrate:
             from scratchlm.plan.calibrate import calibrate
 
-            spec = calibrate()
+            spec = calibrate(model=config)  # at the model's shapes
             text = cluster_to_toml(spec, "measured by `scratchlm plan --calibrate` (one thread per rank)")
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             from scratchlm.plan.calibrate import calibrate
 
-            cluster = calibrate()
-        config = load_model_config(args.model)
+            cluster = calibrate(model=config)
         work = Workload(args.prompt_len, args.output_len, args.concurrency)
         ranked = plan(config, work, cluster, args.objective, args.world)
     except (ValueError, FileNotFoundError) as e:
