@@ -329,3 +329,28 @@ def test_sorted_partial_attention_equals_reference(tq, tk, stride, offset, pad) 
     torch.testing.assert_close(o, ref_o[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse[0], atol=1e-5, rtol=1e-5)
     assert bool(torch.isinf(lse[q_pos < k_pos[0]]).all())
+
+
+def test_paged_partial_decode_equals_reference() -> None:
+    """Decode partial attention over a rank's paged shard (block tables padded, lengths 0..) = attention_with_lse
+    over the gathered rows; a sequence with no key on this rank drops out (lse = -inf)."""
+    from scratchlm.parallel.context import paged_partial_decode
+    from scratchlm.parallel.sequence import attention_with_lse
+
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, h, d = 4, 2, 6, 8
+    k_cache, v_cache = torch.randn(10, bs, hkv, d, generator=g), torch.randn(10, bs, hkv, d, generator=g)
+    tables = torch.tensor([[3, 7, 1], [2, 0, 0], [5, 6, 0]])
+    lens = torch.tensor([11, 0, 5])
+    q = torch.randn(3, h, d, generator=g)
+    o, lse = paged_partial_decode(q, k_cache, v_cache, tables, lens)
+    for b in range(3):
+        n = int(lens[b])
+        if n == 0:
+            assert bool(torch.isinf(lse[b]).all()) and bool((o[b] == 0).all())
+            continue
+        keys = k_cache[tables[b]].reshape(-1, hkv, d)[:n]
+        vals = v_cache[tables[b]].reshape(-1, hkv, d)[:n]
+        ro, rl = attention_with_lse(q[b][None, None], keys[None], vals[None])
+        torch.testing.assert_close(o[b], ro[0, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[b], rl[0, 0], atol=1e-5, rtol=1e-5)
