@@ -11,7 +11,7 @@ queries (one token each), then the prefill chunks. The backend
 
 All metadata travels in `AttentionMetadata`; nothing global.
 
-Decode on a CPU float32 cache runs the C++ kernel `csrc/paged_attention.cpp`, which reads K/V rows in
+Decode on a CPU float32 cache runs the C++ kernel `csrc/paged_attention.h`, which reads K/V rows in
 place through the block table instead of gathering them (the gather copied every context once per layer
 and step: about a third of a 32-sequence decode step). `PagedAttention(..., use_kernel=False)` and any
 other device/dtype take the torch-ops path above, which the tests compare the kernel against.
@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from scratchlm.inference.cpp_extensions import CppExtension
+from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.kv_cache import KVCache
-
-_kernels = CppExtension("scratchlm_paged_attention", Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp",
-                        "paged attention")
 
 
 def load_kernels(verbose: bool = False):
-    """The compiled paged-attention module, or None (torch-ops path) when it cannot be built."""
-    return _kernels.load(verbose)
+    """The compiled kernel module (`paged_decode_attention`), or None (torch-ops path) when it cannot be built."""
+    return load_engine_kernels(verbose)
 
 
 @dataclass

@@ -82,3 +82,13 @@ class CppExtension:
                                 "reference path", self.purpose, type(e).__name__, msg)
             self.state["module"] = module
             return module
+
+
+ENGINE_KERNELS = CppExtension("scratchlm_engine_kernels",
+                              Path(__file__).resolve().parent / "csrc" / "engine_kernels.cpp",
+                              "the engine's decode kernels (skinny GEMM, paged attention, fused decode step)")
+
+
+def load_engine_kernels(verbose: bool = False) -> Any | None:
+    """The compiled `csrc/engine_kernels.cpp` module, or None (torch-ops paths) when it cannot be built."""
+    return ENGINE_KERNELS.load(verbose)

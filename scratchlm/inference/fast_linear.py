@@ -1,4 +1,4 @@
-"""Decode-sized matmuls: `skinny_linear(x, w)` = x @ w.T through the C++ kernel `csrc/skinny_gemm.cpp`.
+"""Decode-sized matmuls: `skinny_linear(x, w)` = x @ w.T through the C++ kernel `csrc/skinny_gemm.h`.
 
 A decode step multiplies every weight by only as many rows as there are running sequences (1..64).
 BLAS GEMMs are tuned for large M; measured on one AVX2 core (`benchmarks/engine_throughput.py`
@@ -12,22 +12,16 @@ Parameter, no copy); `logits(model, h)` computes the output head with the kernel
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from scratchlm.inference.cpp_extensions import CppExtension
+from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.model.layers import Linear
 
 MAX_ROWS = 64  # above this many rows, MKL's blocked GEMM is as fast (prefill)
-_kernels = CppExtension("scratchlm_skinny_gemm", Path(__file__).resolve().parent / "csrc" / "skinny_gemm.cpp",
-                        "decode matmuls")
-
-
 def load_kernels(verbose: bool = False):
-    """The compiled skinny-GEMM module, or None (torch's matmul) when it cannot be built."""
-    return _kernels.load(verbose)
+    """The compiled kernel module (`skinny_linear`), or None (torch's matmul) when it cannot be built."""
+    return load_engine_kernels(verbose)
 
 
 def skinny_linear(x: Tensor, w: Tensor) -> Tensor:

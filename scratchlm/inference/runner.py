@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
-from scratchlm.inference.fast_linear import skinny_linear, use_skinny_linears
+from scratchlm.inference.cpp_extensions import load_engine_kernels
+from scratchlm.inference.fast_linear import SkinnyLinear, skinny_linear, use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
 from scratchlm.model.transformer import TransformerLM
@@ -83,6 +84,7 @@ class ModelRunner:
         self.device = torch.device(device)
         use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
         self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
+        self.fused_decoder = fused_decoder_for(model, cache)  # decode-only steps: every layer in one C++ call
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -102,10 +104,43 @@ class ModelRunner:
         )
         tokens = self._tensor(inp.token_ids)[None, :]  # (1, N)
         positions = self._tensor(inp.positions)  # (N,)
-        attn = PagedAttention(self.cache, meta)
         index = self._tensor(inp.logits_indices)
+        if self.fused_decoder is not None and nd == len(inp.token_ids):
+            x = self.model.tok_embeddings(tokens[0])  # (N, d)
+            cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
+            h = self.fused_decoder.forward(x, self.cache.k, self.cache.v, meta.slot_mapping, cos[:, 0], sin[:, 0],
+                                           meta.decode_block_tables, meta.decode_context_lens)  # (N, d)
+            return skinny_linear(self.model.norm(h.index_select(0, index)), self.model.output_weight)
+        attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
             return self.model(tokens, positions, attn=attn, logits_index=index)
         h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)
         h = self.model.norm(h.reshape(-1, h.shape[-1]).index_select(0, index))  # (len(index), d)
         return skinny_linear(h, self.model.output_weight)  # (len(index), vocab)
+
+
+def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
+    """The C++ `FusedDecoder` over `model`'s weights (no copies), or None where it does not apply: a model
+    that is not a plain `TransformerLM`, quantized or non-float32 layers, a non-CPU device, no built kernels."""
+    if type(model) is not TransformerLM or cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
+        return None
+    layers = []
+    for block in model.layers:
+        a, f = block.attn, block.ffn
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.w1, f.w2, f.w3)
+        if not all(type(m) is SkinnyLinear for m in linears):
+            return None  # e.g. quantized layers
+        weights = [block.attn_norm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                   block.ffn_norm.weight, f.w1.weight, f.w2.weight, f.w3.weight]
+        if a.q_bias is not None:
+            weights += [a.q_bias, a.k_bias, a.v_bias]
+        if not all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in weights):
+            return None
+        layers.append([w.detach() for w in weights])
+    if not layers:
+        return None
+    ext = load_engine_kernels()
+    if ext is None:
+        return None
+    c = model.config
+    return ext.FusedDecoder(layers, c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, c.rope_layout == "half")

@@ -1,0 +1,77 @@
+// The engine's CPU kernels in one extension module (scratchlm.inference.kernels):
+//   skinny_linear          decode-sized matmuls            (skinny_gemm.h)
+//   paged_decode_attention decode attention, paged cache   (paged_attention.h)
+//   FusedDecoder           a whole decode step in C++      (decoder.h)
+// Every entry point releases the GIL.
+
+#include <torch/extension.h>
+
+#include "decoder.h"
+#include "paged_attention.h"
+#include "skinny_gemm.h"
+
+namespace {
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, bool use_simd) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x must be (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "skinny_linear takes float32");
+  TORCH_CHECK(x.size(1) == w.size(1), "x has K = ", x.size(1), " but w has K = ", w.size(1));
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "skinny_linear runs on the CPU");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
+                              w.size(0), use_simd);
+  return y;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     bool use_simd) {
+  TORCH_CHECK(q.dim() == 3, "q must be (B, H, D), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k/v caches must be (num_blocks, block_size, Hkv, D) and equal in shape");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "paged_decode_attention takes float32 tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and context lengths must be int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head dim of q (", D, ") and cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(H % Hkv == 0, H, " query heads is not a multiple of ", Hkv, " kv heads");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "one block table and length per query");
+  auto out = torch::empty_like(q);
+  scratchlm_attn::Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                         block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                         B, H, Hkv, D, k_cache.size(1), block_tables.size(1), static_cast<float>(scale)};
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = a.lens[b];
+    TORCH_CHECK(len >= 1 && len <= a.max_blocks * a.bs, "context length ", len, " out of range for its block table");
+  }
+  scratchlm_attn::paged_decode(a, use_simd);
+  return out;
+}
+
+bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using scratchlm_decoder::FusedDecoder;
+  m.def("skinny_linear", &skinny_linear, "y = x @ w.T for few rows of x (CPU, float32)",
+        py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
+  py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
+      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool>(),
+           py::arg("layers"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("rope_half"), py::arg("use_simd") = true)
+      .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
+           py::call_guard<py::gil_scoped_release>());
+  m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
+}

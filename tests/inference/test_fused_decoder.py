@@ -1,0 +1,130 @@
+"""The C++ `FusedDecoder` (a whole decode step in one call) against the Python model with paged attention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from scratchlm.inference.attention import AttentionMetadata, PagedAttention
+from scratchlm.inference.cpp_extensions import load_engine_kernels
+from scratchlm.inference.fast_linear import use_skinny_linears
+from scratchlm.inference.kv_cache import KVCache
+from scratchlm.inference.runner import fused_decoder_for
+from scratchlm.model import ModelConfig, TransformerLM
+from tests.inference.helpers import greedy, make_engine, run_all, tiny_model
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    ext = load_engine_kernels()
+    if ext is None:
+        pytest.skip("the engine's C++ kernels could not be built here (the Python path is used instead)")
+    return ext
+
+
+def _model(rope_layout: str, qkv_bias: bool, n_heads: int = 4, n_kv_heads: int = 2) -> TransformerLM:
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=3, n_heads=n_heads, n_kv_heads=n_kv_heads, d_ff=96,
+                      max_seq_len=256, rope_layout=rope_layout, qkv_bias=qkv_bias)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms and biases
+            if p.dim() == 1:
+                p.normal_(1.0 if p.shape[0] == cfg.d_model else 0.0, 0.3)
+    use_skinny_linears(model)
+    return model
+
+
+def _decode_inputs(batch: int, cache: KVCache, seed: int):
+    """Random context lengths, block tables over distinct blocks, and each token's slot (its last position)."""
+    rng = random.Random(seed)
+    bs = cache.block_size
+    free = list(range(cache.num_blocks))
+    rng.shuffle(free)
+    lens, tables, slots = [], [], []
+    for _ in range(batch):
+        n = rng.randint(1, 3 * bs)
+        blocks = [free.pop() for _ in range(-(-n // bs))]
+        lens.append(n)
+        tables.append(blocks)
+        slots.append(blocks[(n - 1) // bs] * bs + (n - 1) % bs)
+    width = max(len(t) for t in tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return torch.tensor(lens), tables, torch.tensor(slots)
+
+
+@pytest.mark.parametrize("rope_layout,qkv_bias,heads", [("half", False, (4, 2)), ("adjacent", True, (4, 4)),
+                                                        ("half", True, (2, 1))])
+@pytest.mark.parametrize("batch", [1, 5, 70])  # 70 > 64 rows: ATen's mm instead of the skinny kernel
+def test_fused_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, heads, batch: int) -> None:
+    """Head dims 16 (scalar attention) and 32 (AVX2), GQA and MHA, biases, both RoPE layouts."""
+    model = _model(rope_layout, qkv_bias, *heads)
+    c = model.config
+    cache = KVCache.allocate(c.n_layers, 4 * batch + 4, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    lens, tables, slots = _decode_inputs(batch, cache, seed=batch)
+    tokens = torch.randint(0, c.vocab_size, (batch,))
+    positions = lens - 1
+    ref_cache = KVCache(cache.k.clone(), cache.v.clone())
+    meta = AttentionMetadata(slots, batch, tables, lens)
+    with torch.inference_mode():
+        want = model.hidden_states(tokens[None], positions, PagedAttention(ref_cache, meta))[0]  # (B, d)
+        fused = fused_decoder_for(model, cache)
+        assert fused is not None
+        cos, sin = model.rope.cos_sin(positions, torch.float32)
+        got = fused.forward(model.tok_embeddings(tokens), cache.k, cache.v, slots, cos[:, 0], sin[:, 0], tables, lens)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)  # the new K/V landed in the same slots
+    torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_step_rejects_bad_input(kernels) -> None:
+    model = _model("half", False)
+    c = model.config
+    cache = KVCache.allocate(c.n_layers, 8, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+    fused = fused_decoder_for(model, cache)
+    x = torch.randn(2, c.d_model)
+    cos = sin = torch.zeros(2, c.head_dim // 2)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 3])
+    with pytest.raises(RuntimeError, match="slot 99 outside"):
+        fused.forward(x, cache.k, cache.v, torch.tensor([4, 99]), cos, sin, tables, lens)
+    with pytest.raises(RuntimeError, match="context length 9 out of range"):
+        fused.forward(x, cache.k, cache.v, torch.tensor([4, 10]), cos, sin, tables, torch.tensor([5, 9]))
+    with pytest.raises(RuntimeError, match="block 8 outside"):
+        fused.forward(x, cache.k, cache.v, torch.tensor([4, 10]), cos, sin, torch.tensor([[0, 1], [2, 8]]), lens)
+    with pytest.raises(RuntimeError, match="x must be"):
+        fused.forward(torch.randn(2, 3), cache.k, cache.v, torch.tensor([4, 10]), cos, sin, tables, lens)
+    with pytest.raises(RuntimeError, match="expected 9 or 12"):
+        kernels.FusedDecoder([[torch.ones(4)]], 2, 1, 2, 1e-5, True)
+    with pytest.raises(RuntimeError, match="wq has shape"):
+        w = [torch.ones(8), torch.ones(3, 8)] + [torch.ones(1)] * 4 + [torch.ones(5, 8)] + [torch.ones(1)] * 2
+        kernels.FusedDecoder([w], 2, 1, 4, 1e-5, True)
+
+
+def test_fused_decoder_only_for_plain_float32_models() -> None:
+    model = _model("half", False)
+    c = model.config
+    assert fused_decoder_for(model, KVCache.allocate(c.n_layers, 4, 4, c.n_kv_heads, c.head_dim, torch.bfloat16,
+                                                     "cpu")) is None
+    raw = TransformerLM(c).eval()  # Linear layers not swapped (e.g. quantized or custom): no fused path
+    assert fused_decoder_for(raw, KVCache.allocate(c.n_layers, 4, 4, c.n_kv_heads, c.head_dim, torch.float32,
+                                                   "cpu")) is None
+
+
+def test_engine_greedy_same_with_and_without_fused_step(kernels) -> None:
+    """Mixed prefill/decode streams: the engine's ids do not depend on which path ran the decode-only steps."""
+    model, cfg = tiny_model(seed=3)
+    prompts = [[random.Random(i).randrange(cfg.vocab_size) for _ in range(5 + 7 * i)] for i in range(6)]
+    outs = []
+    for use_fused in (True, False):
+        engine = make_engine(model, cfg, num_blocks=64, block_size=4, max_num_seqs=4)
+        assert engine.runner.fused_decoder is not None
+        if not use_fused:
+            engine.runner.fused_decoder = None
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy(12 + i))
+        outs.append(run_all(engine))
+    assert outs[0] == outs[1]
