@@ -163,12 +163,22 @@ def reference() -> dict[str, list[list[int]]]:
     return run(LLM(STORIES, **vars(engine_config())).engine)
 
 
+_LIVE: list[LLMEngine] = []  # spawned engines of this module (one torch.distributed group per process)
+
+
+def _release_process_group() -> None:
+    """Stop the module's CP=2 engine (if any) so that a test can start another distributed engine."""
+    while _LIVE:
+        _LIVE.pop().runner.shutdown()
+
+
 @pytest.fixture(scope="module")
 def cp2():
     torch.set_num_threads(1)
     engine = LLMEngine.from_pretrained(STORIES, engine_config(cp=2))
+    _LIVE.append(engine)
     yield engine
-    engine.runner.shutdown()
+    _release_process_group()
 
 
 def _long_prompt_kv(engine: LLMEngine, n: int = 400) -> tuple[int, list[dict]]:
@@ -246,6 +256,7 @@ def test_cp2_random_streams(cp2, reference) -> None:
 def test_small_pool_preempts_under_cp2(reference) -> None:
     """Half the pool (50 logical blocks of 8 tokens, 50 blocks of 4 per rank): sequences are preempted and
     recomputed, and the ids still match."""
+    _release_process_group()
     engine = LLMEngine.from_pretrained(STORIES, engine_config(cp=2, blocks=100, max_num_batched_tokens=64))
     try:
         out = run(engine)
@@ -258,6 +269,7 @@ def test_small_pool_preempts_under_cp2(reference) -> None:
 @pytest.mark.distributed
 def test_cp2_x_tp2_equals_single_process(reference) -> None:
     """4 ranks: TP=2 (2 of stories260K's 4 KV heads each) x CP=2."""
+    _release_process_group()
     engine = LLMEngine.from_pretrained(STORIES, engine_config(cp=2, tp=2))
     try:
         out = run(engine)
@@ -272,6 +284,7 @@ def test_cp2_x_tp2_equals_single_process(reference) -> None:
 def test_smollm2_long_prompt_cp2(default_model_path, data_dir) -> None:
     """SmolLM2-135M, a ~3K-token prompt prefilled by ring attention in one chunk and in 1024-token chunks
     (the ring then carries each rank's cached prefix too), plus a short prompt: greedy ids equal CP=1."""
+    _release_process_group()
     torch.set_num_threads(1)
     loaded_tok = load(default_model_path).tokenizer
     text = (data_dir / "corpora/tinyshakespeare/input.txt").read_text()[:30_000]
