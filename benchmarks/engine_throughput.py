@@ -31,6 +31,7 @@ from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads
 
 PEERS = REPO_ROOT / ".peers"
 VLLM_VENV = PEERS / "vllm"
+LLAMACPP_VENV = PEERS / "llamacpp"
 HF_EXPORT = PEERS / "smollm2-135m-hf"
 
 VLLM_WORKER = r'''
@@ -295,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                 hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
             contenders[f"HF generate (static batches of {args.hf_batch_size})"] = (
                 lambda: run_hf(hf, prompts, outputs, args.hf_batch_size))
+        log("warm-up (untimed): scratchlm and HF on the first 8 requests, vLLM on the whole workload")
+        run_scratchlm(engine, prompts[:8], outputs[:8])
+        if hf is not None:
+            run_hf(hf, prompts[:8], outputs[:8], args.hf_batch_size)
+        if vllm is not None:
+            vllm.run()
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for r in range(args.repeats):
             for name, fn in contenders.items():
@@ -322,21 +329,34 @@ def main(argv: list[str] | None = None) -> int:
 
     if "decode" in args.parts:
         bw = [gemv_bandwidth() for _ in range(3)]
-        rates = []
+        rates, peer_rates = [], []
+        worker = None
+        if LLAMACPP_VENV.joinpath("bin", "python").exists():
+            from benchmarks.llamacpp_decode import LlamaCppWorker
+
+            worker = LlamaCppWorker(str(model_path), args.bind_core if bound else -1)
+            worker.decode_tok_s(64)  # warm-up
+        batch1_decode(batch1)  # warm-up
         for _ in range(args.repeats):
             rates.append(batch1_decode(batch1))
             bw.append(gemv_bandwidth())
+            if worker is not None:
+                peer_rates.append(worker.decode_tok_s(64)[0])
+        if worker is not None:
+            worker.close()
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
         roof_bw = max(bw)
         rate = max(rates)
         roof = roof_bw * 1e9 / weight_bytes
-        note = "llama.cpp: not measured (llama_cpp is not importable here; the benchmark does not build it)"
-        try:
-            import llama_cpp  # noqa: F401
-
-            note = "llama.cpp: llama_cpp is importable but this script does not drive it yet"
-        except ImportError:
-            pass
+        if peer_rates:
+            peer = max(peer_rates)
+            note = (f"llama.cpp on the same GGUF (Q4_1 weights, 1 thread, same core, interleaved): {peer:.1f} tok/s "
+                    f"best, {statistics.median(peer_rates):.1f} median; scratchlm fp32 reaches {rate / peer:.2f}x "
+                    f"of it (it reads {weight_bytes / 1e6:.0f} MB of fp32 weights per token; the whole GGUF file is "
+                    f"{model_path.stat().st_size / 1e6:.0f} MB)")
+        else:
+            note = ("llama.cpp: not measured (no .peers/llamacpp; `python -m benchmarks.llamacpp_decode "
+                    "--setup-peers` builds it in ~20 min)")
         report.table(["measure", "value"], [
             ["weights read per token", f"{weight_bytes / 1e6:.0f} MB (fp32)"],
             ["GEMV bandwidth (best, same run)", f"{roof_bw:.1f} GB/s"],
