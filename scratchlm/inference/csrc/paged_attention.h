@@ -6,10 +6,10 @@
 //   block_tables (B, max_blocks) int64;  context_lens (B,) int64
 //   out          (B, H, D)  float32
 //
-// Work item = (sequence b, kv head h): its G = H / Hkv query heads share every K/V row they read
-// (grouped-query attention without repeating K/V). Two passes over the context: scores
-// s[t, g] = q_g . k_t * scale (K read once), a softmax per query head, then out_g = sum_t p[t, g] v_t
-// (V read once). Items are split across threads with at::parallel_for. The GIL is released while it runs.
+// Work item = (sequence b, kv head h): its G = H / Hkv query heads read the same K/V rows (grouped-query
+// attention without repeating K/V; K and V come from memory once and from L2 for the other heads). Per query
+// head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. Items are split across threads
+// with at::parallel_for.
 // An AVX2+FMA path (function target attributes, chosen at run time) and a portable scalar path.
 
 #pragma once
@@ -83,52 +83,99 @@ inline void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
 }
 
 #ifdef SCRATCHLM_X86
+using scratchlm_simd::exp256;
+using scratchlm_simd::hmax256;
 using scratchlm_simd::hsum256;
 
-// Head dim D = 8 * NC. Walks the block table block by block (no division per token). Scores: each K row is
-// loaded once per 8-float chunk and multiplied into all G query heads. Values: one query head at a time with
-// its D outputs held in NC registers while V streams by (V of one sequence stays in L2 across the G passes).
+// Head dim D = 8 * NC. Walks the block table block by block (no division per token), one query head g at a
+// time (K and V of one sequence and KV head stay in L2 across the G passes):
+//   scores: q_g * scale held in registers (D <= 64), four K rows at a time, the four dot products reduced
+//     together by horizontal adds (no per-score horizontal sum); stored contiguously per head;
+//   softmax: vectorised max, exp (exp256) and sum; the 1/sum is applied to the output at the end;
+//   values: the head's D outputs held in NC registers while V streams by.
 template <int NC>
 AVX2_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
   constexpr int64_t D = 8 * NC;
+  constexpr bool q_in_registers = NC <= 8;
   const int64_t G = a.H / a.Hkv, T = a.lens[b], stride = a.Hkv * D;
   const int64_t* table = a.tables + b * a.max_blocks;
-  const float* q = a.q + (b * a.H + h * G) * D;  // (G, D)
-  for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
-    const float* base = a.k + (table[blk] * a.bs * a.Hkv + h) * D;
-    const int64_t n = std::min(a.bs, T - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* kr = base + i * stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        __m256 acc0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
-        __m256 acc1 = _mm256_setzero_ps();
-        for (int c = 1; c < NC; c += 2) {
-          acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc1);
-          if (c + 1 < NC) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), _mm256_loadu_ps(kr + 8 * c + 8), acc0);
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = a.q + (b * a.H + h * G + g) * D;
+    alignas(32) float qs[D];  // q_g * scale
+    __m256 qv[q_in_registers ? NC : 1];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale);
+      _mm256_store_ps(qs + 8 * c, v);
+      if constexpr (q_in_registers) qv[c] = v;
+    }
+    float* sg = scores + g * T;  // (T,) this head's scores, then its unnormalised probabilities
+    for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
+      const float* base = a.k + (table[blk] * a.bs * a.Hkv + h) * D;
+      const int64_t n = std::min(a.bs, T - t0);
+      int64_t i = 0;
+      for (; i + 4 <= n; i += 4) {
+        const float* k0 = base + i * stride;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          __m256 qc;
+          if constexpr (q_in_registers) qc = qv[c]; else qc = _mm256_load_ps(qs + 8 * c);
+          s0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), s0);
+          s1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + stride + 8 * c), s1);
+          s2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 2 * stride + 8 * c), s2);
+          s3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 3 * stride + 8 * c), s3);
         }
-        scores[(t0 + i) * G + g] = hsum256(_mm256_add_ps(acc0, acc1)) * a.scale;
+        // hadd(hadd(s0, s1), hadd(s2, s3)) = [s0 s1 s2 s3 partial sums of lanes 0-3 | of lanes 4-7]
+        const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+        _mm_storeu_ps(sg + t0 + i, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
+      }
+      for (; i < n; ++i) {
+        const float* kr = base + i * stride;
+        __m256 s0 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * c), _mm256_loadu_ps(kr + 8 * c), s0);
+        sg[t0 + i] = hsum256(s0);
       }
     }
-  }
-  softmax_columns(scores, T, G);
-  for (int64_t g = 0; g < G; ++g) {
+    // softmax numerator in place; the normaliser is applied to the output
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+    float mx = hmax256(mv);
+    for (; t < T; ++t) mx = std::max(mx, sg[t]);
+    mv = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= T; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+      _mm256_storeu_ps(sg + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum256(sv);
+    for (; t < T; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
     __m256 o[NC];
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) o[c] = _mm256_setzero_ps();
     for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
       const float* base = a.v + (table[blk] * a.bs * a.Hkv + h) * D;
       const int64_t n = std::min(a.bs, T - t0);
       for (int64_t i = 0; i < n; ++i) {
         const float* vr = base + i * stride;
-        const __m256 p = _mm256_set1_ps(scores[(t0 + i) * G + g]);
+        const __m256 p = _mm256_set1_ps(sg[t0 + i]);
+#pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
       }
     }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
     float* og = a.out + (b * a.H + h * G + g) * D;
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + 8 * c, o[c]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + 8 * c, _mm256_mul_ps(o[c], inv));
   }
 }
-
 
 inline ItemFn avx2_item_for(int64_t D) {
   switch (D) {
