@@ -38,8 +38,9 @@ ENGINE_LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}  # name: (tp, 
 
 
 def _proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) of process `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """CPU seconds (user + system) of the main thread of process `pid` (gloo's transport threads, which partly
+    spin while waiting for the peer, left out: as rank 0's `time.thread_time`)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -70,18 +71,18 @@ def _engine_client(conn, model: str | None, tp: int, pp: int, prompt_len: int, g
             engine.add_request(f"v{n}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
         if hasattr(runner, "comm"):
             runner.comm.reset_stats()
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         engine.step()  # the prompts' prefill (one step: batch x prompt_len <= max_num_batched_tokens)
-        prefill = {"cpu": time.process_time() - c0, "wall": time.perf_counter() - t0}
+        prefill = {"cpu": time.thread_time() - c0, "wall": time.perf_counter() - t0}
         comm_prefill = runner.comm_stats() if hasattr(runner, "comm_stats") else {}
         if hasattr(runner, "comm"):
             runner.comm.reset_stats()
         workers0 = [_proc_cpu(p.pid) for p in procs]
         cpus, walls = [], []
-        while engine.has_unfinished_requests():  # rank 0: process CPU, as the workers' (gloo's threads too)
-            c0, t0 = time.process_time(), time.perf_counter()
+        while engine.has_unfinished_requests():  # rank 0: main-thread CPU, as the workers'
+            c0, t0 = time.thread_time(), time.perf_counter()
             engine.step()
-            cpus.append(time.process_time() - c0)
+            cpus.append(time.thread_time() - c0)
             walls.append(time.perf_counter() - t0)
         steps = len(cpus)
         workers = [(_proc_cpu(p.pid) - w0) / steps for p, w0 in zip(procs, workers0)]
@@ -121,6 +122,21 @@ def _seq_worker(rank: int, world: int, model_path: str, seq_len: int, backend: s
     from benchmarks.sequence_parallel import _worker
 
     return _worker(rank, world, model_path, seq_len, backend)
+
+
+CALIBRATION_HEADERS = ["shapes of", "GEMV (M=1)", "GEMM GFLOP/s (M=512)", "linear GFLOP/s by rows M",
+                       "softmax (in cache / beyond)", "elementwise", "layer overhead", "engine step / seq",
+                       "ring step", "comm CPU / call", "act. per token / score"]
+
+
+def calibration_row(s) -> list[str]:
+    """A ClusterSpec's calibrated figures for the report."""
+    return [f"{s.linear_rate[0] * 4 / 1e9:.2f} GB/s", f"{2 * s.linear_rows[-1] * s.linear_rate[-1] / 1e9:.1f}",
+            " ".join(f"{m}:{2 * m * r / 1e9:.1f}" for m, r in zip(s.linear_rows, s.linear_rate)),
+            f"{s.softmax_rate_cached / 1e6:.0f} / {s.softmax_rate / 1e6:.0f} M/s",
+            f"{s.elementwise_rate / 1e6:.0f} M/s", f"{s.layer_overhead * 1e6:.0f} us",
+            f"{s.step_overhead * 1e6:.0f} / {s.seq_overhead * 1e6:.0f} us", f"{s.ring_step_overhead * 1e6:.0f} us",
+            f"{s.comm_cpu * 1e6:.0f} us", f"{s.token_bytes / 1024:.1f} KiB / {s.score_bytes:.2f} B"]
 
 
 @contextlib.contextmanager
@@ -184,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_measure:
         # 1. calibration at each model's shapes
         smol = load(smol_path)
+        smol_cfg, smol_tok = smol.config, smol.tokenizer
         cal = {}
         log("calibrating at SmolLM2-135M's shapes")
         cal["smol"] = calibrate(clock="thread_cpu", model=smol.config, tokenizer=smol.tokenizer, log=log)
@@ -192,20 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         cal["stories"] = calibrate(clock="thread_cpu", model=stories_cfg, network=False, log=log)
         del smol
         cores = cal["smol"].devices_per_node
-        rows = []
-        for name, s in cal.items():
-            rows.append([name, f"{s.linear_rate[0] * 4 / 1e9:.2f} GB/s",
-                         f"{2 * s.linear_rows[-1] * s.linear_rate[-1] / 1e9:.1f}",
-                         " ".join(f"{m}:{2 * m * r / 1e9:.1f}" for m, r in zip(s.linear_rows, s.linear_rate)),
-                         f"{s.softmax_rate / 1e6:.0f} M/s", f"{s.elementwise_rate / 1e6:.0f} M/s",
-                         f"{s.layer_overhead * 1e6:.0f} us",
-                         f"{s.step_overhead * 1e6:.0f} / {s.seq_overhead * 1e6:.0f} us",
-                         f"{s.ring_step_overhead * 1e6:.0f} us", f"{s.comm_cpu * 1e6:.0f} us",
-                         f"{s.token_bytes / 1024:.1f} KiB / {s.score_bytes:.2f} B"])
-        report.table(["shapes of", "GEMV (M=1)", "GEMM GFLOP/s (M=512)", "linear GFLOP/s by rows M", "softmax",
-                      "elementwise", "layer overhead", "engine step / seq", "ring step", "comm CPU / call",
-                      "act. per token / score"],
-                     rows, "Calibration of this machine (thread CPU time, one thread)")
+        rows = [[name, *calibration_row(spec)] for name, spec in cal.items()]
+        report.table(CALIBRATION_HEADERS, rows, "Calibration of this machine (thread CPU time, one thread)")
         net = cal["smol"]
         report.add(f"gloo all-reduce over loopback (2 ranks, wall): latency {net.intra_latency * 1e6:.0f} us, "
                    f"bandwidth {net.intra_bw / 1e9:.2f} GB/s. Cores: {cores}. Load average at the start: "
@@ -215,10 +220,25 @@ def main(argv: list[str] | None = None) -> int:
             cal[name].intra_bw = cal[name].inter_bw = net.intra_bw
             cal[name].comm_cpu = net.comm_cpu
 
+        def refresh(key: str) -> None:
+            """Re-measure the compute rates just before a group of measurements (the machine's speed drifts
+            with its load over the run); memory and network figures are kept."""
+            cfg = smol_cfg if key == "smol" else stories_cfg
+            log(f"re-calibrating the compute rates at {key}'s shapes")
+            new = calibrate(clock="thread_cpu", model=cfg, network=False, memory=False,
+                            tokenizer=smol_tok if key == "smol" else None)
+            for f in ("flops", "mem_bw", "softmax_rate", "softmax_rate_cached", "elementwise_rate",
+                      "layer_overhead", "step_overhead", "seq_overhead", "ring_step_overhead", "linear_rate"):
+                setattr(cal[key], f, getattr(new, f))
+            refreshed.append([key, *calibration_row(cal[key])])
+
+        refreshed: list[list[str]] = []
         # 2. sequence-parallel prefill, measured here
         points = [(smol_path, "smol", "ring", t) for t in ((512,) if args.quick else (512, 1024))]
         points += [(stories_path, "stories", "ulysses", t) for t in ((1024,) if args.quick else (1024, 2048))]
-        for path, key, backend, t in points:
+        for i, (path, key, backend, t) in enumerate(points):
+            if i and key != points[i - 1][1]:
+                refresh(key)
             cfg = load_model_config(path)
             for world in (1, 2, 4):
                 log(f"prefill {Path(path).name} {backend} T={t} P={world}")
@@ -242,12 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                            max(r["peak_mib"] for r in mem), "{:.0f}")
 
         # 3. the engine: TP / PP / DP
-        smol_cfg = load_model_config(smol_path)
         s = cal["smol"]
         runs = {}
         for name, (tp, pp) in ENGINE_LAYOUTS.items():
+            refresh("smol")
             log(f"engine {name}")
             runs[name] = _run_engines([(tp, pp)], None, args.prompt_len, args.gen, [[1, 32]])[0]
+        refresh("smol")
         log("engine DP=2 (two TP=1 replicas, 16 requests each, side by side)")
         dp = _run_engines([(1, 1), (1, 1)], None, args.prompt_len, args.gen, [[16], [16]])
         comm_rows = []
@@ -301,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                 comm_rows.append([label, f"{r['load']:.1f}", ", ".join(f"{k} {v[0] * 1e3:.2f} ms ({v[1]:.0f} calls)"
                                                                          for k, v in sorted(comm.items())),
                                   f"{pr.decode.network * 1e3:.2f} ms"])
+        report.table(["shapes of", *CALIBRATION_HEADERS[1:]], refreshed,
+                     "The compute rates re-measured before each group of measurements (the predictions of a group "
+                     "use its own; in order: SmolLM2 prefill, stories260K prefill, engine TP=1, TP=2, PP=2, DP=2)")
         report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
                      checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
                      "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "

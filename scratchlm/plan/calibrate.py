@@ -7,8 +7,9 @@ Every figure comes from a short micro-measurement, at the model's real shapes wh
   the caches as a model's layers are) multiplied by M = 1 .. 512 rows with the engine's matmul
   (`skinny_linear`: the C++ decode kernel for M <= 64, torch's GEMM above); weight elements per second
   at each M. GEMM FLOP/s is its largest-M point (2 M elements per second); GEMV bandwidth its M = 1 point;
-- softmax rate: the model's causal attention (its heads, head_dim) at 1024 tokens, its time less its
-  GEMM FLOPs at the measured FLOP/s, per score element;
+- softmax rates: the model's causal attention (its heads, head_dim) at a length whose score matrices fit in
+  half the last-level cache and at one where they are 4x larger, its time less its GEMM FLOPs at the measured
+  FLOP/s, per score element;
 - elementwise rate: the block's non-matmul ops at the model's shapes (two RMSNorms, RoPE on q and k,
   SiLU x up, two residual adds) in elements of the touched tensors per second;
 - ring step overhead: one ring-attention step's block attention and merge on 4-token blocks;
@@ -18,8 +19,8 @@ Every figure comes from a short micro-measurement, at the model's real shapes wh
 - activation memory: peak RSS of a 2-layer prefill (the model's widths, random weights) at two prompt
   lengths in a fresh process, less its KV cache: bytes per prompt token and per attention-score element;
 - gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
-  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth), and the CPU time a rank's
-  process spends per small all-reduce (the caller plus gloo's transport threads).
+  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth), and the CPU time of the
+  calling thread per small all-reduce.
 
 Rates are medians of a few timed calls (see `_best`).
 """
@@ -151,23 +152,23 @@ class _ByteDecoder:
         return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-def measure_engine_overhead(layers: tuple[int, int] = (2, 10), clock: str = "wall",
+def measure_engine_overhead(layers: tuple[int, int] = (2, 16), clock: str = "wall",
                             tokenizer=None) -> tuple[float, float, float]:
     """(seconds per layer, per engine step, per sequence per step) of `LLMEngine` decode steps where the
     arithmetic is negligible: tiny models (d_model 64) with two layer counts (the slope per layer, the
-    intercept per step) at batch 1, and batch 32 against batch 1 (per sequence); medians of 9 steps.
+    intercept per step) at batch 1, and batch 32 against batch 1 (per sequence); medians of 30 steps.
     `tokenizer`: the one the engine will detokenize with (default: bytes)."""
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
     from scratchlm.model.transformer import TransformerLM
 
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     now = CLOCKS[clock]
-    step = {}
+    step: dict[tuple[int, int], list[float]] = {}
     for n in layers:
         cfg = _tiny_config(layers=n)
         engine = LLMEngine(TransformerLM(cfg).eval(), tokenizer or _ByteDecoder(), cfg,
                            EngineConfig(max_num_seqs=32, kv_cache_memory=2**24))
-        for rep, batch in enumerate((1, 32, 1, 32)):  # the first pair warms up
+        for rep, batch in enumerate((1, 32, 1, 32, 1)):  # the first pair warms up
             for i in range(batch):
                 engine.add_request(f"cal-{n}-{rep}-{i}", [1, 2, 3, 4], params)
             engine.step()  # the prefill
@@ -176,20 +177,43 @@ def measure_engine_overhead(layers: tuple[int, int] = (2, 10), clock: str = "wal
                 t0 = now()
                 engine.step()
                 times.append(now() - t0)
-            step[n, batch] = sorted(times)[len(times) // 2]
+            if rep >= 2:
+                step.setdefault((n, batch), []).extend(times)
+    med = {k: sorted(v)[len(v) // 2] for k, v in step.items()}
     lo, hi = layers
-    per_layer = max(0.0, (step[hi, 1] - step[lo, 1]) / (hi - lo))
-    per_step = max(0.0, step[lo, 1] - lo * per_layer)
-    per_seq = max(0.0, (step[hi, 32] - step[hi, 1]) / 31)
+    per_layer = max(0.0, (med[hi, 1] - med[lo, 1]) / (hi - lo))
+    per_step = max(0.0, med[lo, 1] - lo * per_layer)
+    per_seq = max(0.0, (med[hi, 32] - med[hi, 1]) / 31)
     return per_layer, per_step, per_seq
+
+
+def cache_bytes() -> int:
+    """The last-level cache of this machine (bytes; 32 MiB when it cannot be read)."""
+    for index in (3, 2):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+            return int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text)
+        except (OSError, ValueError):
+            continue
+    return 32 * 2**20
+
+
+def softmax_lengths(heads: int, cache: int) -> tuple[int, int]:
+    """(t whose H t^2 float32 scores fit in half the cache, t whose scores are 4x the cache), powers of two."""
+    t_in = 128
+    while heads * (2 * t_in) ** 2 * 4 <= cache / 2 and t_in < 2048:
+        t_in *= 2
+    t_out = t_in
+    while heads * t_out**2 * 4 < 4 * cache and t_out < 4096:
+        t_out *= 2
+    return t_in, t_out
 
 
 def measure_softmax_rate(flops: float, t: int = 1024, heads: int = 8, kv_heads: int = 4, d: int = 64,
                          clock: str = "wall") -> float:
     """Attention score elements per second of the model's causal attention (`causal_attention`, the kernel of
-    a single-rank and an Ulysses prefill), the GEMM part of the block taken out at `flops`. At t = 1024 the
-    score matrices (H t^2 floats) outgrow the caches, as they do for the long prompts where attention matters;
-    measured ~25 % slower per element than at t = 256-512, where they fit in L3."""
+    a single-rank and an Ulysses prefill) at t tokens, the GEMM part of the block taken out at `flops`. The
+    rate depends on whether the score matrices (H t^2 floats) fit in the cache: `calibrate` measures both."""
     from scratchlm.model.layers import causal_attention
 
     q, k, v = torch.randn(1, t, heads, d), torch.randn(1, t, kv_heads, d), torch.randn(1, t, kv_heads, d)
@@ -303,20 +327,21 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
         dist.all_reduce(x)
         dist.barrier()
         times = []
-        c0 = time.process_time()
+        c0 = time.thread_time()
         for _ in range(repeats):
             t0 = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
         out[n] = sorted(times)[len(times) // 2]
-        out["cpu", n] = (time.process_time() - c0) / repeats
+        out["cpu", n] = (time.thread_time() - c0) / repeats
     return out
 
 
 def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20,
                       with_cpu: bool = False) -> tuple[float, ...]:
     """(latency s, bandwidth bytes/s) of gloo all-reduce between 2 local processes; with `with_cpu` also the
-    process CPU seconds one rank spends per small all-reduce (the caller and gloo's transport threads)."""
+    CPU seconds the calling thread spends per small all-reduce (gloo's transport threads, which partly spin
+    while they wait for the peer, are left out as in the validation's per-rank figures)."""
     from scratchlm.parallel.sequence import spawn_gloo
 
     res = spawn_gloo(_allreduce_worker, 2, [small, large], repeats)
@@ -347,7 +372,10 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     flops = 2 * rows[-1] * rates[-1]
     bw = rates[0] * 4
     say("attention, elementwise, overheads")
-    smax = measure_softmax_rate(flops, heads=c.n_heads, kv_heads=c.n_kv_heads, d=c.head_dim, clock=clock)
+    cache = cache_bytes()
+    t_in, t_out = softmax_lengths(c.n_heads, cache)
+    smax_cached = measure_softmax_rate(flops, t_in, c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
+    smax = measure_softmax_rate(flops, t_out, c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
     elementwise = measure_elementwise(c, clock=clock)
     ring_overhead = measure_ring_step_overhead(c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
     overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer)
@@ -364,6 +392,7 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
         mem_total = 8 * 2**30
     return ClusterSpec(name="local (calibrated)", nodes=1, devices_per_node=max(1, cores // threads), flops=flops,
                        mem_bw=bw, mem_capacity=mem_total / max(1, cores // threads), softmax_rate=smax,
+                       softmax_rate_cached=smax_cached, cache_bytes=cache,
                        layer_overhead=overhead, intra_bw=net_bw, intra_latency=lat, inter_bw=net_bw,
                        inter_latency=lat, dtype_bytes=4, linear_rows=rows, linear_rate=rates,
                        elementwise_rate=elementwise, ring_step_overhead=ring_overhead,

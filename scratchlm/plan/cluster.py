@@ -27,6 +27,10 @@ class ClusterSpec:
         metadata={"help": "attention score elements per second (scale, mask, max, exp, sum, one device); "
                           "0 = mem_bw / 16 bytes"},
     )
+    softmax_rate_cached: float = field(
+        default=0.0, metadata={"help": "softmax_rate when one attention op's score matrix fits in cache_bytes; "
+                                       "0 = softmax_rate"})
+    cache_bytes: float = field(default=0.0, metadata={"help": "last-level cache per device (bytes); 0 = none"})
     intra_bw: float = field(default=5e9, metadata={"help": "bandwidth between two ranks of one node (bytes/s)"})
     intra_latency: float = field(default=2e-5, metadata={"help": "latency of one message inside a node (s)"})
     inter_bw: float = field(default=3.125e9, metadata={"help": "bandwidth between two nodes (bytes/s, per rank)"})
@@ -69,7 +73,8 @@ class ClusterSpec:
         for name in ("flops", "mem_bw", "mem_capacity", "intra_bw", "inter_bw"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead", "elementwise_rate",
+        for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead", "softmax_rate_cached",
+                     "cache_bytes", "elementwise_rate",
                      "ring_step_overhead", "comm_cpu", "step_overhead", "seq_overhead", "token_bytes", "score_bytes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
@@ -86,10 +91,17 @@ class ClusterSpec:
             self.softmax_rate = self.mem_bw / 16
         if self.kv_dtype_bytes == 0:
             self.kv_dtype_bytes = self.dtype_bytes
+        if self.softmax_rate_cached == 0:
+            self.softmax_rate_cached = self.softmax_rate
         if self.elementwise_rate == 0:
             self.elementwise_rate = self.mem_bw / 12
         if self.score_bytes == 0:
             self.score_bytes = 6.0
+
+    def softmax_for(self, matrix_elements: float) -> float:
+        """The softmax rate for attention ops whose score matrix has `matrix_elements` float32 elements."""
+        fits = self.cache_bytes and matrix_elements * 4 <= self.cache_bytes
+        return self.softmax_rate_cached if fits else self.softmax_rate
 
     def linear_time(self, weights: float, rows: float) -> float:
         """Seconds to multiply `weights` weight elements by `rows` rows: the measured curve interpolated in

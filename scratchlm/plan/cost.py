@@ -229,7 +229,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     ekv = cluster.kv_dtype_bytes
     rpn = ranks_per_node or min(layout.world, cluster.devices_per_node)
     slow = max(1.0, rpn / cluster.devices_per_node)  # ranks sharing a device run this much slower
-    flops, mem_bw, smax = cluster.flops / slow, cluster.mem_bw / slow, cluster.softmax_rate / slow
+    flops, mem_bw = cluster.flops / slow, cluster.mem_bw / slow
     elem_rate, overhead = cluster.elementwise_rate / slow, cluster.layer_overhead * slow
 
     kv_local = math.ceil(c.n_kv_heads / tp)  # the largest TP shard (whole KV-head groups)
@@ -289,6 +289,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         pre = Terms()
         _linear(pre, cluster, L * lin_layer, prompts * tl, slow)
         _linear(pre, cluster, emb, prompts, slow)  # the last token's logits
+        smax = cluster.softmax_for(heads * sq * sk) / slow  # one attention op's score matrix in cache or not
         pre.add_op(prompts * L * (4 * score * c.head_dim / flops + score / smax), 0.0)
         pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
         pre.overhead = L * overhead
@@ -324,6 +325,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         if s == pp - 1:
             _linear(st, cluster, emb, rows, slow)
         ctx_tokens = rows * s_avg / cp
+        smax = cluster.softmax_for(h_local * s_avg / cp) / slow
         st.add_op(n * ctx_tokens * h_local * (4 * c.head_dim / flops + 1 / smax),
                   n * ctx_tokens * 2 * kv_local * c.head_dim * ekv / mem_bw)
         st.add_op(0.0, n * rows * ew / elem_rate)
