@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from scratchlm.model import load
     from scratchlm.parallel.sequence import spawn_gloo
     from scratchlm.plan import Layout, Workload, load_cluster, plan, predict
-    from scratchlm.plan.calibrate import calibrate
+    from scratchlm.plan.calibrate import calibrate, measure_comm_cpu
     from scratchlm.plan.cli import format_table, load_model_config
     from scratchlm.plan.cost import explain
 
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             for f in ("flops", "mem_bw", "softmax_rate", "softmax_rate_cached", "elementwise_rate",
                       "layer_overhead", "step_overhead", "seq_overhead", "ring_step_overhead", "linear_rate"):
                 setattr(cal[key], f, getattr(new, f))
+            if key == "smol":  # before the engine runs: the CPU cost of a collective call drifts with the load
+                cal[key].comm_cpu = measure_comm_cpu()
             refreshed.append([key, *calibration_row(cal[key])])
 
         refreshed: list[list[str]] = []

@@ -19,8 +19,8 @@ Every figure comes from a short micro-measurement, at the model's real shapes wh
 - activation memory: peak RSS of a 2-layer prefill (the model's widths, random weights) at two prompt
   lengths in a fresh process, less its KV cache: bytes per prompt token and per attention-score element;
 - gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
-  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth), and the CPU time of the
-  calling thread per small all-reduce.
+  from a large one (ring all-reduce on 2 ranks: t = 2 latency + n / bandwidth); and the CPU time of the
+  calling thread per all-reduce when each call follows ~0.5 ms of work, as in a decode step.
 
 Rates are medians of a few timed calls (see `_best`).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -337,6 +338,41 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], repeats: int) -> 
     return out
 
 
+def _comm_cpu_worker(rank: int, world: int, n: int, calls: int) -> float:
+    import torch.distributed as dist
+
+    x = torch.zeros(n)
+    a, w = torch.randn(1, 576), torch.randn(1536, 576)
+
+    def gemv() -> None:  # ~0.5 ms of decode-like work between calls, as a layer's between its all-reduces
+        for _ in range(4):
+            a @ w.t()
+
+    for _ in range(5):
+        gemv()
+        dist.all_reduce(x)
+    dist.barrier()
+    c0 = time.thread_time()
+    for _ in range(calls):
+        gemv()
+    work = time.thread_time() - c0
+    dist.barrier()
+    c0 = time.thread_time()
+    for _ in range(calls):
+        gemv()
+        dist.all_reduce(x)
+    return (time.thread_time() - c0 - work) / calls
+
+
+def measure_comm_cpu(n: int = 576, calls: int = 200) -> float:
+    """CPU seconds the calling thread spends per all-reduce of `n` floats between 2 local gloo processes when,
+    as in a decode step, each call follows some work (~0.5 ms of GEMVs): the ranks then arrive apart and the
+    caller's wait costs CPU (measured 0.4-1.5 ms per call here, against ~0.1 ms for back-to-back calls)."""
+    from scratchlm.parallel.sequence import spawn_gloo
+
+    return max(0.0, statistics.median(spawn_gloo(_comm_cpu_worker, 2, n, calls)))
+
+
 def measure_allreduce(small: int = 8, large: int = 16 * 2**20, repeats: int = 20,
                       with_cpu: bool = False) -> tuple[float, ...]:
     """(latency s, bandwidth bytes/s) of gloo all-reduce between 2 local processes; with `with_cpu` also the
@@ -384,7 +420,8 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
         say("activation memory")
         token_bytes, score_bytes = measure_activation_memory(c)
     say("gloo all-reduce")
-    lat, net_bw, comm_cpu = measure_allreduce(with_cpu=True) if network else (2e-5, 5e9, 0.0)
+    lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
+    comm_cpu = measure_comm_cpu() if network else 0.0
     try:
         mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable"))

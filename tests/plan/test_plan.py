@@ -66,6 +66,20 @@ def test_linear_curve_interpolates_in_log_rows():
         ClusterSpec(linear_rows=[4, 2], linear_rate=[1e9, 1e9])
 
 
+def test_softmax_rate_depends_on_whether_the_scores_fit_in_cache():
+    from scratchlm.plan.calibrate import softmax_lengths
+
+    box = ClusterSpec(**{**BOX.__dict__, "softmax_rate": 1e8, "softmax_rate_cached": 2e8, "cache_bytes": 2**20})
+    assert box.softmax_for(2**18) == 2e8 and box.softmax_for(2**18 + 1) == 1e8
+    assert BOX.softmax_for(1) == BOX.softmax_rate  # no cache given: one rate
+    w = Workload(prompt_len=64, output_len=4, concurrency=1)  # 8 x 64^2 floats = 128 KiB: in cache
+    fast = predict(TINY, w, box, Layout())
+    slow = predict(TINY, w, ClusterSpec(**{**box.__dict__, "softmax_rate_cached": 1e8}), Layout())
+    assert fast.prefill.compute < slow.prefill.compute
+    t_in, t_out = softmax_lengths(9, 32 * 2**20)
+    assert 9 * t_in**2 * 4 <= 16 * 2**20 and 9 * t_out**2 * 4 >= 4 * 32 * 2**20
+
+
 def test_pipeline_stages_follow_the_engine_and_micro_batches_overlap():
     from scratchlm.parallel.layout import balanced_stages
 
