@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_attention_kernel(verbose: bool) -> int:
-    """The paged decode-attention kernel (scratchlm/inference/csrc/paged_attention.h, in engine_kernels.cpp), checked against torch."""
+    """The paged decode-attention kernel (csrc/paged_attention.h in engine_kernels.cpp), checked against torch."""
     from scratchlm.inference.attention import AttentionMetadata, PagedAttention, load_kernels
     from scratchlm.inference.kv_cache import KVCache
 
@@ -74,7 +74,7 @@ def build_attention_kernel(verbose: bool) -> int:
 
 
 def build_skinny_gemm(verbose: bool) -> int:
-    """The decode-matmul kernel (scratchlm/inference/csrc/skinny_gemm.h, in engine_kernels.cpp), checked against torch."""
+    """The decode-matmul kernel (csrc/skinny_gemm.h in engine_kernels.cpp), checked against torch."""
     from scratchlm.inference.fast_linear import load_kernels
 
     t0 = time.perf_counter()
