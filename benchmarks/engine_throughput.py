@@ -49,6 +49,7 @@ if __name__ == "__main__":
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -135,6 +136,7 @@ def run_scratchlm(engine, prompts, outputs) -> tuple[float, list[list[int]]]:
     from scratchlm.inference import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    engine.reset_prefix_cache()  # every repeat computes its prompts (a warm prefix cache would skip prefill)
     t0 = time.perf_counter()
     outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]

@@ -128,6 +128,19 @@ class BlockManager:
             self.key_of[block_id] = (parent_hash, tokens)
         return h
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of every free block (blocks in use keep theirs), so no later prompt can hit them;
+        returns how many were forgotten. Benchmarks call it between repeats of the same workload."""
+        forgotten = 0
+        for b in self.free:
+            h = self.hash_of[b]
+            if h is not None:
+                if self.hash_to_block.get(h) == b:
+                    del self.hash_to_block[h]
+                self.hash_of[b] = self.key_of[b] = None
+                forgotten += 1
+        return forgotten
+
     def check_invariants(self, owners: dict[int, list[int]]) -> None:
         """Assert the pool is consistent with `owners` (seq id -> block table): every block's ref count
         equals the number of tables that hold it, free blocks are exactly those at 0, hashes map back."""

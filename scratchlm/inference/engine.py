@@ -169,6 +169,10 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         self._prompt_tokens_total += len(ids)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's entries for blocks no request holds; returns how many blocks it forgot."""
+        return self.block_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown or finished ids are ignored."""
         req = self.requests.pop(request_id, None)

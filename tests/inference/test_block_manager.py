@@ -114,3 +114,17 @@ def test_random_operations_keep_the_pool_consistent(ops, block_size: int, cachin
             blocks, _ = bm.match_prefix(contents[key], len(table))
             for i, b in enumerate(blocks):
                 assert bm.key_of[b][1] == tuple(contents[key][i * block_size:(i + 1) * block_size])
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only() -> None:
+    bm = BlockManager(8, 2)
+    held = bm.allocate(2)
+    register_all(bm, held, [1, 2, 3, 4])
+    done = bm.allocate(2)
+    register_all(bm, done, [5, 6, 7, 8])
+    bm.release(done)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.match_prefix([5, 6, 7, 8], 2)[0] == []  # freed blocks: forgotten
+    assert bm.match_prefix([1, 2, 3, 4], 2)[0] == held  # blocks in use keep their hashes
+    bm.check_invariants({0: held})
+    assert bm.reset_prefix_cache() == 0

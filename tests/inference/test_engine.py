@@ -139,6 +139,10 @@ def test_prefix_cache_hits_and_fully_cached_prompt() -> None:
     assert first == second == reference(tuple(prompt), 8)
     assert s.prefix_cache_hits >= 3 and s.prefix_cache_queries >= s.prefix_cache_hits
     assert s.prompt_tokens_total == 32 and s.generation_tokens_total == 16 and s.kv_cache_usage == 0.0
+    assert engine.reset_prefix_cache() > 0  # then the same prompt misses and is computed again
+    engine.add_request("c", prompt, greedy(8))
+    assert run_all(engine)["c"] == first
+    assert engine.stats().prefix_cache_hits == s.prefix_cache_hits
 
 
 @pytest.mark.parametrize("prompt_len", [8, 11])  # full last block, and a partial one (copy-on-write)
