@@ -60,7 +60,7 @@ class Comm:
         self.backend = backend
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
-        world = list(range(layout.tp * layout.pp))
+        world = list(range(layout.world_size))
         # Step commands: rank 0 waits `timeout_s` for the workers to take one, workers wait without limit.
         # The start-up handshake (after every rank loaded its shard: slow on a busy machine).
         self.startup_group = dist.new_group(world, timeout=STARTUP_TIMEOUT if layout.rank == 0 else IDLE_TIMEOUT,
@@ -68,10 +68,11 @@ class Comm:
         self.cmd_group = dist.new_group(world, timeout=timeout if layout.rank == 0 else IDLE_TIMEOUT, backend=backend)
         self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
         self.tp_group = None
-        for stage in range(layout.pp):  # every rank creates every group, in the same order
-            g = dist.new_group(layout.stage_ranks(stage), timeout=timeout, backend=backend)
-            if stage == layout.stage:
-                self.tp_group = g
+        for c in range(layout.cp):  # every rank creates every group, in the same order
+            for stage in range(layout.pp):  # one TP group per (CP replica, stage)
+                g = dist.new_group(layout.stage_ranks(stage, c), timeout=timeout, backend=backend)
+                if (c, stage) == (layout.cp_rank, layout.stage):
+                    self.tp_group = g
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.runner import ModelInput
-from scratchlm.parallel.comm import IDLE_TIMEOUT, STARTUP_TIMEOUT, Comm
+from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.layout import RankLayout
 from scratchlm.parallel.runner import ParallelRunner
 from scratchlm.parallel.sequence import merge_many
@@ -205,22 +205,9 @@ class ContextParallelComm(Comm):
     """`Comm` for a TP x PP x CP world: TP groups per (CP replica, stage), one CP group per (stage, tp rank)."""
 
     def __init__(self, layout: RankLayout, timeout_s: float, backend: str, device: torch.device):
-        self.layout = layout
-        self.device = device
-        self.backend = backend
-        self.timeout_s = timeout_s
+        super().__init__(layout, timeout_s, backend, device)  # command/step groups and the TP groups
         timeout = timedelta(seconds=timeout_s)
-        world = list(range(layout.world_size))
-        rank0 = layout.rank == 0
-        self.startup_group = dist.new_group(world, timeout=STARTUP_TIMEOUT if rank0 else IDLE_TIMEOUT, backend=backend)
-        self.cmd_group = dist.new_group(world, timeout=timeout if rank0 else IDLE_TIMEOUT, backend=backend)
-        self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
-        self.tp_group = self.cp_group = None
-        for c in range(layout.cp):  # every rank creates every group, in the same order
-            for stage in range(layout.pp):
-                g = dist.new_group(layout.stage_ranks(stage, c), timeout=timeout, backend=backend)
-                if (c, stage) == (layout.cp_rank, layout.stage):
-                    self.tp_group = g
+        self.cp_group = None
         for stage in range(layout.pp):
             for t in range(layout.tp):
                 g = dist.new_group(layout.cp_ranks(stage, t), timeout=timeout, backend=backend)
@@ -229,8 +216,6 @@ class ContextParallelComm(Comm):
         ring = layout.cp_ranks()
         self.cp_next = ring[(layout.cp_rank + 1) % layout.cp]
         self.cp_prev = ring[(layout.cp_rank - 1) % layout.cp]
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 
     def cp_merge(self, o: Tensor, lse: Tensor) -> Tensor:
@@ -409,20 +394,8 @@ class ContextParallelRunner(ParallelRunner):
         self.threshold = threshold
         self.step_cpu_s = 0.0  # this thread's CPU time in steps (the work itself; waiting on peers is not counted)
 
-    def serve_forever(self) -> None:
-        """Ranks > 0: allocate the cache, then execute rank 0's steps (and stats queries) until it says stop."""
-        kind, payload = self.comm.broadcast_command(None, startup=True)
-        if kind != "init":
-            return
-        self._allocate(payload)
-        while True:
-            kind, payload = self.comm.broadcast_command(None)
-            if kind == "step":
-                self._step(payload)
-            elif kind == "stats":
-                self._gather_stats(payload)
-            else:
-                return
+    def _command_handlers(self) -> dict:
+        return {**super()._command_handlers(), "stats": self._gather_stats}
 
     def rank_stats(self, reset_peak: bool = False) -> list[dict]:
         """Rank 0: every rank's memory and KV figures, by rank: max RSS, VmRSS / VmHWM (KiB, Linux), KV pool

@@ -96,12 +96,16 @@ class ParallelRunner:
         if kind != "init":
             return
         self._allocate(payload)
+        handlers = self._command_handlers()
         while True:
             kind, payload = self.comm.broadcast_command(None)
-            if kind == "step":
-                self._step(payload)
-            else:
+            if kind not in handlers:  # "stop", or rank 0 is gone
                 return
+            handlers[kind](payload)
+
+    def _command_handlers(self) -> dict:
+        """What ranks > 0 do with each command rank 0 broadcasts (anything else ends `serve_forever`)."""
+        return {"step": self._step}
 
     def shutdown(self) -> None:
         """Rank 0: stop the workers and leave the process group (also run at exit)."""
