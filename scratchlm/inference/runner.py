@@ -84,7 +84,25 @@ class ModelRunner:
         self.device = torch.device(device)
         use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
         self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
-        self.fused_decoder = fused_decoder_for(model, cache)  # decode-only steps: every layer in one C++ call
+        self.fused_decoder = fused_decoder_for(model, cache)  # every layer of a step in one C++ call
+        self.fused_prefill = True  # prefill rows too (each a query over its causal prefix), not only decodes
+
+    def _row_tables(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block table and a context length for every row of the step, (N, max_blocks) and (N,): a decode row
+        attends to its whole context, row j of a prefill chunk to the tokens up to its own (causal)."""
+        if not inp.prefills:
+            return self._tensor(inp.decode_block_tables), self._tensor(inp.decode_context_lens)
+        width = max([len(t) for t in inp.decode_block_tables] + [len(bt) for _, _, _, bt in inp.prefills])
+        tables = torch.zeros(len(inp.token_ids), width, dtype=torch.long)
+        lens = torch.empty(len(inp.token_ids), dtype=torch.long)
+        nd = inp.num_decode_tokens
+        if nd:
+            tables[:nd, : len(inp.decode_block_tables[0])] = torch.tensor(inp.decode_block_tables)
+            lens[:nd] = torch.tensor(inp.decode_context_lens)
+        for qs, ql, cl, bt in inp.prefills:
+            tables[qs : qs + ql, : len(bt)] = torch.tensor(bt)
+            torch.arange(cl - ql + 1, cl + 1, out=lens[qs : qs + ql])
+        return tables.to(self.device), lens.to(self.device)
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -105,11 +123,12 @@ class ModelRunner:
         tokens = self._tensor(inp.token_ids)[None, :]  # (1, N)
         positions = self._tensor(inp.positions)  # (N,)
         index = self._tensor(inp.logits_indices)
-        if self.fused_decoder is not None and nd == len(inp.token_ids):
+        if self.fused_decoder is not None and (nd == len(inp.token_ids) or self.fused_prefill):
             x = self.model.tok_embeddings(tokens[0])  # (N, d)
             cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
+            tables, lens = self._row_tables(inp)
             h = self.fused_decoder.forward(x, self.cache.k, self.cache.v, meta.slot_mapping, cos[:, 0], sin[:, 0],
-                                           meta.decode_block_tables, meta.decode_context_lens)  # (N, d)
+                                           tables, lens)  # (N, d)
             return skinny_linear(self.model.norm(h.index_select(0, index)), self.model.output_weight)
         attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
@@ -120,7 +139,8 @@ class ModelRunner:
 
 
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
-    """The C++ `FusedDecoder` over `model`'s weights (no copies), or None where it does not apply: a model
+    """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
+    where it does not apply: a model
     that is not a plain `TransformerLM`, quantized or non-float32 layers, a non-CPU device, no built kernels."""
     if type(model) is not TransformerLM or cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
         return None

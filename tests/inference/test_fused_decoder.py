@@ -11,7 +11,7 @@ from scratchlm.inference.attention import AttentionMetadata, PagedAttention
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.fast_linear import use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
-from scratchlm.inference.runner import fused_decoder_for
+from scratchlm.inference.runner import ModelInput, ModelRunner, fused_decoder_for
 from scratchlm.model import ModelConfig, TransformerLM
 from tests.inference.helpers import greedy, make_engine, run_all, tiny_model
 
@@ -128,3 +128,50 @@ def test_engine_greedy_same_with_and_without_fused_step(kernels) -> None:
             engine.add_request(str(i), p, greedy(12 + i))
         outs.append(run_all(engine))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("rope_layout,qkv_bias,heads", [("half", False, (4, 2)), ("adjacent", True, (2, 1))])
+def test_fused_mixed_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, heads) -> None:
+    """A step of decode rows and prefill chunks (one on a cached prefix, one fresh, one over 64 rows): the fused
+    step, where each prefill row attends to its causal prefix, gives the Python path's logits and cache."""
+    model = _model(rope_layout, qkv_bias, *heads)
+    c = model.config
+    bs = 4
+    cache = KVCache.allocate(c.n_layers, 64, bs, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    rng = random.Random(0)
+    free = list(range(cache.num_blocks))
+    rng.shuffle(free)
+    token_ids, positions, slots, dec_tables, dec_lens, prefills, logits_rows = [], [], [], [], [], [], []
+
+    def add_rows(table: list[int], start: int, n: int) -> None:
+        token_ids.extend(rng.randrange(c.vocab_size) for _ in range(n))
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        logits_rows.append(len(token_ids) - 1)
+
+    for n in (7, 13):  # decode rows: context n, the new token at position n - 1
+        table = [free.pop() for _ in range(-(-n // bs))]
+        add_rows(table, n - 1, 1)
+        dec_tables.append(table)
+        dec_lens.append(n)
+    for prefix, n in ((9, 6), (0, 11), (0, 70)):  # prefill chunks: (cached prefix, chunk length)
+        table = [free.pop() for _ in range(-(-(prefix + n) // bs))]
+        prefills.append((len(token_ids), n, prefix + n, table))
+        add_rows(table, prefix, n)
+    width = max(len(t) for t in dec_tables)
+    inp = ModelInput(token_ids, positions, slots, 2, [t + [0] * (width - len(t)) for t in dec_tables], dec_lens,
+                     prefills, logits_rows)
+    results = []
+    for fused in (True, False):
+        run_cache = KVCache(cache.k.clone(), cache.v.clone())
+        runner = ModelRunner(model, run_cache)
+        assert runner.fused_decoder is not None
+        if not fused:
+            runner.fused_decoder = None
+        results.append((runner.execute(inp), run_cache))
+    (got, got_cache), (want, want_cache) = results
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got_cache.k, want_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache.v, want_cache.v, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,7 @@
-// A whole decode step of a Llama-style decoder in one C++ call: every layer, for B sequences that each add one
-// token, with no Python between the ops (scratchlm.inference.runner uses it for decode-only steps).
+// A whole step of a Llama-style decoder in one C++ call: every layer, for B rows (tokens), with no Python between
+// the ops. Each row carries its own block table and context length: a decode row attends to its sequence's whole
+// context, row j of a prefill chunk to the tokens up to its own, so mixed prefill/decode steps run here too
+// (scratchlm.inference.runner builds the per-row metadata). All K/V of a layer are written before its attention.
 //
 // Per layer, on x (B, d), the residual stream, updated in place:
 //   h = rmsnorm(x) * w_attn_norm;  q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)
