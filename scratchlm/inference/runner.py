@@ -140,8 +140,8 @@ class ModelRunner:
 
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
     """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
-    where it does not apply: a model
-    that is not a plain `TransformerLM`, quantized or non-float32 layers, a non-CPU device, no built kernels."""
+    where it does not apply: a model that is not a plain `TransformerLM`, quantized or non-float32 layers,
+    a non-CPU device, no built kernels."""
     if type(model) is not TransformerLM or cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
         return None
     layers = []
