@@ -194,6 +194,7 @@ def latency(engine, prompts, outputs, concurrency: int) -> dict[str, float]:
     from scratchlm.inference import SamplingParams
 
     k = min(concurrency, len(prompts))
+    engine.reset_prefix_cache()  # the throughput runs left these prompts cached: TTFT must include prefill
     start = time.perf_counter()
     for i in range(k):
         engine.add_request(f"lat{i}", prompts[i], SamplingParams(temperature=0, max_tokens=outputs[i],
