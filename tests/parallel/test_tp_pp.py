@@ -138,23 +138,3 @@ def test_random_request_streams_keep_invariants(parallel_engine) -> None:
     assert results
     for rid, ids in results.items():
         assert ids == reference(tuple(prompts[rid]), len(ids)), rid
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
-def test_smollm2_greedy_equals_single_process(default_model_path, tp, pp) -> None:
-    """SmolLM2-135M (9 query / 3 KV heads: TP=2 shards them 6+3 / 2+1), 30 layers."""
-    from scratchlm.inference import LLM
-
-    torch.set_num_threads(1)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = [SamplingParams(temperature=0, max_tokens=24),
-              SamplingParams(temperature=0, max_tokens=24),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24)]
-    ref = [o.outputs[0].token_ids for o in LLM(default_model_path).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(default_model_path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.engine.runner.shutdown()
-    assert got == ref
