@@ -206,34 +206,32 @@ def schedule_bound(steps: list[tuple[int, int, int]], model, gflops: float, gbps
     return total
 
 
-def gemv_bandwidth(repeats: int = 20) -> float:
-    """GB/s of fp32 matrix-vector products on a weight-sized matrix (the decode roofline)."""
-    import torch
-
-    w = torch.randn(49152, 576)  # the size of SmolLM2's output head: 113 MB, far beyond the caches
-    x = torch.randn(576)
-    torch.mv(w, x)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mv(w, x)
-        times.append(time.perf_counter() - t0)
-    return w.numel() * 4 / min(times) / 1e9
-
-
-def stream_bandwidth(repeats: int = 20) -> float:
-    """GB/s of a plain streaming read (torch.sum) of the same 113 MB: a stricter roofline than MKL's GEMV, which
-    reads slower than the core can stream."""
+def _read_bandwidth(read, repeats: int) -> float:
+    """GB/s of `read(w)` over a weight-sized matrix: SmolLM2's output head, 113 MB, far beyond the caches."""
     import torch
 
     w = torch.randn(49152, 576)
-    w.sum()
+    read(w)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        w.sum()
+        read(w)
         times.append(time.perf_counter() - t0)
     return w.numel() * 4 / min(times) / 1e9
+
+
+def gemv_bandwidth(repeats: int = 20) -> float:
+    """GB/s of fp32 matrix-vector products (MKL's torch.mv): the decode roofline."""
+    import torch
+
+    x = torch.randn(576)
+    return _read_bandwidth(lambda w: torch.mv(w, x), repeats)
+
+
+def stream_bandwidth(repeats: int = 20) -> float:
+    """GB/s of a plain streaming read (torch.sum) of the same matrix: a stricter roofline than MKL's GEMV, which
+    reads slower than the core can stream."""
+    return _read_bandwidth(lambda w: w.sum(), repeats)
 
 
 def batch1_decode(engine, n_tokens: int = 64) -> float:

@@ -92,13 +92,16 @@ class ModelRunner:
         use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
         self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
         self.fused_decoder = fused_decoder_for(model, cache)  # every layer of a step in one C++ call
-        self.fused_prefill = True  # prefill rows too (each a query over its causal prefix), not only decodes
 
-    def _row_tables(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _runs_fused(self, inp: ModelInput) -> bool:
+        """Whether the fused C++ step runs `inp`: decode rows, and prefill chunks of short enough context."""
+        return self.fused_decoder is not None and all(cl <= FUSED_PREFILL_MAX_CONTEXT for _, _, cl, _ in inp.prefills)
+
+    def _row_tables(self, inp: ModelInput, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A block table and a context length for every row of the step, (N, max_blocks) and (N,): a decode row
         attends to its whole context, row j of a prefill chunk to the tokens up to its own (causal)."""
         if not inp.prefills:
-            return self._tensor(inp.decode_block_tables), self._tensor(inp.decode_context_lens)
+            return meta.decode_block_tables, meta.decode_context_lens
         width = max([len(t) for t in inp.decode_block_tables] + [len(bt) for _, _, _, bt in inp.prefills])
         tables = torch.zeros(len(inp.token_ids), width, dtype=torch.long)
         lens = torch.empty(len(inp.token_ids), dtype=torch.long)
@@ -130,11 +133,10 @@ class ModelRunner:
         tokens = self._tensor(inp.token_ids)[None, :]  # (1, N)
         positions = self._tensor(inp.positions)  # (N,)
         index = self._tensor(inp.logits_indices)
-        if self.fused_decoder is not None and (nd == len(inp.token_ids) or self.fused_prefill and max(
-                cl for _, _, cl, _ in inp.prefills) <= FUSED_PREFILL_MAX_CONTEXT):
+        if self._runs_fused(inp):
             x = self.model.tok_embeddings(tokens[0])  # (N, d)
             cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
-            tables, lens = self._row_tables(inp)
+            tables, lens = self._row_tables(inp, meta)
             h = self.fused_decoder.forward(x, self.cache.k, self.cache.v, meta.slot_mapping, cos[:, 0], sin[:, 0],
                                            tables, lens)  # (N, d)
             return skinny_linear(self.model.norm(h.index_select(0, index)), self.model.output_weight)
