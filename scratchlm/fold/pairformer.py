@@ -1,0 +1,383 @@
+"""The Pairformer trunk of AlphaFold3 / Boltz-2, written from tensor operations.
+
+A block updates the pair representation z (B, N, N, c_z) and the single representation s (B, N, c_s):
+
+    z += TriMulOutgoing(z)      z[i,j] <- sum_k a[i,k] * b[j,k]     (rows i: local under DAP)
+    z += TriMulIncoming(z)      z[i,j] <- sum_k a[k,i] * b[k,j]     (columns: a transpose under DAP)
+    z += TriAttStarting(z)      row i attends over its j, bias from z[j,k]
+    z += TriAttEnding(z)        column j attends over its i, bias from z[k,i]
+    z += Transition(z)          LayerNorm + SwiGLU (c_z -> 4 c_z -> c_z)
+    s += AttentionPairBias(LN(s), z)   single attention, pair bias LN(z) W_b, gated
+    s += Transition(s)
+
+The math follows Boltz-2's `PairformerLayer(v2=True)` exactly in eval mode (dropout off): the same
+LayerNorms (eps 1e-5), sigmoid gates, masks (pair mask multiplies the triangle-update inputs, and
+-1e9 / -1e6 key-mask biases in the attentions), and fp32 softmax. `load_boltz_state_dict` takes Boltz's
+state dict. Projections that read the same input are fused into one GEMM (p_in|g_in, q|k|v|g,
+fc1|fc2 stay in the project's `SwiGLU`), which is where the single-rank speed over Boltz comes from.
+
+Every pair op is split into a *local* part that only needs its own rows and the piece it needs from
+the other rows (the triangle update's contracted operand, the triangle attention's bias), so the
+Dynamic Axial Parallel block (`scratchlm.fold.dap`) runs the same code on row shards.
+
+Chunking (`chunk_rows`): the triangle attentions, the triangle updates' projections and the
+transitions run over row chunks, so the transient activations (attention logits: rows x H x N x N)
+are bounded; `chunk_size_for_budget` picks the chunk from a byte budget. Chunked and unchunked give
+the same numbers (the chunks are independent rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from scratchlm.model.layers import Linear, SwiGLU
+
+# Boltz's key-mask biases: the triangle attention adds 1e9 * (mask - 1), the single attention (1 - mask) * -1e6.
+TRI_INF = 1e9
+SINGLE_INF = 1e6
+
+
+@dataclass(frozen=True)
+class PairformerConfig:
+    """Shapes of a Pairformer stack (defaults: Boltz-2's trunk widths)."""
+
+    c_s: int = field(default=384, metadata={"help": "single representation channels (token_s)"})
+    c_z: int = field(default=128, metadata={"help": "pair representation channels (token_z)"})
+    num_heads: int = field(default=16, metadata={"help": "heads of the single attention with pair bias"})
+    pair_heads: int = field(default=4, metadata={"help": "heads of each triangle attention"})
+    pair_head_dim: int = field(default=32, metadata={"help": "channels per triangle-attention head"})
+    n_blocks: int = field(default=4, metadata={"help": "Pairformer blocks in the stack"})
+    transition_mult: int = field(default=4, metadata={"help": "transition hidden size = mult x channels"})
+
+    def __post_init__(self) -> None:
+        for name in ("c_s", "c_z", "num_heads", "pair_heads", "pair_head_dim", "n_blocks", "transition_mult"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"PairformerConfig.{name}={v!r} must be a positive int")
+        if self.c_s % self.num_heads:
+            raise ValueError(f"PairformerConfig: c_s={self.c_s} is not a multiple of num_heads={self.num_heads}")
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with gain and bias (torch's kernel; the project's layers only have RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+
+def _row_chunks(n: int, chunk: int | None):
+    """(start, stop) row ranges of at most `chunk` rows (one range when chunk is None)."""
+    step = n if not chunk or chunk >= n else chunk
+    for i in range(0, n, step):
+        yield i, min(n, i + step)
+
+
+class Transition(nn.Module):
+    """LayerNorm then SwiGLU: fc3(silu(fc1 x) * fc2 x), Boltz's `Transition` (fc1 = w1, fc2 = w3, fc3 = w2)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = LayerNorm(dim)
+        self.mlp = SwiGLU(dim, hidden)
+
+    def forward(self, x: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """x (B, R, ..., dim) -> same shape; with `chunk_rows`, dim 1 in chunks (bounded hidden activation)."""
+        if chunk_rows is None or chunk_rows >= x.shape[1]:
+            return self.mlp(self.norm(x))
+        out = torch.empty_like(x)
+        for i0, i1 in _row_chunks(x.shape[1], chunk_rows):
+            out[:, i0:i1] = self.mlp(self.norm(x[:, i0:i1]))
+        return out
+
+
+class TriangleMultiplication(nn.Module):
+    """Triangle multiplicative update, outgoing (z[i,j] = sum_k a[i,k] b[j,k]) or incoming (sum_k a[k,i] b[k,j]).
+
+    `project` gives the masked operands a, b and the output gate for some rows, `contract_rows` the
+    outgoing contraction of local rows of a against any rows of b, `finish` the output norm/projection.
+    The incoming update is the outgoing one on z transposed with a and b swapped:
+    x^T[p,q] = x[q,p] = sum_k a[k,q] b[k,p] = sum_k b^T[p,k] a^T[q,k].
+    """
+
+    def __init__(self, dim: int, outgoing: bool):
+        super().__init__()
+        self.dim, self.outgoing = dim, outgoing
+        self.norm_in = LayerNorm(dim)
+        self.proj_in = Linear(dim, 4 * dim)  # rows: p_in (2 dim) then g_in (2 dim)
+        self.norm_out = LayerNorm(dim)
+        self.p_out = Linear(dim, dim)
+        self.g_out = Linear(dim, dim)
+
+    def project(self, z: Tensor, mask: Tensor, chunk_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """z (B, R, N, c), mask (B, R, N) -> a, b (B, c, R, N) channel-first contiguous, gate (B, R, N, c)."""
+        bsz, r, n, c = z.shape
+        a = z.new_empty(bsz, c, r, n)
+        b = z.new_empty(bsz, c, r, n)
+        gate = torch.empty_like(z)
+        for i0, i1 in _row_chunks(r, chunk_rows):
+            x = self.norm_in(z[:, i0:i1])  # (B, r, N, c)
+            pg = self.proj_in(x)  # (B, r, N, 4c)
+            ab = pg[..., : 2 * c] * torch.sigmoid(pg[..., 2 * c:])
+            ab *= mask[:, i0:i1, :, None]
+            a[:, :, i0:i1] = ab[..., :c].permute(0, 3, 1, 2)  # (B, c, r, N)
+            b[:, :, i0:i1] = ab[..., c:].permute(0, 3, 1, 2)
+            gate[:, i0:i1] = torch.sigmoid(self.g_out(x))
+        return a, b, gate
+
+    @staticmethod
+    def contract_rows(a: Tensor, b: Tensor) -> Tensor:
+        """a (B, c, R, K), b (B, c, J, K) -> x (B, c, R, J) = sum_k a[..., i, k] b[..., j, k]."""
+        return torch.matmul(a, b.transpose(-1, -2))
+
+    def finish(self, x: Tensor, gate: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """x (B, c, R, N) channel-first, gate (B, R, N, c) -> update (B, R, N, c)."""
+        out = torch.empty_like(gate)
+        for i0, i1 in _row_chunks(gate.shape[1], chunk_rows):
+            xc = x[:, :, i0:i1].permute(0, 2, 3, 1)  # (B, r, N, c)
+            out[:, i0:i1] = self.p_out(self.norm_out(xc)) * gate[:, i0:i1]
+        return out
+
+    def forward(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """z (B, N, N, c), pair_mask (B, N, N) -> the update (B, N, N, c) (not yet added to z)."""
+        if self.outgoing:
+            a, b, gate = self.project(z, pair_mask, chunk_rows)
+            return self.finish(self.contract_rows(a, b), gate, chunk_rows)
+        zt = z.transpose(1, 2)  # (B, N, N, c): rows of zt are columns of z
+        a, b, gate = self.project(zt, pair_mask.transpose(1, 2), chunk_rows)
+        return self.finish(self.contract_rows(b, a), gate, chunk_rows).transpose(1, 2)
+
+
+class TriangleAttention(nn.Module):
+    """Gated triangle self-attention around the starting node (rows) or the ending node (columns).
+
+    Starting node: row i attends over j with logits q[i,j] k[i,k] / sqrt(d) + bias[h, j, k] + 1e9 (mask[i,k] - 1),
+    bias = LN(z) W_b over the whole pair (B, H, N, N). The ending node is the same on z transposed.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int, starting: bool):
+        super().__init__()
+        self.dim, self.heads, self.head_dim, self.starting = dim, heads, head_dim, starting
+        self.layer_norm = LayerNorm(dim)
+        self.linear = Linear(dim, heads)  # triangle bias
+        self.qkvg = Linear(dim, 4 * heads * head_dim)  # rows: q, k, v, g
+        self.linear_o = Linear(heads * head_dim, dim)
+
+    def bias(self, x: Tensor) -> Tensor:
+        """LayerNormed rows x (B, R, N, c) -> their bias rows (B, H, R, N)."""
+        return self.linear(x).permute(0, 3, 1, 2)
+
+    def attend(self, x: Tensor, bias: Tensor, mask: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """Rows x (B, R, N, c) LayerNormed, bias (B, H, N, N) over the whole pair, mask (B, R, N) -> (B, R, N, c)."""
+        bsz, r, n, _ = x.shape
+        h, d = self.heads, self.head_dim
+        out = torch.empty_like(x)
+        scale = 1.0 / math.sqrt(d)
+        bias5 = bias.unsqueeze(1)  # (B, 1, H, N, N)
+        for i0, i1 in _row_chunks(r, chunk_rows):
+            rr = i1 - i0
+            qkvg = self.qkvg(x[:, i0:i1]).view(bsz, rr, n, 4, h, d)  # (B, r, N, 4, H, D)
+            q = qkvg[..., 0, :, :].transpose(2, 3) * scale  # (B, r, H, N, D)
+            k = qkvg[..., 1, :, :].transpose(2, 3)
+            v = qkvg[..., 2, :, :].transpose(2, 3)
+            logits = torch.matmul(q, k.transpose(-1, -2))  # (B, r, H, N, N)
+            logits += bias5
+            logits += (mask[:, i0:i1, None, None, :] - 1.0) * TRI_INF
+            attn = torch.softmax(logits, dim=-1)
+            del logits
+            o = torch.matmul(attn, v).transpose(2, 3)  # (B, r, N, H, D)
+            del attn
+            o = o * torch.sigmoid(qkvg[..., 3, :, :])
+            out[:, i0:i1] = self.linear_o(o.reshape(bsz, rr, n, h * d))
+        return out
+
+    def forward(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """z (B, N, N, c), pair_mask (B, N, N) -> the update (B, N, N, c)."""
+        if not self.starting:
+            z, pair_mask = z.transpose(1, 2), pair_mask.transpose(1, 2)
+        x = self.layer_norm(z)
+        out = self.attend(x, self.bias(x), pair_mask, chunk_rows)
+        return out if self.starting else out.transpose(1, 2)
+
+
+class AttentionPairBias(nn.Module):
+    """Boltz-2's gated single attention with pair bias (v2: keys/values from the same normed s)."""
+
+    def __init__(self, c_s: int, c_z: int, heads: int):
+        super().__init__()
+        self.c_s, self.heads, self.head_dim = c_s, heads, c_s // heads
+        self.qkvg = Linear(c_s, 4 * c_s)  # rows: q, k, v, g
+        self.q_bias = nn.Parameter(torch.zeros(c_s))
+        self.norm_z = LayerNorm(c_z)
+        self.proj_z = Linear(c_z, heads)
+        self.proj_o = Linear(c_s, c_s)
+
+    def pair_bias(self, z: Tensor) -> Tensor:
+        """z rows (B, R, N, c_z) -> bias rows (B, H, R, N)."""
+        return self.proj_z(self.norm_z(z)).permute(0, 3, 1, 2)
+
+    def forward(self, s: Tensor, bias: Tensor, mask: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
+        """s (B, N, c_s) normed, bias (B, H, R, N) for query rows `rows` (all when None), mask (B, N) keys.
+
+        Returns the update for the query rows (B, R, c_s)."""
+        bsz, n, c = s.shape
+        h, d = self.heads, self.head_dim
+        i0, i1 = rows if rows is not None else (0, n)
+        w = self.qkvg.weight  # (4 c_s, c_s)
+        q = (s[:, i0:i1] @ w[:c].t() + self.q_bias).view(bsz, i1 - i0, h, d).transpose(1, 2)  # (B, H, R, D)
+        g = torch.sigmoid(s[:, i0:i1] @ w[3 * c:].t())  # (B, R, c_s)
+        kv = (s @ w[c: 3 * c].t()).view(bsz, n, 2, h, d)  # (B, N, 2, H, D)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, H, N, D)
+        logits = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)  # (B, H, R, N)
+        logits = logits + bias + (1.0 - mask[:, None, None, :]) * -SINGLE_INF
+        o = torch.matmul(torch.softmax(logits, dim=-1), v)  # (B, H, R, D)
+        o = o.transpose(1, 2).reshape(bsz, i1 - i0, c)
+        return self.proj_o(g * o)
+
+
+class PairformerBlock(nn.Module):
+    """One Pairformer block; `forward(s, z, mask, pair_mask)` -> (s, z), as Boltz's `PairformerLayer`."""
+
+    def __init__(self, cfg: PairformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        cz, cs = cfg.c_z, cfg.c_s
+        self.tri_mul_out = TriangleMultiplication(cz, outgoing=True)
+        self.tri_mul_in = TriangleMultiplication(cz, outgoing=False)
+        self.tri_att_start = TriangleAttention(cz, cfg.pair_heads, cfg.pair_head_dim, starting=True)
+        self.tri_att_end = TriangleAttention(cz, cfg.pair_heads, cfg.pair_head_dim, starting=False)
+        self.transition_z = Transition(cz, cfg.transition_mult * cz)
+        self.pre_norm_s = LayerNorm(cs)
+        self.attention = AttentionPairBias(cs, cz, cfg.num_heads)
+        self.transition_s = Transition(cs, cfg.transition_mult * cs)
+
+    def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
+                chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """s (B, N, c_s), z (B, N, N, c_z), mask (B, N), pair_mask (B, N, N) (floats in {0, 1})."""
+        z = z + self.tri_mul_out(z, pair_mask, chunk_rows)
+        z = z + self.tri_mul_in(z, pair_mask, chunk_rows)
+        z = z + self.tri_att_start(z, pair_mask, chunk_rows)
+        z = z + self.tri_att_end(z, pair_mask, chunk_rows)
+        z = z + self.transition_z(z, chunk_rows)
+        s_normed = self.pre_norm_s(s)
+        s = s + self.attention(s_normed, self.attention.pair_bias(z), mask)
+        s = s + self.transition_s(s)
+        return s, z
+
+
+class Pairformer(nn.Module):
+    """A stack of `cfg.n_blocks` Pairformer blocks."""
+
+    def __init__(self, cfg: PairformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(PairformerBlock(cfg) for _ in range(cfg.n_blocks))
+
+    def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
+                chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+        for block in self.blocks:
+            s, z = block(s, z, mask, pair_mask, chunk_rows)
+        return s, z
+
+
+# --- chunk size from a memory budget ------------------------------------------------------------
+
+
+def chunk_transient_bytes(cfg: PairformerConfig, n: int, rows: int, batch: int = 1, elem: int = 4) -> int:
+    """Transient bytes of the largest chunked op on `rows` rows of an N x N pair (fp32 by default).
+
+    Triangle attention per chunk: qkvg (rows N 4HD) + logits and softmax (2 x rows H N^2) + o (rows N HD);
+    the transition: hidden (3 x rows N 4c, gate/up/product); the triangle update's projection: 6 x rows N c.
+    """
+    h, d, c = cfg.pair_heads, cfg.pair_head_dim, cfg.c_z
+    att = rows * n * (4 * h * d + h * d) + 2 * rows * h * n * n
+    trans = 3 * rows * n * cfg.transition_mult * c
+    tri = 6 * rows * n * c
+    return batch * elem * max(att, trans, tri)
+
+
+def chunk_size_for_budget(cfg: PairformerConfig, n: int, budget_bytes: int, batch: int = 1, elem: int = 4) -> int:
+    """The largest row chunk whose transient activations (`chunk_transient_bytes`) fit `budget_bytes` (>= 1)."""
+    if budget_bytes <= 0:
+        raise ValueError(f"chunk budget must be positive bytes, got {budget_bytes}")
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chunk_transient_bytes(cfg, n, mid, batch, elem) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --- Boltz state dicts ----------------------------------------------------------------------------
+
+
+def _boltz_block_map(sd: dict[str, Tensor], p: str) -> dict[str, Tensor]:
+    """One Boltz `PairformerLayer(v2=True)` state dict (keys under prefix `p`) -> a `PairformerBlock` one."""
+    def g(k: str) -> Tensor:
+        key = p + k
+        if key not in sd:
+            raise KeyError(f"Boltz state dict: missing {key!r} (expected a PairformerLayer(v2=True) state dict)")
+        return sd[key]
+
+    out: dict[str, Tensor] = {}
+    for name in ("tri_mul_out", "tri_mul_in"):
+        for ln in ("norm_in", "norm_out"):
+            out[f"{name}.{ln}.weight"] = g(f"{name}.{ln}.weight")
+            out[f"{name}.{ln}.bias"] = g(f"{name}.{ln}.bias")
+        out[f"{name}.proj_in.weight"] = torch.cat((g(f"{name}.p_in.weight"), g(f"{name}.g_in.weight")))
+        out[f"{name}.p_out.weight"] = g(f"{name}.p_out.weight")
+        out[f"{name}.g_out.weight"] = g(f"{name}.g_out.weight")
+    for name in ("tri_att_start", "tri_att_end"):
+        out[f"{name}.layer_norm.weight"] = g(f"{name}.layer_norm.weight")
+        out[f"{name}.layer_norm.bias"] = g(f"{name}.layer_norm.bias")
+        out[f"{name}.linear.weight"] = g(f"{name}.linear.weight")
+        out[f"{name}.qkvg.weight"] = torch.cat([g(f"{name}.mha.linear_{x}.weight") for x in "qkvg"])
+        out[f"{name}.linear_o.weight"] = g(f"{name}.mha.linear_o.weight")
+    for name in ("transition_z", "transition_s"):
+        out[f"{name}.norm.weight"] = g(f"{name}.norm.weight")
+        out[f"{name}.norm.bias"] = g(f"{name}.norm.bias")
+        out[f"{name}.mlp.w1.weight"] = g(f"{name}.fc1.weight")
+        out[f"{name}.mlp.w3.weight"] = g(f"{name}.fc2.weight")
+        out[f"{name}.mlp.w2.weight"] = g(f"{name}.fc3.weight")
+    out["pre_norm_s.weight"] = g("pre_norm_s.weight")
+    out["pre_norm_s.bias"] = g("pre_norm_s.bias")
+    out["attention.qkvg.weight"] = torch.cat([g(f"attention.proj_{x}.weight") for x in "qkvg"])
+    out["attention.q_bias"] = g("attention.proj_q.bias")
+    out["attention.norm_z.weight"] = g("attention.proj_z.0.weight")
+    out["attention.norm_z.bias"] = g("attention.proj_z.0.bias")
+    out["attention.proj_z.weight"] = g("attention.proj_z.1.weight")
+    out["attention.proj_o.weight"] = g("attention.proj_o.weight")
+    return out
+
+
+def load_boltz_state_dict(module: PairformerBlock | Pairformer, sd: dict[str, Tensor]) -> None:
+    """Load a Boltz `PairformerLayer` (into a block) or `PairformerModule` (`layers.{i}.`, into a stack) state dict.
+
+    Raises KeyError naming a missing Boltz key, and ValueError on a block-count or shape mismatch."""
+    if isinstance(module, PairformerBlock):
+        mapped = _boltz_block_map(sd, "")
+    else:
+        n = len({k.split(".")[1] for k in sd if k.startswith("layers.")})
+        if n != len(module.blocks):
+            raise ValueError(f"Boltz state dict has {n} layers, the stack has {len(module.blocks)} blocks")
+        mapped = {}
+        for i in range(n):
+            mapped.update({f"blocks.{i}.{k}": v for k, v in _boltz_block_map(sd, f"layers.{i}.").items()})
+    own = module.state_dict()
+    for k, v in mapped.items():
+        if own[k].shape != v.shape:
+            raise ValueError(f"Boltz state dict: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)} "
+                             "(do the widths match the PairformerConfig?)")
+    module.load_state_dict(mapped, strict=True)
