@@ -18,6 +18,7 @@ import torch
 
 from scratchlm.inference.block_manager import BlockManager
 from scratchlm.inference.config import EngineConfig
+from scratchlm.inference.events import EventStream
 from scratchlm.inference.kv_cache import KVCache, num_blocks_for_budget
 from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOutput
 from scratchlm.inference.params import SamplingParams
@@ -93,6 +94,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.events = EventStream()  # step events for the inspector and traces; free while nobody listens
         self.speculator = None
         if c.speculative not in (None, "none"):
             from scratchlm.inference.speculative import Speculator
@@ -193,7 +195,13 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule -> run -> postprocess; returns the outputs of requests that progressed."""
+        """Schedule -> run -> postprocess; returns the outputs of requests that progressed.
+        With a listener on `self.events`, the step is timed and a `StepEvent` is built (events.py)."""
+        if self.events.active:
+            return self.events.observe(self, self._step)
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             return self.speculator.step()  # the same three stages, with drafting and verification
         plan = self.scheduler.schedule()
