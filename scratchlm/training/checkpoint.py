@@ -17,11 +17,12 @@ from __future__ import annotations
 import io
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from scratchlm.atomic import atomic_write
 
 FORMAT = "scratchlm"
 VERSION = 1
@@ -32,23 +33,13 @@ class CheckpointError(ValueError):
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save`` to a temp file in the same folder, fsync, then ``os.replace``: a reader never
-    sees a half-written checkpoint, even if the process dies mid-write."""
+    """``torch.save`` to a temp file in the same folder, fsync, ``os.replace``, fsync the folder
+    (`scratchlm.atomic`): a reader never sees a half-written checkpoint, even if the process dies
+    mid-write; an interrupted write leaves only ``<name>.<random>.tmp``, which the trainer removes
+    on its next start."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
     return path
 
 

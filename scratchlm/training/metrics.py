@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from scratchlm import atomic
 
 
 class MetricsLog:
@@ -28,9 +29,34 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
+        """The records; a line cut short by a crash mid-write (not valid JSON) is skipped."""
+        return self._parse()[0]
+
+    def _parse(self) -> tuple[list[dict[str, Any]], int]:
         if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            return [], 0
+        records, bad = [], 0
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad += 1
+        return records, bad
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps after `step` (and torn lines) by rewriting the file atomically; returns
+        how many records were dropped. A run resumed from a checkpoint of `step` calls this, so that the steps
+        between that checkpoint and a crash are not logged twice."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        records, bad = self._parse()
+        kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
+        dropped = len(records) - len(kept) + bad
+        if dropped:
+            atomic.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        return dropped
 
 
 def plot_loss_curve(records: list[dict[str, Any]], path: str | Path, title: str = "training loss") -> Path | None:
@@ -62,7 +88,7 @@ def plot_loss_curve(records: list[dict[str, Any]], path: str | Path, title: str 
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
     return path
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from scratchlm.atomic import remove_orphan_temps, write_text
 from scratchlm.training.checkpoint import (
     FORMAT,
     VERSION,
@@ -210,7 +211,22 @@ class Trainer:
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.engine = resolve_engine(cfg.engine)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.ctx.is_main)
+        if self.ctx.is_main:
+            self._recover_files()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _recover_files(self) -> None:
+        """After a crash (`kill -9`, power cut): remove the temp files of interrupted atomic writes of the
+        checkpoint and the metrics log (only names of exactly their pattern, `scratchlm.atomic`), and on
+        resume drop the metrics logged after the checkpoint's step, which this run is about to redo."""
+        for target in (self.out_dir / CHECKPOINT_NAME, self.metrics.path):
+            for orphan in remove_orphan_temps(target):
+                log.warning("removed %s, left by an interrupted write of %s", orphan, target.name)
+        if self.resume_state is not None:
+            dropped = self.metrics.truncate_after(self.step)
+            if dropped:
+                log.info("%s: dropped %d record(s) after step %d (logged before the crash; this run redoes them)",
+                         self.metrics.path, dropped, self.step)
 
     # --- state ---------------------------------------------------------------------------------------------
 
@@ -406,9 +422,7 @@ class Trainer:
             texts.append(prompt + self.tokenizer.decode(new))
         self.model.train()
         path = self.out_dir / "samples.txt"
-        tmp = path.with_suffix(".txt.tmp")
-        tmp.write_text("\n\n---\n\n".join(texts) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_text(path, "\n\n---\n\n".join(texts) + "\n")
         for t in texts:
             log.info("sample: %s", t.replace("\n", " "))
         return texts
