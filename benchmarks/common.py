@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scratchlm import atomic
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,7 +219,7 @@ class Report:
         path = results_dir / f"{_dt.date.today().isoformat()}-{self.name}.md"
         tmp = path.with_suffix(".md.tmp")
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic.replace(tmp, path)
         print(f"[written to {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}]",
               file=sys.stderr)
         return path

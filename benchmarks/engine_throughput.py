@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads
+from scratchlm import atomic
 
 PEERS = REPO_ROOT / ".peers"
 VLLM_VENV = PEERS / "vllm"
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             png = RESULTS_DIR / f"{time.strftime('%Y-%m-%d')}-engine_throughput_concurrency.png"
             tmp = png.with_suffix(".tmp.png")
             fig.savefig(tmp, dpi=110, bbox_inches="tight")
-            os.replace(tmp, png)
+            atomic.replace(tmp, png)
             report.add(f"![throughput vs concurrency]({png.name})")
         except ImportError:
             report.add("(matplotlib missing: no plot)")

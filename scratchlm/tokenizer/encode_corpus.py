@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from scratchlm import atomic
 from scratchlm.tokenizer.bpe import Tokenizer
 from scratchlm.tokenizer.train import find_chunk_boundaries
 
@@ -113,7 +114,7 @@ def encode_corpus(
                             count += _drain(pending.popleft(), f, bar)
                     while pending:
                         count += _drain(pending.popleft(), f, bar)
-        os.replace(tmp, out)
+        atomic.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -131,7 +132,7 @@ def encode_corpus(
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{side.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(sidecar, f, indent=2)
-    os.replace(tmp, side)
+    atomic.replace(tmp, side)
     log.info("wrote %d tokens (%s) to %s (%.2f bytes/token)", count, dtype, out, total_bytes / max(count, 1))
     return sidecar
 

@@ -12,6 +12,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from scratchlm import atomic
 from scratchlm.tokenizer.bpe import Tokenizer
 from scratchlm.tokenizer.gguf_meta import read_gguf_metadata
 from scratchlm.tokenizer.pretokenize import DIGITS_PATTERN, GPT2_PATTERN, PRESETS, PreTokenizer
@@ -61,7 +62,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, path)
+        atomic.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import scratchlm.autodiff as ad
+from scratchlm import atomic
 from scratchlm.config import add_dataclass_arguments, dataclass_from_args
 
 log = logging.getLogger("scratchlm.autodiff.mnist")
@@ -312,7 +313,7 @@ def plot_curves(result: MnistResult, path: Path) -> Path:
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
     return path
 
 

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from scratchlm import atomic
 from scratchlm.inference.quantization.modules import (
     EMBEDDING,
     HEAD,
@@ -126,7 +126,7 @@ def save_quantized(path: str | Path, model: QuantizedTransformerLM, tokenizer: A
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
     return path
 
 

@@ -5,12 +5,12 @@ The trainer writes richer checkpoints (optimizer, RNG, data state); the loader o
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scratchlm import atomic
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, build_model, log, require_file
 from scratchlm.model.transformer import TransformerLM
@@ -83,5 +83,5 @@ def save_model(path: str | Path, model: TransformerLM, tokenizer: Any = None, **
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
     return path

@@ -7,13 +7,13 @@ are permuted to HF's rotate-half layout, so `transformers.AutoModelForCausalLM` 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from scratchlm import atomic
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading.common import log
 from scratchlm.model.loading.hf import hf_name_map
@@ -62,7 +62,7 @@ def hf_config(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]:
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
 
 
 def export_hf(model: TransformerLM, config: ModelConfig | None = None, tokenizer: Any = None,
