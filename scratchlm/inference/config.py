@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -72,6 +73,10 @@ class EngineConfig:
     parallel_timeout_s: float = field(
         default=60.0, metadata={"help": "seconds before a TP/PP step collective with a dead or hung rank fails"}
     )
+    trace: str | None = field(
+        default=None, metadata={"help": "write the engine's steps to this file as Chrome trace-event JSON (open in "
+                                        "ui.perfetto.dev): one track per stage, per rank under TP/PP/CP"}
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -114,6 +119,8 @@ class EngineConfig:
                 parse_speculative(self.speculative)
             except ValueError as e:
                 problems.append(str(e))
+        if self.trace is not None and not Path(self.trace).parent.is_dir():
+            problems.append(f"trace={self.trace!r}: folder {str(Path(self.trace).parent)!r} does not exist")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 

@@ -95,6 +95,11 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.events = EventStream()  # step events for the inspector and traces; free while nobody listens
+        self.tracer = None
+        if c.trace:  # Chrome trace-event JSON of every step (inference/trace.py)
+            from scratchlm.inference.trace import StepTracer
+
+            self.tracer = StepTracer(self, c.trace)
         self.speculator = None
         if c.speculative not in (None, "none"):
             from scratchlm.inference.speculative import Speculator

@@ -75,10 +75,14 @@ class Comm:
                     self.tp_group = g
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.trace: list[tuple[str, float, float]] | None = None  # (kind, start, end) of every call while tracing
 
     def _timed(self, kind: str, start: float) -> None:
-        self.seconds[kind] += time.perf_counter() - start
+        end = time.perf_counter()
+        self.seconds[kind] += end - start
         self.calls[kind] += 1
+        if self.trace is not None:  # step traces (scratchlm/inference/trace.py)
+            self.trace.append((kind, start, end))
 
     def reset_stats(self) -> None:
         self.seconds.clear()

@@ -105,7 +105,20 @@ class ParallelRunner:
 
     def _command_handlers(self) -> dict:
         """What ranks > 0 do with each command rank 0 broadcasts (anything else ends `serve_forever`)."""
-        return {"step": self._step}
+        return {"step": self._step, "trace": self._trace}
+
+    def trace_command(self, on: bool) -> dict[int, list[tuple[str, float, float]]] | None:
+        """Rank 0: every rank starts (`on`) or stops recording its communication calls (`Comm.trace`); stopping
+        returns {rank: [(kind, start, end)]} of the ranks > 0 (step traces, scratchlm/inference/trace.py)."""
+        return self._guard(lambda: (self.comm.broadcast_command(("trace", on)), self._trace(on))[1])
+
+    def _trace(self, on: bool) -> dict[int, list[tuple[str, float, float]]] | None:
+        calls, self.comm.trace = self.comm.trace, ([] if on else None)
+        if on:
+            return None
+        everyone: list = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, calls if self.layout.rank else [], group=self.comm.cmd_group)
+        return {r: everyone[r] or [] for r in range(1, self.layout.world_size)}
 
     def shutdown(self) -> None:
         """Rank 0: stop the workers and leave the process group (also run at exit)."""
