@@ -86,9 +86,10 @@ def gradients_or_none(
     """Reverse-mode gradient graphs of `output_node` w.r.t. `nodes` (None where no path leads).
 
     `output_grad` seeds the backward pass (default: ones shaped like the output). Only nodes on a path
-    from `output_node` down to one of `nodes` get gradient nodes.
+    from `output_node` down to one of `nodes` get gradient nodes. Entries an op's `gradient` returns as
+    `zeros_like(...)` nodes (no gradient flows there) are structural zeros: they are not added up.
     """
-    from .ops import ones_like
+    from .ops import ones_like, zeros_like
 
     order = topological_sort([output_node])
     wanted = set(nodes)
@@ -111,7 +112,7 @@ def gradients_or_none(
             raise RuntimeError(f"{node.op.name}.gradient returned {len(input_grads)} gradients "
                                f"for {len(node.inputs)} inputs")
         for inp, g in zip(node.inputs, input_grads):
-            if g is not None and inp in on_path:
+            if g is not None and g.op is not zeros_like and inp in on_path:
                 partials.setdefault(inp, []).append(g)
     return [total_grad.get(n) for n in nodes]
 
@@ -143,13 +144,16 @@ def substitute(roots: Sequence[Node], mapping: Mapping[Node, Node], stop: set[No
     return [new.get(r, r) for r in roots]
 
 
-def composite_gradient(node: Node, output_grad: Node, composite) -> list[Node | None]:
+def composite_gradient(node: Node, output_grad: Node, composite) -> list[Node]:
     """The gradient of `node` derived from `composite(*placeholders)`, a definition of the same function
-    from primitive ops. Fast backward ops use this for their own (second-order) gradient."""
+    from primitive ops. Fast backward ops use this for their own (second-order) gradient. Inputs the
+    composite does not depend on get `zeros_like(input)`."""
+    from .ops import zeros_like
+
     holders = [Variable(f"{node.name}.in{i}") for i in range(len(node.inputs))]
     expr = composite(*holders)
     grads = gradients_or_none(expr, holders, output_grad=output_grad)
     mapping = dict(zip(holders, node.inputs))
     live = [g for g in grads if g is not None]
     copies = iter(substitute(live, mapping, stop={output_grad}))
-    return [None if g is None else next(copies) for g in grads]
+    return [zeros_like(inp) if g is None else next(copies) for g, inp in zip(grads, node.inputs)]

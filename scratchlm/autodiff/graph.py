@@ -43,6 +43,19 @@ class Node:
     # Identity semantics: nodes are dictionary keys (no __eq__ override, as in CSE234 PA1).
     __hash__ = object.__hash__
 
+    def __getattr__(self, attr_name: str) -> Any:
+        """PA1's attribute forwarding: `node.constant` is `node.attrs["constant"]` (only called when normal
+        lookup fails). A missing name raises `NodeAttributeError`, an AttributeError (so `hasattr` works) that
+        is also a KeyError (what PA1's Node raises)."""
+        if attr_name.startswith("__") or attr_name in Node.__slots__:  # copy/pickle probes, half-built nodes
+            raise AttributeError(attr_name)
+        attrs = object.__getattribute__(self, "attrs")
+        if attr_name in attrs:
+            return attrs[attr_name]
+        raise NodeAttributeError(
+            f"node {object.__getattribute__(self, 'name')!r} has no attribute {attr_name!r} "
+            f"(its attrs: {sorted(attrs)})", name=attr_name, obj=self)
+
     def __repr__(self) -> str:
         return self.name
 
@@ -112,6 +125,13 @@ class Node:
         return ops.matmul(self, other)
 
 
+class NodeAttributeError(AttributeError, KeyError):
+    """A name that is neither a Node attribute nor a key of its `attrs`."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def _scalar(x: Any, symbol: str) -> float:
     if not _is_scalar(x):
         hint = "; feed tensors through a Variable or ad.constant" if isinstance(x, torch.Tensor) else ""
@@ -123,7 +143,9 @@ class Op:
     """Base class of all ops. Subclasses implement `__call__` (build a node), `compute` and `gradient`.
 
     `compute(node, input_values)` returns the node's value from its inputs' values (torch tensors).
-    `gradient(node, output_grad)` returns one gradient node per input (None: no gradient flows there).
+    `gradient(node, output_grad)` returns one gradient node per input, as PA1 does: a `zeros_like(input)` node
+    where no gradient flows (integer ids, shape-only inputs, piecewise-constant ops). `gradients` recognises
+    those as structural zeros and adds nothing for them.
     """
 
     name = "op"
@@ -134,7 +156,7 @@ class Op:
     def compute(self, node: Node, input_values: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__}.compute")
 
-    def gradient(self, node: Node, output_grad: Node) -> list[Node | None]:
+    def gradient(self, node: Node, output_grad: Node) -> list[Node]:
         raise NotImplementedError(f"{type(self).__name__}.gradient")
 
     def __repr__(self) -> str:
@@ -146,24 +168,31 @@ class PlaceholderOp(Op):
 
     name = "placeholder"
 
-    def __call__(self, name: str) -> Node:
-        return Node([], self, {}, name)
+    def __call__(self, name: str) -> Variable:
+        return Variable(name)
 
     def compute(self, node: Node, input_values: list[torch.Tensor]) -> torch.Tensor:
         raise KeyError(f"Variable {node.name!r} has no value: feed it to Evaluator.run")
 
-    def gradient(self, node: Node, output_grad: Node) -> list[Node | None]:
+    def gradient(self, node: Node, output_grad: Node) -> list[Node]:
         return []
 
 
 placeholder = PlaceholderOp()
 
 
-def Variable(name: str) -> Node:  # noqa: N802 (the PA1 spelling)
-    """A leaf node whose value is fed at run time: `x = ad.Variable("x")`."""
-    if not isinstance(name, str):
-        raise TypeError(f"Variable name must be a str, got {type(name).__name__}")
-    return placeholder(name)
+class Variable(Node):
+    """A leaf node whose value is fed at run time: `x = ad.Variable("x")` or `ad.Variable(name="x")`.
+
+    A class, as in PA1, so `isinstance(node, Variable)` tells graph inputs apart; its op is `placeholder`.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"Variable name must be a str, got {type(name).__name__}")
+        super().__init__([], placeholder, {}, name)
 
 
 def topological_sort(nodes: Node | Iterable[Node], stop: frozenset[Node] | set[Node] = frozenset()) -> list[Node]:

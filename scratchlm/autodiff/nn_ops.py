@@ -22,6 +22,7 @@ from .ops import (
     sub,
     sum_op,
     sum_to,
+    zeros_like,
 )
 
 
@@ -121,7 +122,7 @@ class OneHotLikeOp(Op):
         return torch.nn.functional.one_hot(t, like.shape[-1]).to(like.dtype)
 
     def gradient(self, node, output_grad):
-        return [None, None]
+        return [zeros_like(node.inputs[0]), zeros_like(node.inputs[1])]
 
 
 def _check_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -150,7 +151,7 @@ class CrossEntropyOp(Op):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, v), targets.reshape(-1).long())
 
     def gradient(self, node, output_grad):
-        return [cross_entropy_grad(node.inputs[0], node.inputs[1], output_grad), None]
+        return [cross_entropy_grad(node.inputs[0], node.inputs[1], output_grad), zeros_like(node.inputs[1])]
 
 
 class CrossEntropyGradOp(Op):
@@ -189,7 +190,7 @@ class _TimesClassesOp(Op):
         return input_values[0] * input_values[1].shape[-1]
 
     def gradient(self, node, output_grad):
-        return [mul_by_const_like_classes(output_grad, node.inputs[1]), None]
+        return [mul_by_const_like_classes(output_grad, node.inputs[1]), zeros_like(node.inputs[1])]
 
 
 
@@ -272,7 +273,7 @@ class EmbeddingOp(Op):
 
     def gradient(self, node, output_grad):
         weight, ids = node.inputs
-        return [embedding_grad(output_grad, ids, weight), None]
+        return [embedding_grad(output_grad, ids, weight), zeros_like(ids)]
 
 
 class EmbeddingGradOp(Op):
@@ -291,7 +292,8 @@ class EmbeddingGradOp(Op):
 
     def gradient(self, node, output_grad):
         _, ids, _ = node.inputs
-        return [embedding(output_grad, ids), None, None]  # scatter-add is linear in g; its adjoint is gather
+        # scatter-add is linear in g; its adjoint is a gather
+        return [embedding(output_grad, ids), zeros_like(ids), zeros_like(node.inputs[2])]
 
 
 # ----------------------------------------------------------------------------------------------- rmsnorm

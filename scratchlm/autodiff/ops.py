@@ -227,7 +227,7 @@ class ReshapeAsOp(Op):
         return input_values[0].reshape(input_values[1].shape)
 
     def gradient(self, node, output_grad):
-        return [reshape_as(output_grad, node.inputs[0]), None]
+        return [reshape_as(output_grad, node.inputs[0]), zeros_like(node.inputs[1])]
 
 
 class SumToOp(Op):
@@ -242,7 +242,7 @@ class SumToOp(Op):
         return sum_to_shape(input_values[0], input_values[1].shape)
 
     def gradient(self, node, output_grad):
-        return [expand_as(output_grad, node.inputs[0]), None]
+        return [expand_as(output_grad, node.inputs[0]), zeros_like(node.inputs[1])]
 
 
 class ExpandAsOp(Op):
@@ -277,7 +277,17 @@ class ExpandAsOp(Op):
             g = sum_to(output_grad, a)
         if attrs["mean"]:
             g = _scale_like(g, a, like)
-        return [g, None]
+        return [g, zeros_like(like)]
+
+
+class ExpandAsOp3d(ExpandAsOp):
+    """PA1's expand_as_3d(a, like): `a` (B, D) unsqueezed at dim 1 and broadcast to `like` (B, T, D)."""
+
+    name = "expand_as_3d"
+
+    def __call__(self, a: Node, like: Node) -> Node:
+        attrs = {"dims": (1,), "mean": False, "reduced": True}
+        return Node([a, like], self, attrs, _name("expand_as_3d", a, like))
 
 
 class _ScaleByRatioOp(Op):
@@ -294,7 +304,7 @@ class _ScaleByRatioOp(Op):
 
     def gradient(self, node, output_grad):
         _, small, big = node.inputs
-        return [_scale_like(output_grad, small, big), None, None]
+        return [_scale_like(output_grad, small, big), zeros_like(small), zeros_like(big)]
 
 
 def _scale_like(x: Node, small: Node, big: Node) -> Node:
@@ -321,7 +331,7 @@ class BroadcastOp(Op):
 
 
 # ----------------------------------------------------------------------------------------------- element-wise
-class ReluOp(Op):
+class ReLUOp(Op):
     name = "relu"
 
     def __call__(self, a: Node) -> Node:
@@ -359,7 +369,7 @@ class PowerOp(Op):
     def gradient(self, node, output_grad):
         p = node.attrs["exponent"]
         if p == 0:
-            return [None]
+            return [zeros_like(node.inputs[0])]
         inner = node.inputs[0] if p == 2 else power(node.inputs[0], p - 1)
         return [mul(output_grad, mul_by_const(inner, p))]
 
@@ -390,8 +400,8 @@ class LogOp(Op):
         return [div(output_grad, node.inputs[0])]
 
 
-class GreaterOp(Op):
-    """1.0 where a > b else 0.0 (in a's dtype); `b` is a node or a scalar. Gradient: zero."""
+class GreaterThanOp(Op):
+    """1.0 where a > b else 0.0 (in a's dtype); `b` is a node (as in PA1) or a scalar. Gradient: zero."""
 
     name = "greater"
 
@@ -405,7 +415,7 @@ class GreaterOp(Op):
         return (input_values[0] > b).to(input_values[0].dtype)
 
     def gradient(self, node, output_grad):
-        return [None] * len(node.inputs)
+        return [zeros_like(inp) for inp in node.inputs]
 
 
 class ZerosLikeOp(Op):
@@ -418,7 +428,7 @@ class ZerosLikeOp(Op):
         return torch.zeros_like(input_values[0])
 
     def gradient(self, node, output_grad):
-        return [None]
+        return [zeros_like(node.inputs[0])]
 
 
 class OnesLikeOp(Op):
@@ -431,7 +441,7 @@ class OnesLikeOp(Op):
         return torch.ones_like(input_values[0])
 
     def gradient(self, node, output_grad):
-        return [None]
+        return [zeros_like(node.inputs[0])]
 
 
 class ConstantOp(Op):
@@ -633,13 +643,14 @@ reshape = ReshapeOp()
 reshape_as = ReshapeAsOp()
 sum_to = SumToOp()
 expand_as = ExpandAsOp()
+expand_as_3d = ExpandAsOp3d()
 broadcast = BroadcastOp()
-relu = ReluOp()
+relu = ReLUOp()
 sqrt = SqrtOp()
 power = PowerOp()
 exp = ExpOp()
 log = LogOp()
-greater = GreaterOp()
+greater = GreaterThanOp()
 zeros_like = ZerosLikeOp()
 ones_like = OnesLikeOp()
 constant = ConstantOp()
@@ -651,3 +662,6 @@ softmax = SoftmaxOp()
 softmax_grad = SoftmaxGradOp()
 layernorm = LayerNormOp()
 layernorm_grad = LayerNormGradOp()
+
+ReluOp = ReLUOp  # earlier spellings
+GreaterOp = GreaterThanOp
