@@ -29,6 +29,7 @@ the same numbers (the chunks are independent rows).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -177,13 +178,16 @@ class TriangleAttention(nn.Module):
         """LayerNormed rows x (B, R, N, c) -> their bias rows (B, H, R, N)."""
         return self.linear(x).permute(0, 3, 1, 2)
 
-    def attend(self, x: Tensor, bias: Tensor, mask: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """Rows x (B, R, N, c) LayerNormed, bias (B, H, N, N) over the whole pair, mask (B, R, N) -> (B, R, N, c)."""
+    def attend(self, x: Tensor, bias: Tensor | Callable[[], Tensor], mask: Tensor,
+               chunk_rows: int | None = None) -> Tensor:
+        """Rows x (B, R, N, c) LayerNormed, bias (B, H, N, N) over the whole pair, mask (B, R, N) -> (B, R, N, c).
+
+        `bias` may be a callable returning it (an async all-gather's wait), called after the first q k^T."""
         bsz, r, n, _ = x.shape
         h, d = self.heads, self.head_dim
         out = torch.empty_like(x)
         scale = 1.0 / math.sqrt(d)
-        bias5 = bias.unsqueeze(1)  # (B, 1, H, N, N)
+        bias5 = None
         for i0, i1 in _row_chunks(r, chunk_rows):
             rr = i1 - i0
             qkvg = self.qkvg(x[:, i0:i1]).view(bsz, rr, n, 4, h, d)  # (B, r, N, 4, H, D)
@@ -191,6 +195,8 @@ class TriangleAttention(nn.Module):
             k = qkvg[..., 1, :, :].transpose(2, 3)
             v = qkvg[..., 2, :, :].transpose(2, 3)
             logits = torch.matmul(q, k.transpose(-1, -2))  # (B, r, H, N, N)
+            if bias5 is None:
+                bias5 = (bias() if callable(bias) else bias).unsqueeze(1)  # (B, 1, H, N, N)
             logits += bias5
             logits += (mask[:, i0:i1, None, None, :] - 1.0) * TRI_INF
             attn = torch.softmax(logits, dim=-1)
@@ -264,11 +270,11 @@ class PairformerBlock(nn.Module):
     def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
                 chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
         """s (B, N, c_s), z (B, N, N, c_z), mask (B, N), pair_mask (B, N, N) (floats in {0, 1})."""
-        z = z + self.tri_mul_out(z, pair_mask, chunk_rows)
-        z = z + self.tri_mul_in(z, pair_mask, chunk_rows)
-        z = z + self.tri_att_start(z, pair_mask, chunk_rows)
-        z = z + self.tri_att_end(z, pair_mask, chunk_rows)
-        z = z + self.transition_z(z, chunk_rows)
+        z = z + self.tri_mul_out(z, pair_mask, chunk_rows)  # a new tensor: the caller's z is left alone
+        z += self.tri_mul_in(z, pair_mask, chunk_rows)  # then in place: one pair tensor less at the peak
+        z += self.tri_att_start(z, pair_mask, chunk_rows)
+        z += self.tri_att_end(z, pair_mask, chunk_rows)
+        z += self.transition_z(z, chunk_rows)
         s_normed = self.pre_norm_s(s)
         s = s + self.attention(s_normed, self.attention.pair_bias(z), mask)
         s = s + self.transition_s(s)
