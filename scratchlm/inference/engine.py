@@ -3,6 +3,13 @@
 One step is three lines, as in nano-vllm: `schedule()` -> `run()` -> `postprocess()`.
 The engine owns no global state: the scheduler, block manager, KV cache and runner are its fields.
 It is not thread-safe: one loop owns it (the server's background loop, or `LLM.generate`).
+
+Isolation: a failure while sampling, detokenizing or stop-checking one request finishes that request
+alone, with `RequestOutput.error` set and finish reason "error"; the rest of the batch goes on. The
+sampler runs batched; when the batched call raises, each row is sampled on its own to find the
+culprit(s) (greedy rows get the same token either way; a seeded row sampled before the failure may
+draw a different, equally valid, sample that step). A failure of the forward pass itself still
+fails the whole step (the caller, e.g. the server's engine loop, fails the requests in flight).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     aborted: bool = False
+    error: str | None = None  # why the engine failed this request alone (sampling, detokenizing, stop check)
 
     @property
     def finished(self) -> bool:
@@ -154,6 +162,13 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        vocab = self.model_config.vocab_size
+        if params.top_k is not None and params.top_k > vocab:
+            raise ValueError(f"SamplingParams.top_k: got {params.top_k}, expected -1/0 (off) or an integer in "
+                             f"[1, {vocab}] (the vocabulary size)")
+        if params.n > self.config.max_num_seqs:  # every sample is a running sequence (it could never be scheduled)
+            raise ValueError(f"SamplingParams.n: got {params.n}, expected at most max_num_seqs="
+                             f"{self.config.max_num_seqs} (each sample is one running sequence)")
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -172,6 +187,7 @@ class LLMEngine:
                 seq_id=self._new_seq_id(), request_id=request_id, index=i, params=params, prompt_ids=list(ids),
                 arrival=self._next_seq_id, generator=self._generator(params, i),
             ))
+        req.seqs[0].pending_forks = params.n - 1  # the scheduler reserves their slots with sample 0's
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self._prompt_tokens_total += len(ids)
@@ -185,15 +201,27 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._finish_all(req, "abort")
+        req.aborted = True
+        self._aborted.append(req)
+
+    def _finish_all(self, req: Request, reason: str) -> None:
+        """Finish every unfinished sample of `req` with `reason`, freeing its blocks."""
         for seq in req.seqs:
             if not seq.is_finished:
                 if seq.status is SequenceStatus.WAITING and seq not in self.scheduler.waiting:
                     seq.status = SequenceStatus.FINISHED  # a fork that never started
-                    seq.finish_reason = "abort"
+                    seq.finish_reason = reason
                 else:
-                    self.scheduler.finish(seq, "abort")
-        req.aborted = True
-        self._aborted.append(req)
+                    self.scheduler.finish(seq, reason)
+            seq.pending_forks = 0
+
+    def _fail_request(self, req: Request, error: BaseException | str) -> None:
+        """Isolation: finish `req` alone with an error; the rest of the batch is untouched."""
+        if req.error is None:
+            req.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            log.error("request %s failed in the engine (the others continue): %s", req.request_id, req.error)
+        self._finish_all(req, "error")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -245,26 +273,65 @@ class LLMEngine:
                     targets.append((s, req))
             if targets:
                 index = torch.tensor(logit_rows, device=logits.device)
-                result_ = self.sampler(logits.index_select(0, index), sample_rows)
+                token_ids, row_logprobs = self._sample(logits.index_select(0, index), sample_rows, targets)
                 for seq, req in targets:  # forks first, while sample 0 surely still holds its blocks
-                    if seq.index > 0 and not req.forked:
-                        self._fork(req.seqs[0], seq)
+                    if seq.index > 0 and not req.forked and req.error is None:
+                        try:
+                            self._fork(req.seqs[0], seq)
+                        except Exception as e:
+                            self._fail_request(req, e)
                 for i, (seq, req) in enumerate(targets):
-                    seq.append_token(result_.token_ids[i])
-                    if result_.logprobs is not None and seq.logprobs is not None:
-                        seq.logprobs.append(result_.logprobs[i])
-                    self._generation_tokens_total += 1
-                    self._check_stop(seq)
                     progressed[req.request_id] = req
-                for _, req in targets:
-                    if req.params.n > 1:
+                    if req.error is not None:
+                        continue
+                    try:
+                        seq.append_token(token_ids[i])
+                        if row_logprobs is not None and seq.logprobs is not None:
+                            seq.logprobs.append(row_logprobs[i])
+                        self._generation_tokens_total += 1
+                        self._check_stop(seq)
+                    except Exception as e:  # detokenizing or stop-checking this one request failed
+                        self._fail_request(req, e)
+                for seq, req in targets:
+                    if req.params.n > 1 and seq.index == 0:
                         req.forked = True
+                        seq.pending_forks = 0
         outputs = []
         for req in progressed.values():
-            outputs.append(self._request_output(req))
+            try:
+                out = self._request_output(req)
+            except Exception as e:
+                self._fail_request(req, e)
+                out = self._request_output(req)
+            outputs.append(out)
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], targets: list[tuple[Sequence, Request]]
+                ) -> tuple[list[int | None], list[dict[int, float] | None] | None]:
+        """Batched sampling; when it raises, sample each row alone and fail only the requests whose rows raise."""
+        try:
+            result = self.sampler(logits, rows)
+            return list(result.token_ids), result.logprobs
+        except Exception:
+            log.warning("batched sampling of %d rows failed; sampling row by row to isolate the culprit", len(rows))
+        token_ids: list[int | None] = []
+        logprobs: list[dict[int, float] | None] = []
+        for i, ((_, req), row) in enumerate(zip(targets, rows)):
+            if req.error is not None:
+                token_ids.append(None)
+                logprobs.append(None)
+                continue
+            try:
+                one = self.sampler(logits[i : i + 1], [row])
+                token_ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0] if one.logprobs is not None else None)
+            except Exception as e:
+                self._fail_request(req, e)
+                token_ids.append(None)
+                logprobs.append(None)
+        return token_ids, logprobs
 
     # --- helpers -------------------------------------------------------------------------------------
     def _new_seq_id(self) -> int:
@@ -285,7 +352,7 @@ class LLMEngine:
         if len(seq.output_ids) < p.min_tokens:
             eos = getattr(self.tokenizer, "eos_id", None)
             banned = list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
-        return SamplingRow(p, seq.generator, seq.prompt_ids, seq.output_ids, banned)
+        return SamplingRow(p, seq.generator, seq.prompt_ids, seq.output_ids, banned, request_id=seq.request_id)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's computed prompt: full blocks shared, the partial last block copied."""
@@ -373,7 +440,7 @@ class LLMEngine:
             )
             for s in req.seqs
         ]
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished, error=req.error)
 
     # --- introspection -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
@@ -28,6 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    error: str | None = None  # set when the engine failed this request alone (it is then finished)
 
 
 @dataclass

@@ -4,25 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Bounds shared by the offline API and the HTTP server (docs/server.md, "Limits and guarantees").
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01  # 1/0.01 = 100x on a logit stays finite in float32; smaller ones overflowed
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # the engine also rejects top_k above the vocabulary size
+SEED_RANGE = (-(2**63), 2**64)  # any signed or unsigned 64-bit integer
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
+MAX_STOP_CHARS = 256  # per stop string; also the longest text held back while streaming
+MAX_STOP_TOKEN_IDS = 256
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options. Invalid values raise a `ValueError` at construction.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
-    top_k: keep the k most likely tokens (None or 0 or -1 = all).
+    temperature: in [0, 100]; below 1e-5 means greedy (argmax, as vLLM); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (None or 0 or -1 = all; the engine rejects k above its vocabulary).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; the boundary token is kept.
     min_p: drop tokens whose probability is below min_p * (probability of the most likely token).
-    seed: seeds this request's own generator, so its samples do not depend on the rest of the batch.
+    seed: seeds this request's own generator, so its samples do not depend on the rest of the batch
+        (any 64-bit integer, signed or unsigned).
     max_tokens: the most tokens to generate (None = up to the engine's max_model_len).
     min_tokens: EOS, stop_token_ids and stop strings are ignored before this many tokens.
-    stop: strings that end the generation; removed from the text unless include_stop_str_in_output.
-    stop_token_ids: token ids that end the generation (kept in token_ids, like EOS).
+    stop: strings that end the generation; removed from the text unless include_stop_str_in_output
+        (at most 16 strings of at most 256 characters).
+    stop_token_ids: token ids that end the generation (kept in token_ids, like EOS; at most 256).
     ignore_eos: keep generating past the tokenizer's EOS.
     n: number of samples for the prompt; they share the prompt's KV blocks.
     logprobs: None, or the number of top alternatives to return next to each sampled token's logprob.
     presence_penalty / frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
-    repetition_penalty: HF semantics (> 0; 1 = off), over prompt and generated tokens.
+    repetition_penalty: HF semantics, in [0.01, 10] (1 = off), over prompt and generated tokens.
     """
 
     temperature: float = 1.0
@@ -60,18 +75,21 @@ class SamplingParams:
                 raise bad(name, "an integer" + (" or None" if allow_none else ""))
             return v
 
-        if not 0.0 <= number("temperature") <= 100.0:
-            raise bad("temperature", "a number in [0, 100] (0 = greedy)")
+        if not 0.0 <= number("temperature") <= MAX_TEMPERATURE:
+            raise bad("temperature",
+                      f"a number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW_TEMPERATURE:g} = greedy)")
         top_k = integer("top_k", True)
-        if top_k is not None and top_k < -1:
-            raise bad("top_k", "None, -1 or 0 (all tokens), or a positive integer")
+        if top_k is not None and not -1 <= top_k <= MAX_TOP_K:
+            raise bad("top_k", f"None, -1 or 0 (all tokens), or an integer in [1, {MAX_TOP_K}]")
         if top_k is not None and top_k <= 0:
             self.top_k = None
         if not 0.0 < number("top_p") <= 1.0:
             raise bad("top_p", "a number in (0, 1]")
         if not 0.0 <= number("min_p") <= 1.0:
             raise bad("min_p", "a number in [0, 1]")
-        integer("seed", True)
+        seed = integer("seed", True)
+        if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise bad("seed", "None or a 64-bit integer in [-2**63, 2**64)")
         max_tokens = integer("max_tokens", True)
         if max_tokens is not None and max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1 or None")
@@ -85,6 +103,12 @@ class SamplingParams:
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "None, a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop: got {len(self.stop)} strings, expected at most {MAX_STOP_STRINGS}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"SamplingParams.stop: got a string of {longest} characters, expected at most "
+                             f"{MAX_STOP_CHARS}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
@@ -92,25 +116,29 @@ class SamplingParams:
         ):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids: got {len(self.stop_token_ids)} ids, expected at most "
+                             f"{MAX_STOP_TOKEN_IDS}")
         n = integer("n", False)
         if n < 1:
             raise bad("n", "an integer >= 1")
         logprobs = integer("logprobs", True)
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise bad("logprobs", "None or an integer in [0, 20]")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= number(name) <= 2.0:
-                raise bad(name, "a number in [-2, 2]")
-        if not 0.0 < number("repetition_penalty") <= 10.0:
-            raise bad("repetition_penalty", "a number in (0, 10] (1 = off)")
+            if not -MAX_PENALTY <= number(name) <= MAX_PENALTY:
+                raise bad(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty",
+                      f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
 
     @property
     def greedy(self) -> bool:
-        """Whether this request takes the argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """Whether this request takes the argmax (temperature below 1e-5, as vLLM)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -5,6 +5,12 @@ logits, the min_tokens mask, temperature, then top-k, top-p and min-p filtering.
 its Hugging Face counterpart on the same logits (tests/inference/test_sampler.py). Sampling uses the
 exponential race (argmax p_i / E_i with E_i ~ Exp(1)) drawn from the request's own generator, so a
 seeded request gives the same tokens whatever else is in the batch.
+
+Numerics: everything runs in float32 on bounded parameters (`SamplingParams` bounds temperature,
+penalties and top_k); logits are shifted by their row maximum before the temperature divides them,
+so a small temperature sends the tail to -inf instead of the head to +inf, and a row whose
+penalties still produced NaN or +inf is repaired (NaN -> -inf, +inf -> the float32 maximum) rather than
+sampled as junk.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()  # tokens masked out (EOS / stop ids while below min_tokens)
+    request_id: str | None = None  # whose row this is (logging, fault injection in tests)
 
 
 @dataclass
@@ -46,6 +53,11 @@ def apply_presence_frequency(
 ) -> torch.Tensor:
     """OpenAI semantics: logit - frequency * count - presence * (count > 0), counts of generated tokens."""
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf and +inf -> the dtype's maximum, so softmax and argmax stay meaningful."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -88,7 +100,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
 
         if any(p.has_penalties for p in params):
-            logits = self._penalize(logits, rows)
+            logits = _finite(self._penalize(logits, rows))
         banned = [(i, list(r.banned_ids)) for i, r in enumerate(rows) if r.banned_ids]
         if banned:
             logits = logits.clone()
@@ -99,11 +111,13 @@ class Sampler:
         if all(greedy):
             token_ids = logits.argmax(dim=-1).tolist()
         else:
-            temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-            scaled = logits / temp[:, None]
+            temp = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+            # shift by the row max first: (l - max) / t <= 0, so a tiny t cannot overflow to +inf
+            scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temp[:, None]
+            scaled = _finite(scaled)
             vocab = logits.shape[-1]
             if any(p.top_k is not None for p in params):
-                k = torch.tensor([p.top_k or vocab for p in params], device=device)
+                k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
                 scaled = apply_top_k(scaled, k)
             if any(p.top_p < 1.0 for p in params):
                 scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))

@@ -9,7 +9,9 @@ step feeds each scheduled sequence some of its uncomputed tokens, within a token
    When the pool has no block for one, the newest running sequence is *preempted by recompute*:
    its blocks are freed and it returns to the front of the waiting queue; later it recomputes its
    prompt + output (mostly from the prefix cache) and continues with the same tokens.
-2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks last. A new
+2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks last (a
+   sequence whose request has n > 1 samples takes n slots: its n - 1 forks join the running batch
+   without passing through the waiting queue, so their slots are reserved when it is admitted). A new
    sequence first takes the cached blocks of its prefix; a fully cached prompt still computes its
    last block, so that the last token has logits to sample (and cached blocks are never written).
 """
@@ -136,7 +138,8 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            slots = len(self.running) + sum(s.pending_forks for s in self.running)  # forks to come count now
+            while self.waiting and budget > 0 and slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
                 seq = self.waiting[0]
                 cached, hashes = [], []
                 if not seq.block_table:
@@ -157,6 +160,7 @@ class Scheduler:
                     seq.block_table.extend(self.blocks.allocate(need))
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                slots += 1 + seq.pending_forks
                 prefills.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
 

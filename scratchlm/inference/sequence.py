@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    pending_forks: int = 0  # samples 1..n-1 that fork from this one: the scheduler reserves their slots
     # Detokenization state (see engine._detokenize)
     text: str = ""
     prefix_offset: int = 0

@@ -9,12 +9,14 @@ and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scratchlm.server.config import ServerConfig
-from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestStream, TimedOutput
+from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
     ChatChoiceLogprobs,
@@ -77,6 +80,9 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    # a message may quote the client's input: lone surrogates would make the UTF-8 body itself fail (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(dump(body), status_code=status, headers=headers)
 
@@ -85,7 +91,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 class GuardMiddleware:
-    """Pure ASGI: body size limit, strict UTF-8 bodies and the Bearer API key, before any route runs.
+    """Pure ASGI: the Host check (DNS rebinding), the Bearer API key, the body size limit and strict UTF-8
+    bodies, before any route runs. It sits inside the CORS middleware, so its 401/403/413 carry CORS headers.
 
     The body is read whole (at most ``max_body_bytes`` + 1 bytes) and replayed to the app.
     """
@@ -93,25 +100,39 @@ class GuardMiddleware:
     def __init__(self, app: Any, config: ServerConfig):
         self.app = app
         self.config = config
-        self.api_key = config.api_key
+        self.api_key = None if config.api_key is None else config.api_key.encode("utf-8")
+
+    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
+        """`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235), the key compared in constant time."""
+        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if self.api_key is not None and path.startswith(PROTECTED_PREFIXES) and scope["method"] != "OPTIONS":
-            headers = dict(scope["headers"])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
-                await error_response(401, "Invalid or missing API key: send the header `Authorization: Bearer KEY`.",
-                                     "authentication_error", code="invalid_api_key")(scope, receive, send)
-                return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host")
+        if not self.config.host_allowed(None if host is None else host.decode("latin-1")):
+            shown = host.decode("latin-1")[:100]
+            accepted = ("loopback names" if self.config.allowed_hosts is None
+                        else ", ".join(self.config.allowed_hosts))
+            await error_response(403, f"Host header {shown!r} is not allowed: this server (bound to "
+                                      f"{self.config.host}) accepts only {accepted} (DNS-rebinding guard); "
+                                      "start it with --allowed-hosts NAME to accept another.",
+                                 "permission_error", code="host_not_allowed")(scope, receive, send)
+            return
+        if (self.api_key is not None and path.startswith(PROTECTED_PREFIXES) and scope["method"] != "OPTIONS"
+                and not self._key_ok(headers)):
+            await error_response(401, "Invalid or missing API key: send the header `Authorization: Bearer KEY`.",
+                                 "authentication_error", code="invalid_api_key")(scope, receive, send)
+            return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         limit = self.config.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._too_large(int(declared), scope, receive, send)
             return
@@ -165,8 +186,11 @@ class ServerState:
     sampling_params_cls: type
     metrics: ServerMetrics
     max_model_len: int
-    capacity: int  # running batch + queue: beyond it, 429
-    active: int = 0
+    capacity: int  # sequences (every sample of every prompt) in the running batch + queue: beyond it, 429
+    max_prompt_chars: int  # no text longer than this can tokenize to fewer than max_model_len tokens
+    tokenize_pool: ThreadPoolExecutor  # tokenization and chat templates run here, off the event loop
+    active: int = 0  # requests in flight
+    active_seqs: int = 0  # their sequences (prompts x n): what admission counts
     started: float = field(default_factory=time.time)
 
     @property
@@ -202,7 +226,10 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
         max_model_len=int(getattr(engine, "max_model_len", None) or engine_config.max_model_len
                           or engine.model_config.max_seq_len),
         capacity=int(engine_config.max_num_seqs) + config.max_queue,
+        max_prompt_chars=0,
+        tokenize_pool=ThreadPoolExecutor(max_workers=2, thread_name_prefix="scratchlm-tokenize"),
     )
+    state.max_prompt_chars = state.max_model_len * max_chars_per_token(engine.tokenizer)
 
     from contextlib import asynccontextmanager
 
@@ -215,19 +242,39 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
             yield
         finally:
             state.loop.stop()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="scratchlm OpenAI-compatible server", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat on a scratchlm engine.")
     app.state.server = state
     _install_error_handlers(app)
     _install_routes(app, state)
-    if config.cors_origins:
+    from scratchlm.server import inspector
+
+    inspector.install(app, state)  # GET /inspector: the live engine page (server/inspector.py)
+    app.add_middleware(GuardMiddleware, config=config)
+    if config.cors_origins:  # added last = outermost: the guard's own 401/403/413 get the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(GuardMiddleware, config=config)
     return app
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token of `tokenizer` stands for: the longest single-token decode,
+    + 1 for a leading space a SentencePiece-style decode drops. Text longer than max_model_len x this cannot
+    fit the context, so it is rejected before it is tokenized (tokenizing megabytes takes seconds)."""
+    if tokenizer is None:
+        return 1
+    vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    longest = 1
+    for i in range(vocab):
+        try:
+            longest = max(longest, len(tokenizer.decode([i])))
+        except Exception:  # an id the tokenizer cannot decode alone (reserved, special)
+            continue
+    return longest + 1
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -273,6 +320,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, f"The engine failed this request (the others continue): {exc}",
+                              "internal_server_error", code="engine_request_failed")
+
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, f"The engine is not available: {exc}", "service_unavailable",
@@ -293,18 +345,90 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             "(see GET /v1/models).", "not_found_error", param="model", code="model_not_found")
 
 
-def _prompt_len(state: ServerState, prompt: str | list[int]) -> int:
-    tok = state.tokenizer
-    if isinstance(prompt, list):
-        return len(prompt)
-    ids = tok.encode(prompt)
+def _require_tokenizer(state: ServerState, param: str) -> Any:
+    """The tokenizer, or a 400 saying this model has none (token-id prompts still work)."""
+    if state.tokenizer is None:
+        from scratchlm.model.loading.tokenizers import NO_TOKENIZER
+
+        raise APIError(400, f"`{param}`: {NO_TOKENIZER}.", param=param, code="no_tokenizer")
+    return state.tokenizer
+
+
+def reject_surrogates(value: Any, param: str) -> None:
+    """400 for a lone UTF-16 surrogate (valid JSON, e.g. "\\ud800", but not Unicode text: it cannot be encoded)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"`{param}` holds a lone UTF-16 surrogate (\\u{ord(value[e.start]):04x} at character "
+                                f"{e.start}); send valid Unicode text.", param=param, code="invalid_unicode") from None
+    elif isinstance(value, list | tuple):
+        for v in value:
+            reject_surrogates(v, param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            reject_surrogates(k, param)
+            reject_surrogates(v, param)
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            reject_surrogates(getattr(value, name), param)
+
+
+def _check_request_text(req: Any) -> None:
+    for name in type(req).model_fields:
+        reject_surrogates(getattr(req, name), name)
+
+
+def _check_text_length(state: ServerState, chars: int, param: str) -> None:
+    if chars > state.max_prompt_chars:
+        raise APIError(400, f"The {param} has {chars} characters; this model's maximum context length is "
+                            f"{state.max_model_len} tokens and one token stands for at most "
+                            f"{state.max_prompt_chars // state.max_model_len} characters, so no text longer than "
+                            f"{state.max_prompt_chars} characters can fit; shorten it.", param=param,
+                       code="context_length_exceeded")
+
+
+def _encode_sync(tok: Any, texts: list[str], add_bos: bool) -> list[list[int]]:
+    out = []
     bos = getattr(tok, "bos_id", None)
-    add = getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos)
-    return len(ids) + int(add)
+    for text in texts:
+        ids = list(tok.encode(text))
+        if add_bos and getattr(tok, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+        out.append(ids)
+    return out
+
+
+async def _encode(state: ServerState, texts: list[str], param: str, add_bos: bool = True) -> list[list[int]]:
+    """Token ids of `texts` (BOS added as the engine does), computed in the tokenizer pool, off the event loop;
+    each text is first checked against the longest text that could fit the context."""
+    if not texts:
+        return []
+    tok = _require_tokenizer(state, param)
+    for text in texts:
+        _check_text_length(state, len(text), param)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, _encode_sync, tok, texts, add_bos)
+
+
+async def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The chat template, in the tokenizer pool (the contents' total length is checked first)."""
+    _check_text_length(state, sum(len(m["content"]) for m in messages), "messages")
+
+    def render() -> str:
+        return state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, render)
+    except ValueError as e:  # a template that rejects the conversation (e.g. roles out of order)
+        raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
+
+
+def _vocab_size(state: ServerState) -> int:
+    return int(getattr(state.tokenizer, "vocab_size", None) or state.engine.model_config.vocab_size)
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = int(state.tokenizer.vocab_size)
+    vocab = _vocab_size(state)
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"`{param}` holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param,
@@ -329,9 +453,15 @@ def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | No
 
 
 def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
-    if req.n > state.config.max_n:
-        raise APIError(400, f"n={req.n} is above this server's limit of {state.config.max_n} (--max-n).", param="n",
-                       code="invalid_value")
+    max_num_seqs = int(state.engine.config.max_num_seqs)
+    if req.n > min(state.config.max_n, max_num_seqs):
+        raise APIError(400, f"n={req.n} is above this server's limit of {min(state.config.max_n, max_num_seqs)} "
+                            f"(--max-n {state.config.max_n}, --max-num-seqs {max_num_seqs}: every sample is one "
+                            "running sequence).", param="n", code="invalid_value")
+    vocab = _vocab_size(state)
+    if req.top_k is not None and req.top_k > vocab:
+        raise APIError(400, f"top_k={req.top_k} is above the vocabulary size: expected -1 or 0 (off) or an integer "
+                            f"in [1, {vocab}].", param="top_k", code="invalid_value")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
         raise APIError(400, "`stop` strings must not be empty.", param="stop")
@@ -355,12 +485,13 @@ def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, l
         raise APIError(400, f"Invalid sampling parameters: {e}", code="invalid_value") from e
 
 
-def _admit(state: ServerState, count: int) -> None:
-    if state.active + count > state.capacity:
+def _admit(state: ServerState, seqs: int) -> None:
+    """Admission counts sequences (prompts x n), as the engine's running batch does."""
+    if state.active_seqs + seqs > state.capacity:
         state.metrics.requests_rejected_queue_full += 1
-        raise APIError(429, f"The server is at capacity ({state.active} requests running or queued, limit "
-                            f"{state.capacity}); retry later.", "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(state.config.retry_after_s)})
+        raise APIError(429, f"The server is at capacity ({state.active_seqs} sequences running or queued, this "
+                            f"request adds {seqs}, limit {state.capacity} = max-num-seqs + max-queue); retry later.",
+                       "rate_limit_error", code="queue_full", headers={"Retry-After": str(state.config.retry_after_s)})
 
 
 @dataclass
@@ -381,16 +512,19 @@ async def _start(state: ServerState, prompts: list[str | list[int]], params: Any
     """Submit one engine request per prompt and wait until the engine accepted them all."""
     if not state.loop.alive:
         raise EngineDeadError("the engine loop is not running; see the server log")
-    _admit(state, len(prompts))
+    n = int(getattr(params, "n", 1))
+    _admit(state, len(prompts) * n)
 
     def done() -> None:
         state.active -= 1
+        state.active_seqs -= n
 
     tracked = []
     for i, p in enumerate(prompts):
         stream = state.loop.submit(f"{base_id}-{i}", p, params)
         stream.on_done = done
         state.active += 1
+        state.active_seqs += n
         tracked.append(_Tracked(stream, i))
     try:
         for t in tracked:
@@ -481,6 +615,8 @@ def _usage_so_far(latest: dict[int, Any]) -> UsageInfo:
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
+    if state.tokenizer is None:  # vLLM's spelling (--return-tokens-as-token-ids): the ids survive without text
+        return f"token_id:{token_id}"
     return state.tokenizer.decode([token_id])
 
 
@@ -566,8 +702,9 @@ async def _stream_events(state: ServerState, tracked: list[_Tracked],
         raise
     except Exception as e:  # an engine failure after the headers went out: report it in-band
         log.exception("stream failed")
-        yield _sse(dump(ErrorResponse(error=ErrorInfo(message=f"{type(e).__name__}: {e}",
-                                                          type="internal_server_error"))))
+        code = "engine_request_failed" if isinstance(e, RequestFailedError) else "engine_failed"
+        message = f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace").decode("utf-8")
+        yield _sse(dump(ErrorResponse(error=ErrorInfo(message=message, type="internal_server_error", code=code))))
         yield _sse("[DONE]")
     finally:
         if any(not t.done for t in tracked):
@@ -584,8 +721,6 @@ def _streaming_response(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    tok = state.tokenizer
-
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
         return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
@@ -609,35 +744,33 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> dict:
+        _check_request_text(req)
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Send exactly one of `prompt` (text) or `messages` (chat).", param="prompt")
         if req.messages is not None:
             if not req.messages:
                 raise APIError(400, "`messages` is empty: send at least one message.", param="messages")
-            try:
-                text = state.engine.apply_chat_template(
-                    [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
-            except ValueError as e:
-                raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
+            text = await _render_chat(state, [{"role": m.role, "content": m.text()} for m in req.messages],
+                                      req.add_generation_prompt)
         else:
             text = req.prompt
-        ids = list(tok.encode(text))
-        bos = getattr(tok, "bos_id", None)
-        if req.add_special_tokens and getattr(tok, "add_bos", False) and bos is not None and ids[:1] != [bos]:
-            ids = [bos, *ids]
+        (ids,) = await _encode(state, [text], "messages" if req.messages is not None else "prompt",
+                               add_bos=req.add_special_tokens)
         return dump(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids))
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> dict:
+        _check_request_text(req)
         _check_model(state, req.model)
         _check_token_ids(state, req.tokens, "tokens")
-        return dump(DetokenizeResponse(prompt=tok.decode(req.tokens)))
+        return dump(DetokenizeResponse(prompt=_require_tokenizer(state, "tokens").decode(req.tokens)))
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                          429: {"model": ErrorResponse}})
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        _check_request_text(req)
         _check_model(state, req.model)
         if req.echo:
             raise APIError(400, "`echo` is not supported by this server.", param="echo")
@@ -646,7 +779,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "`best_of` is not supported (only best_of == n).", param="best_of")
         prompts = _normalize_prompts(state, req.prompt)
-        lengths = [_prompt_len(state, p) for p in prompts]
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        for i, ids in zip(texts, await _encode(state, [prompts[i] for i in texts], "prompt")):
+            prompts[i] = ids  # the engine gets token ids: tokenized once, off the event loop
+        lengths = [len(p) for p in prompts]
         max_tokens = min(_resolve_max_tokens(state, n, req.max_tokens) for n in lengths)
         params = _sampling_params(state, req, max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -700,6 +836,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
               responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                          429: {"model": ErrorResponse}})
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        _check_request_text(req)
         _check_model(state, req.model)
         if not req.messages:
             raise APIError(400, "`messages` is empty: send at least one message.", param="messages",
@@ -707,12 +844,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt = state.engine.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from e
+        text = await _render_chat(state, messages, req.add_generation_prompt)
+        (prompt,) = await _encode(state, [text], "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = _resolve_max_tokens(state, _prompt_len(state, prompt), requested)
+        max_tokens = _resolve_max_tokens(state, len(prompt), requested)
         top_n = req.top_logprobs or 0
         params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

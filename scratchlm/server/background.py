@@ -20,8 +20,12 @@ class BackgroundServer:
 
         self.host = host
         self.start_timeout_s = start_timeout_s
+        from scratchlm.server.http import uvicorn_options
+
+        state = getattr(getattr(app, "state", None), "server", None)
+        options = uvicorn_options(state.config) if state is not None else {}  # a scratchlm app: its limits
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=3))
+                                                    timeout_graceful_shutdown=3, **options))
         self.thread: threading.Thread | None = None
         self.port: int | None = None
 

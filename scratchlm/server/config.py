@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
+
+
+def is_loopback(host: str) -> bool:
+    """localhost, *.localhost, 127.0.0.0/8 and ::1 (names a DNS rebinding attack cannot point elsewhere)."""
+    host = host.strip().lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -30,7 +42,40 @@ class ServerConfig:
         default=None, metadata={"help": "origins allowed by CORS (e.g. '*'); CORS is off unless given"}
     )
     retry_after_s: int = field(default=1, metadata={"help": "Retry-After seconds sent with a 429"})
+    allowed_hosts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Host header names accepted (DNS-rebinding guard; '*' = any). Default: when bound to a "
+                  "loopback address, only loopback names (localhost, *.localhost, 127.x.x.x, [::1]); else any"},
+    )
+    header_timeout_s: float = field(
+        default=10.0, metadata={"help": "a connection that has not sent a complete request head within this many "
+                                "seconds (from connecting, or from the previous response) is answered 408 and closed"}
+    )
+    max_header_bytes: int = field(
+        default=16384, metadata={"help": "request line + headers larger than this get 431 (h11's incomplete-event "
+                                 "limit)"}
+    )
+    keep_alive_timeout_s: float = field(
+        default=5.0, metadata={"help": "idle keep-alive connections are closed after this many seconds"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level: debug, info, warning, error"})
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        """The DNS-rebinding guard: whether a request's Host header (``name[:port]``) may be served."""
+        if host_header is None:  # HTTP/1.0 without Host: no browser sends that
+            return True
+        name = host_header.strip().lower()
+        if name.startswith("["):
+            name = name[: name.find("]") + 1] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        allowed = self.allowed_hosts
+        if allowed is None:
+            if not is_loopback(self.host):
+                return True
+            return is_loopback(name.strip("[]"))
+        return "*" in allowed or name in {h.lower() for h in allowed} or name.strip("[]") in {
+            h.lower().strip("[]") for h in allowed}
 
     def __post_init__(self) -> None:
         problems = []
@@ -39,6 +84,13 @@ class ServerConfig:
         for name in ("max_queue", "max_n", "max_prompts", "max_body_bytes", "retry_after_s"):
             if getattr(self, name) < (0 if name in ("max_queue", "retry_after_s") else 1):
                 problems.append(f"{name}={getattr(self, name)} (expected a positive integer)")
+        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} (expected a positive number of seconds)")
+        if self.max_header_bytes < 1024:
+            problems.append(f"max_header_bytes={self.max_header_bytes} (expected at least 1024)")
+        if self.allowed_hosts is not None and not all(isinstance(h, str) and h for h in self.allowed_hosts):
+            problems.append(f"allowed_hosts={self.allowed_hosts!r} (expected host names, or '*')")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             problems.append(f"log_level={self.log_level!r} (expected debug, info, warning, error or critical)")
         if self.api_key is not None and not self.api_key:

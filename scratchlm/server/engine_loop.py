@@ -28,6 +28,11 @@ class EngineDeadError(RuntimeError):
     """The engine raised inside step(); the requests that were in flight are failed with this."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (sampling, detokenizing or stop checking it raised); the others go on.
+    It arrives as a finished RequestOutput whose ``error`` is set, and is raised to that request's handler."""
+
+
 @dataclass
 class TimedOutput:
     """A RequestOutput with the monotonic time at which the engine produced it."""
@@ -66,6 +71,8 @@ class RequestStream:
             self.accepted.set_exception(error)
 
     def _put(self, item: TimedOutput | BaseException) -> None:
+        if isinstance(item, TimedOutput) and getattr(item.output, "error", None):
+            item = RequestFailedError(item.output.error)
         if isinstance(item, BaseException) and not self.accepted.done():
             self.accepted.set_exception(item)  # failed before the engine answered (it died, or shut down)
         self._items.put_nowait(item)

@@ -9,9 +9,23 @@ are extensions (vLLM's names).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from scratchlm.inference.params import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    SEED_RANGE,
+)
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 # ----------------------------------------------------------------------------------------- errors
 
@@ -45,23 +59,28 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(
         None, ge=1, description="tokens to generate at most; default: up to the context length"
     )
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, description="completions per prompt (limit: the server's --max-n)")
-    stop: str | list[str] | None = Field(None, description="up to 4 stop strings, not included in the output")
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    n: int = Field(1, ge=1, description="completions per prompt (limit: the server's --max-n and max-num-seqs)")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters, "
+                          "not included in the output")
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1], description="any 64-bit integer")
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely; -1/0 = off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
+                              description="extension: sample among the k most likely (k <= vocabulary); -1/0 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension: min probability relative to the top")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension: >1 discourages repeats")
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             description="extension: >1 discourages repeats, 1 = off")
     ignore_eos: bool = Field(False, description="extension: keep generating after the end-of-sequence token")
     min_tokens: int = Field(0, ge=0, description="extension: EOS and stops are ignored before this many tokens")
-    stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the generation")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                             description="extension: token ids that end the generation")
     include_stop_str_in_output: bool = Field(False, description="extension: keep the matched stop string")
 
 
@@ -71,10 +90,11 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a prompt, a list of prompts, token ids, or a list of token-id lists"
     )
-    logprobs: int | None = Field(None, ge=0, le=20, description="return the log-probabilities of the top N tokens")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="return the log-probabilities of the top N tokens")
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
 
 
 class TextContentPart(BaseModel):
@@ -102,7 +122,7 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(..., description="the conversation; at least one message")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (newer OpenAI name)")
     add_generation_prompt: bool = Field(True, description="extension: end the prompt with the assistant header")
 

@@ -27,6 +27,14 @@ from scratchlm.inference import SamplingParams
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # overflowed float32 in the sampler
+        ({"top_k": 100000000000000000000}, "top_k"),  # overflowed int64 in the sampler
+        ({"temperature": 1e300}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
     ],
@@ -41,3 +49,16 @@ def test_normalization() -> None:
     assert p.stop == ["###"] and p.top_k is None and p.greedy
     assert SamplingParams(top_k=0).top_k is None
     assert SamplingParams(repetition_penalty=1.2).has_penalties
+
+
+def test_bounds_message_names_the_range() -> None:
+    with pytest.raises(ValueError, match=r"repetition_penalty: got 1e-300, expected a number in \[0.01, 10\]"):
+        SamplingParams(repetition_penalty=1e-300)
+    with pytest.raises(ValueError, match=r"at most 16"):
+        SamplingParams(stop=[str(i) for i in range(10_000)])
+
+
+def test_tiny_temperature_is_greedy_as_vllm() -> None:
+    assert SamplingParams(temperature=1e-39).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)

@@ -140,3 +140,25 @@ def test_greedy_min_tokens_ban_and_logprobs() -> None:
     for t in lp.topk(3).indices.tolist():
         assert entry[t] == pytest.approx(float(lp[t]), abs=1e-6)
     assert res.logprobs[1] is None
+
+
+def test_small_temperature_and_huge_logits_stay_finite() -> None:
+    """(l - max) / t: a temperature just above the greedy threshold on logits of 1e34 picks the argmax (the
+    unshifted l / t overflowed float32 to inf, softmax gave NaN and the race drew a junk token)."""
+    x = torch.full((2, V), 1e34)
+    x[:, 7] = 3e34
+    x[1, 3] = float("-inf")
+    rows = [SamplingRow(SamplingParams(temperature=2e-5, seed=i), torch.Generator().manual_seed(i), [], [])
+            for i in range(2)]
+    assert Sampler()(x, rows).token_ids == [7, 7]
+
+
+def test_extreme_penalties_and_top_k_above_vocab_do_not_break_the_row() -> None:
+    x = logits(9, rows=2) * 1e36  # 1e36 / 0.01 overflows float32: repaired to the float32 maximum
+    p = SamplingParams(temperature=0.5, repetition_penalty=0.01, presence_penalty=-2, seed=1)
+    top = int(x[0].argmax())
+    res = Sampler()(x, [SamplingRow(p, torch.Generator().manual_seed(1), [top], [top]),
+                        SamplingRow(SamplingParams(temperature=1.0, top_k=10**9, seed=2),
+                                    torch.Generator().manual_seed(2), [], [])])
+    assert 0 <= res.token_ids[0] < V and 0 <= res.token_ids[1] < V
+    assert res.token_ids[0] == top  # the penalty of 0.01 < 1 rewards the seen, already largest token
