@@ -65,6 +65,7 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
         outbox.put(("error", f"{type(e).__name__}: {e}", None))
         return
     live: set[str] = set()
+    watching: list = []  # the inspector's listener while it watches (server/inspector.py)
     while True:
         busy = engine.has_unfinished_requests()
         messages = []
@@ -90,6 +91,8 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
                     continue
                 live.add(rid)
                 outbox.put(("accepted", rid, None))
+            elif kind == "inspect":
+                _inspect(engine, outbox, payload[0], watching)
             elif kind == "abort" and payload[0] in live:
                 live.discard(payload[0])
                 engine.abort_request(payload[0])
@@ -115,6 +118,15 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
         outbox.put(("outputs", (outputs, time.monotonic()), engine.stats()))
 
 
+def _inspect(engine: Any, outbox: Any, on: bool, watching: list) -> None:
+    """Start or stop sending the engine's step events to the HTTP process (as dicts, for the inspector)."""
+    while watching:
+        engine.events.unsubscribe(watching.pop())
+    if on:
+        watching.append(lambda event: outbox.put(("event", event.to_dict(), None)))
+        engine.events.subscribe(watching[0])
+
+
 class EngineProcessLoop:
     """Runs the engine of `model` in a child process; same interface as :class:`EngineLoop`."""
 
@@ -138,6 +150,7 @@ class EngineProcessLoop:
         self._reader: threading.Thread | None = None
         self._stopped = False
         self.steps = 0
+        self.on_event: Any = None  # called in the reader thread with each step event (dict) while inspecting
 
     def _get_ready(self, timeout_s: float) -> tuple[str, Any, Any]:
         deadline = time.monotonic() + timeout_s
@@ -191,6 +204,11 @@ class EngineProcessLoop:
     def stats(self) -> Any | None:
         return self._stats
 
+    def inspect(self, on: bool) -> None:
+        """Ask the engine process to start (or stop) sending its step events to `on_event`."""
+        with contextlib.suppress(Exception):
+            self._inbox.put(("inspect", on))
+
     # ------------------------------------------------------------------ reader thread
 
     def _read(self) -> None:
@@ -207,7 +225,10 @@ class EngineProcessLoop:
                 return
             if kind == "stopped":
                 return
-            if kind == "stats":
+            if kind == "event":
+                if self.on_event is not None:
+                    self.on_event(payload)
+            elif kind == "stats":
                 self._stats = payload
             elif kind == "accepted":
                 with self._lock:
