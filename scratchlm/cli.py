@@ -74,6 +74,17 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where it says something: not for None/False defaults, nor where the help
+    text already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def _load(name: str):
     """Import the module of subcommand `name`, or None when its issue has not landed yet."""
     module = SUBCOMMANDS[name].module
@@ -100,7 +111,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
             name,
             help=cmd.summary,
             description=cmd.description,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if name != selected:
             continue

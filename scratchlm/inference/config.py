@@ -73,6 +73,11 @@ class EngineConfig:
     parallel_timeout_s: float = field(
         default=60.0, metadata={"help": "seconds before a TP/PP step collective with a dead or hung rank fails"}
     )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer to use instead of the model's own, or for a model that has none: "
+                                        "a folder with tokenizer.json, a tokenizer.json, a .gguf, a llama2.c "
+                                        "tok*.bin or a scratchlm .pt checkpoint (None = the model's)"}
+    )
     trace: str | None = field(
         default=None, metadata={"help": "write the engine's steps to this file as Chrome trace-event JSON (open in "
                                         "ui.perfetto.dev): one track per stage, per rank under TP/PP/CP"}
@@ -99,6 +104,9 @@ class EngineConfig:
             problems.append(f"pipeline_microbatches={mb!r} must be None or a positive integer")
         if not isinstance(self.parallel_timeout_s, int | float) or not self.parallel_timeout_s > 0:
             problems.append(f"parallel_timeout_s={self.parallel_timeout_s!r} must be a positive number of seconds")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            problems.append(f"tokenizer={self.tokenizer!r} not found (a folder with tokenizer.json, a tokenizer.json, "
+                            "a .gguf, a llama2.c tok*.bin or a scratchlm .pt checkpoint)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         try:

@@ -123,22 +123,31 @@ class LLMEngine:
         with `config.quantization` applied."""
         from scratchlm.defaults import default_model_path
         from scratchlm.inference.quantization import load_model_quantized
+        from scratchlm.model.loading.tokenizers import attach_tokenizer
 
         config = config or EngineConfig()
         path = Path(model_path) if model_path is not None else default_model_path()
         if config.tensor_parallel_size * config.pipeline_parallel_size * config.context_parallel_size > 1:
             from scratchlm.parallel.launch import from_pretrained_parallel
 
-            return from_pretrained_parallel(cls, path, config)
+            engine = from_pretrained_parallel(cls, path, config)
+            engine.tokenizer = attach_tokenizer(engine.tokenizer, path, engine.model_config.vocab_size,
+                                                config.tokenizer)
+            return engine
         quantization = None if config.quantization in (None, "none") else config.quantization
         loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device)
-        return cls(loaded.model, loaded.tokenizer, loaded.config, config)
+        tokenizer = attach_tokenizer(loaded.tokenizer, path, loaded.config.vocab_size, config.tokenizer)
+        return cls(loaded.model, tokenizer, loaded.config, config)
 
     # --- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); ids are checked against the vocabulary."""
         vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                from scratchlm.model.loading.tokenizers import NO_TOKENIZER
+
+                raise ValueError(NO_TOKENIZER)
             ids = self.tokenizer.encode(prompt)
             bos = getattr(self.tokenizer, "bos_id", None)
             if getattr(self.tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
@@ -408,7 +417,7 @@ class LLMEngine:
 
     def _detokenize(self, seq: Sequence, ids: list[int], final: bool) -> None:
         """Incremental detokenization: append the text of new tokens, holding back incomplete UTF-8."""
-        if seq.read_offset >= len(ids) and not final:
+        if (seq.read_offset >= len(ids) and not final) or self.tokenizer is None:  # no tokenizer: token ids only
             return
         decode = self.tokenizer.decode
         prefix = decode(ids[seq.prefix_offset : seq.read_offset])

@@ -20,11 +20,19 @@ class LLM:
     """Load a model and generate for a list of prompts with continuous batching.
 
     `model` is an HF directory, a .gguf, a llama2.c .bin, a scratchlm checkpoint, or None for the
-    default model (SmolLM2-135M-Instruct). Keyword arguments are `EngineConfig` fields.
+    default model (SmolLM2-135M-Instruct). Keyword arguments are `EngineConfig` fields (e.g.
+    ``tokenizer=PATH`` for a model that has none). `threads` sets torch's CPU threads for the process:
+    None applies the shared policy of `scratchlm.threads` (``$OMP_NUM_THREADS`` if set, else the free
+    physical cores split over the ranks), logged on ``scratchlm.threads``.
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_options: Any):
-        self.engine = LLMEngine.from_pretrained(model, EngineConfig(**engine_options))
+    def __init__(self, model: str | Path | None = None, threads: int | None = None, **engine_options: Any):
+        from scratchlm.threads import apply_threads
+
+        config = EngineConfig(**engine_options)
+        apply_threads(threads, world_size=config.tensor_parallel_size * config.pipeline_parallel_size
+                      * config.context_parallel_size)
+        self.engine = LLMEngine.from_pretrained(model, config)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:

@@ -36,8 +36,9 @@ def backend_for(device: str | torch.device) -> str:
 
 
 def init_default_group(backend: str, rank: int, world_size: int, init_method: str | None = None,
-                       timeout_s: float = 60.0) -> None:
-    """Join the default process group (env:// from torchrun when `init_method` is None).
+                       timeout_s: float = 60.0, store: dist.Store | None = None) -> None:
+    """Join the default process group through `store` (the spawned ranks: rank 0's TCPStore), else
+    `init_method` (env:// from torchrun when None).
 
     The default group only rendezvouses and creates the other groups: rank 0 waits `RENDEZVOUS_TIMEOUT`
     for the workers to join (a worker that crashed at start never does), workers `IDLE_TIMEOUT`."""
@@ -47,8 +48,11 @@ def init_default_group(backend: str, rank: int, world_size: int, init_method: st
                                f"{dist.get_world_size()}, expected rank {rank} of {world_size}")
         return
     timeout = max(RENDEZVOUS_TIMEOUT, timedelta(seconds=timeout_s)) if rank == 0 else IDLE_TIMEOUT
-    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            timeout=timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                                timeout=timeout)
 
 
 class Comm:

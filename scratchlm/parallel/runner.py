@@ -144,7 +144,7 @@ class ParallelRunner:
             if not dead and self.procs:
                 time.sleep(0.5)  # a killed peer: give its exit code a moment to appear
                 dead = self._dead_workers()
-            who = ", ".join(f"rank {r} (pid {pid}) exited with code {code}" for r, pid, code in dead)
+            who = ", ".join(self._describe(r, pid, code) for r, pid, code in dead)
             self._error = (
                 f"tensor/pipeline-parallel step failed (tp={self.layout.tp}, pp={self.layout.pp}): "
                 + (who if who else f"a peer rank failed or did not answer within {self.comm.timeout_s:g} s")
@@ -155,6 +155,12 @@ class ParallelRunner:
                 with contextlib.suppress(Exception):
                     callback(self._error)
             raise ParallelWorkerError(self._error) from e
+
+    def _describe(self, rank: int, pid: int, code: int) -> str:
+        proc = self.procs[rank - 1]
+        if hasattr(proc, "describe_exit"):  # a spawned WorkerProcess: with the end of its output (its traceback)
+            return proc.describe_exit()
+        return f"rank {rank} (pid {pid}) exited with code {code}"
 
     def _dead_workers(self) -> list[tuple[int, int, int]]:
         return [(i + 1, p.pid, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]

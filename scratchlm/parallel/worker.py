@@ -1,6 +1,8 @@
 """`python -m scratchlm.parallel.worker MODEL --tensor-parallel-size T [--pipeline-parallel-size P] ...`
 
-A worker-only entry point for torchrun launches: every rank except 0 loads its shard and executes
+A worker-only entry point for torchrun launches (on one host, `LLM(model, tensor_parallel_size=N)` and
+`scratchlm serve --tensor-parallel-size N` start their ranks themselves, with this module's internal
+`--spawned SPEC` mode: `scratchlm.parallel.launch`): every rank except 0 loads its shard and executes
 rank 0's steps until rank 0 stops. Rank 0 must run the engine (`scratchlm serve`, `scratchlm generate`
 or `LLMEngine.from_pretrained`) with the same model and flags; running `scratchlm serve ...` on every
 node works too (non-zero ranks turn into workers inside it). Example, two hosts, TP=2 across them:
@@ -21,6 +23,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spawned"]:  # a rank started by MultiprocExecutor on this host (not for users)
+        import json
+
+        from scratchlm.parallel.launch import spawned_worker_main
+
+        spawned_worker_main(json.loads(argv[1]))
+        return 0
     from scratchlm.config import add_dataclass_arguments, dataclass_from_args
     from scratchlm.inference import EngineConfig
     from scratchlm.parallel.layout import torchrun_world

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the engine in its own process (as vLLM does), so HTTP work and the engine do not "
                              "share one GIL; it needs a spare core (on a busy 2-core machine the default, a thread "
                              "of the server, measured faster)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's choice; on a shared CPU, fewer can be faster)")
+    from scratchlm.threads import add_threads_argument
+
+    add_threads_argument(parser, "of the engine (per rank under TP/PP/CP, per replica under DP)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
     from scratchlm.parallel.router import RouterConfig
@@ -47,6 +50,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run D engine replicas (each a `scratchlm serve` process on its own local port) behind "
                              "a router on --host/--port that balances by least outstanding tokens (docs/cluster.md)")
     add_dataclass_arguments(parser, RouterConfig, prefix="router_")
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (SO_REUSEADDR, as uvicorn binds), made before the model loads so a taken
+    port fails at once; uvicorn then serves on it. Raises OSError naming the port and what to do."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"--host {host!r} does not resolve ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = ("another server (a `scratchlm serve`?) is listening there: stop it or pass --port N"
+                if e.errno == errno.EADDRINUSE else "pick another --host/--port")
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = False,
@@ -96,14 +120,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"scratchlm serve: --threads {args.threads} (expected a positive integer)", file=sys.stderr)
-            return 2
-        import torch
+    from scratchlm.threads import apply_threads
 
-        torch.set_num_threads(args.threads)
-        log.info("torch threads: %d", args.threads)
+    try:
+        ranks = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+        ranks *= engine_config.context_parallel_size
+        if not router_config.replica_urls:  # the engines run here: D replicas x their ranks share the cores
+            choice = apply_threads(args.threads, world_size=data_parallel_size * ranks, logger=log)
+            args.threads = choice.threads  # handed down to the replicas, which must not each take every core
+    except ValueError as e:
+        print(f"scratchlm serve: {e}", file=sys.stderr)
+        return 2
     if data_parallel_size > 1 or router_config.replica_urls:
         from scratchlm.defaults import default_model_path
         from scratchlm.parallel.router import serve_data_parallel
@@ -114,23 +141,31 @@ def run(args: argparse.Namespace) -> int:
                     raise FileNotFoundError(f"model not found: {args.model}")
                 if args.model is None:
                     default_model_path()
+            bind_port(server_config.host, server_config.port).close()  # a taken port fails before replicas start
             return serve_data_parallel(args, data_parallel_size, server_config, router_config)
-        except (FileNotFoundError, ValueError, RuntimeError) as e:
+        except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             print(f"scratchlm serve: {e}", file=sys.stderr)
             return 2
+    host = server_config.host
     try:
-        app = build_app(args.model, server_config, engine_config, args.engine_process, args.threads)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        sock = bind_port(host, server_config.port)  # before the model loads: a taken port fails in milliseconds
+    except OSError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
-    host = server_config.host
+    port = sock.getsockname()[1]  # the real one when --port 0
+    try:
+        app = build_app(args.model, server_config, engine_config, args.engine_process, choice.threads)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        sock.close()
+        print(f"scratchlm serve: {e}", file=sys.stderr)
+        return 2
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %s on http://%s:%d (playground at /, API under /v1, metrics at /metrics)%s",
-             app.state.server.model_name, shown, server_config.port,
+             app.state.server.model_name, shown, port,
              "; API key required" if server_config.api_key else "")
     if host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=server_config.port,
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                           log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5))
     failed: list[str] = []
     runner = getattr(getattr(app.state.server, "engine", None), "runner", None)
@@ -142,5 +177,5 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
         runner.failure_callbacks.append(on_failure)
-    server.run()
+    server.run(sockets=[sock])
     return 1 if failed else 0

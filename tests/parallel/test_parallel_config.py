@@ -107,7 +107,7 @@ def test_bad_config_fails_before_any_weight_loads(monkeypatch, options, expected
         raise AssertionError("weights were loaded")
 
     monkeypatch.setattr(launch, "load_shard", no_load)
-    monkeypatch.setattr(torch.multiprocessing, "get_context", no_load)  # nor any worker spawned
+    monkeypatch.setattr(launch, "WorkerProcess", no_load)  # nor any worker spawned
     with pytest.raises(ValueError, match=expected):
         LLMEngine.from_pretrained(STORIES, EngineConfig(**options))
 
