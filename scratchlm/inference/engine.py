@@ -56,6 +56,26 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+def stop_prefix_hold(text: str, stops: list[str]) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of a stop string (text to hold back).
+
+    Only the last len(stop) - 1 characters are looked at, and only where the stop's first character occurs
+    there; each candidate is one C-level `startswith` (bounded stops: 16 x 256 characters)."""
+    hold = 0
+    for s in stops:
+        m = min(len(s) - 1, len(text))
+        if m <= hold:
+            continue
+        tail = text[len(text) - m :]
+        j = tail.find(s[0])
+        while j != -1 and m - j > hold:
+            if s.startswith(tail[j:]):
+                hold = m - j
+                break
+            j = tail.find(s[0], j + 1)
+    return hold
+
+
 class LLMEngine:
     """The streaming-capable engine; see docs/contracts.md and docs/engine.md."""
 
@@ -432,13 +452,7 @@ class LLMEngine:
         text = seq.text
         if seq.is_finished or not seq.params.stop or seq.params.include_stop_str_in_output:
             return text
-        hold = 0
-        for s in seq.params.stop:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold]
+        return text[: len(text) - stop_prefix_hold(text, seq.params.stop)]
 
     def _request_output(self, req: Request) -> RequestOutput:
         outs = [

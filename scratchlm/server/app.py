@@ -112,6 +112,11 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        head_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path") or b"")
+        if head_bytes > self.config.max_header_bytes:  # a head h11 got in one piece (it only bounds partial ones)
+            await error_response(431, f"The request line and headers are larger than {self.config.max_header_bytes} "
+                                      "bytes.", code="headers_too_large")(scope, receive, send)
+            return
         headers = dict(scope["headers"])
         host = headers.get(b"host")
         if not self.config.host_allowed(None if host is None else host.decode("latin-1")):

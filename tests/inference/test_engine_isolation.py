@@ -129,3 +129,24 @@ def test_top_k_above_the_vocabulary_is_rejected() -> None:
         engine.add_request("k", [1, 2], SamplingParams(top_k=CFG.vocab_size + 1))
     engine.add_request("k", [1, 2], SamplingParams(top_k=CFG.vocab_size, max_tokens=3))
     assert len(run(engine)["k"].outputs[0].token_ids) == 3
+
+
+def test_stop_prefix_hold_equals_the_brute_force() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from scratchlm.inference.engine import stop_prefix_hold
+
+    def brute(text: str, stops: list[str]) -> int:
+        return max([k for s in stops for k in range(min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])],
+                   default=0)
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.text("ab\u00e9", max_size=12), st.lists(st.text("ab\u00e9", min_size=1, max_size=6), min_size=1,
+                                                         max_size=4))
+    def check(text, stops):
+        assert stop_prefix_hold(text, stops) == brute(text, stops)
+
+    check()
+    many = ["a" * 255 + "b"] * 16  # the worst case the bounds allow stays cheap
+    assert stop_prefix_hold("a" * 10_000, many) == 255
