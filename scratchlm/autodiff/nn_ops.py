@@ -392,15 +392,18 @@ def rotary_tables(
     angles = positions.to(angle_dtype)[..., None] * (1.0 / theta**exponent)  # (..., T, D/2)
     if layout == "adjacent":
         angles = angles.repeat_interleave(2, dim=-1)  # (..., T, D)
-    elif layout == "half":
-        angles = torch.cat((angles, angles), dim=-1)  # (..., T, D)
+    elif layout in ("half", "none"):  # "none": identity tables (cos 1, sin 0); `rotary` skips them anyway
+        angles = torch.cat((angles, angles), dim=-1) * (layout == "half")  # (..., T, D)
     else:
-        raise ValueError(f"rotary layout must be 'adjacent' or 'half', got {layout!r}")
+        raise ValueError(f"rotary layout must be 'adjacent', 'half' or 'none', got {layout!r}")
     return angles.cos().to(dtype).unsqueeze(-2), angles.sin().to(dtype).unsqueeze(-2)  # (..., T, 1, D)
 
 
 def rotary(x: Node, cos: Node, sin: Node, layout: str = "adjacent") -> Node:
-    """Rotary position embedding: x cos + R(x) sin (R rotates each pair by 90°). cos/sin from `rotary_tables`."""
+    """Rotary position embedding: x cos + R(x) sin (R rotates each pair by 90°). cos/sin from `rotary_tables`.
+    layout "none" (a model without position embedding) returns x itself."""
+    if layout == "none":
+        return x
     return add(mul(x, cos), mul(rotate_pairs(x, layout), sin))
 
 

@@ -34,9 +34,10 @@ class ModelConfig:
     max_seq_len: int = field(default=256, metadata={"help": "longest context the model is meant for"})
     rope_theta: float = field(default=10_000.0, metadata={"help": "RoPE base frequency"})
     norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
-    rope_layout: Literal["half", "adjacent"] = field(
+    rope_layout: Literal["half", "adjacent", "none"] = field(
         default="half",
-        metadata={"help": "RoPE pair layout: 'half' = HF rotate-half, 'adjacent' = llama2.c/CS336 (x0,x1),(x2,x3).."},
+        metadata={"help": "RoPE pair layout: 'half' = HF rotate-half, 'adjacent' = llama2.c/CS336 (x0,x1),(x2,x3)..; "
+                          "'none' = no position embedding (NoPE)"},
     )
     tie_embeddings: bool = field(default=True, metadata={"help": "output head shares the token embedding matrix"})
     qkv_bias: bool = field(default=False, metadata={"help": "add biases to the q/k/v projections (Qwen2)"})
@@ -65,16 +66,29 @@ class ModelConfig:
                 problems.append(f"{name}={value!r} must be a positive int")
         if not problems and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if not problems and self.head_dim % 2:
+        if not problems and self.head_dim % 2 and self.rope_layout != "none":
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.rope_layout not in ("half", "adjacent"):
-            problems.append(f"rope_layout={self.rope_layout!r} must be 'half' or 'adjacent'")
+        if self.rope_layout not in ("half", "adjacent", "none"):
+            problems.append(f"rope_layout={self.rope_layout!r} must be 'half', 'adjacent' or 'none'")
         if not (self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be > 0")
         if not (self.norm_eps > 0):
             problems.append(f"norm_eps={self.norm_eps!r} must be > 0")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    @classmethod
+    def cs336(cls, vocab_size: int = 10_000, context_length: int = 256, d_model: int = 512, num_layers: int = 4,
+              num_heads: int = 16, d_ff: int = 1344, rope_theta: float = 10_000.0, **overrides: Any) -> ModelConfig:
+        """The architecture of CS336 assignment 1's `TransformerLM`, with its argument names (defaults: the
+        assignment's TinyStories model). What differs from this class's own defaults: RoPE rotates adjacent
+        pairs (`rope_layout="adjacent"`), the output head is a separate `lm_head` (`tie_embeddings=False`),
+        `d_ff` is given rather than derived, and there are as many kv heads as query heads. `overrides` set
+        any other field, e.g. `rope_layout="none"` for the NoPE ablation."""
+        fields = dict(vocab_size=vocab_size, max_seq_len=context_length, d_model=d_model, n_layers=num_layers,
+                      n_heads=num_heads, n_kv_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, norm_eps=1e-5,
+                      rope_layout="adjacent", tie_embeddings=False, qkv_bias=False)
+        return cls(**(fields | overrides))
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON/pickle-safe) that `from_dict` turns back into this config."""

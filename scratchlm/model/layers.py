@@ -23,13 +23,20 @@ def trunc_normal_(t: Tensor, std: float) -> Tensor:
 
 
 class Linear(nn.Module):
-    """y = x W^T, no bias. W: (d_out, d_in), init truncated normal with sigma^2 = 2 / (d_in + d_out)."""
+    """y = x W^T, no bias. W: (d_out, d_in), init truncated normal with sigma^2 = 2 / (d_in + d_out).
 
-    def __init__(self, d_in: int, d_out: int, device=None, dtype=None):
+    CS336's signature: `Linear(in_features, out_features, device=None, dtype=None)`; `d_in`/`d_out` are the
+    same numbers under scratchlm's names.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
-        self.d_in, self.d_out = d_in, d_out
-        self.weight = nn.Parameter(torch.empty(d_out, d_in, device=device, dtype=dtype))
-        trunc_normal_(self.weight, math.sqrt(2.0 / (d_in + d_out)))
+        self.d_in, self.d_out = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+
+    in_features = property(lambda self: self.d_in, doc="CS336 / torch name of d_in")
+    out_features = property(lambda self: self.d_out, doc="CS336 / torch name of d_out")
 
     def forward(self, x: Tensor) -> Tensor:
         return x @ self.weight.t()
@@ -39,13 +46,19 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Lookup table: ids (...) -> rows of weight (num_embeddings, dim). Init truncated N(0, std^2), +-3 std."""
+    """Lookup table: ids (...) -> rows of weight (num_embeddings, dim). Init truncated N(0, std^2), +-3 std.
 
-    def __init__(self, num_embeddings: int, dim: int, std: float = 1.0, device=None, dtype=None):
+    CS336's signature: `Embedding(num_embeddings, embedding_dim, device=None, dtype=None)`; `std` is
+    keyword-only.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None, *, std: float = 1.0):
         super().__init__()
-        self.num_embeddings, self.dim = num_embeddings, dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+        self.num_embeddings, self.dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         trunc_normal_(self.weight, std)
+
+    embedding_dim = property(lambda self: self.dim, doc="CS336 / torch name of dim")
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.weight[ids]  # (..., dim); measured faster to train than index_select at 2 threads
@@ -85,12 +98,17 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim with a learned gain; computed in float32."""
+    """Root-mean-square norm over the last dim with a learned gain; computed in float32.
 
-    def __init__(self, dim: int, eps: float = 1e-5, device=None, dtype=None):
+    CS336's signature: `RMSNorm(d_model, eps=1e-5, device=None, dtype=None)`.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
-        self.dim, self.eps = dim, eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.dim, self.eps = d_model, eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    d_model = property(lambda self: self.dim, doc="CS336 name of dim")
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -101,16 +119,21 @@ class RMSNorm(nn.Module):
         return f"dim={self.dim}, eps={self.eps}"
 
 
+ROPE_LAYOUTS = ("half", "adjacent", "none")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in either pair layout, with no stored buffers (meta-device friendly).
 
-    layout "half": rotate (x_i, x_{i+D/2}) as HF Llama; "adjacent": rotate (x_{2i}, x_{2i+1}) as llama2.c.
+    layout "half": rotate (x_i, x_{i+D/2}) as HF Llama; "adjacent": rotate (x_{2i}, x_{2i+1}) as llama2.c and
+    CS336; "none": no position embedding at all (NoPE): `rotate` returns x, and `cos_sin` gives the identity
+    tables (cos 1, sin 0), so code that applies the tables itself (fused kernels) rotates by zero too.
     """
 
     def __init__(self, head_dim: int, theta: float = 10_000.0, layout: str = "half"):
         super().__init__()
-        if layout not in ("half", "adjacent"):
-            raise ValueError(f"RoPE layout must be 'half' or 'adjacent', got {layout!r}")
+        if layout not in ROPE_LAYOUTS:
+            raise ValueError(f"RoPE layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
         self.head_dim, self.theta, self.layout = head_dim, theta, layout
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -118,10 +141,14 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.head_dim, 2, device=positions.device, dtype=torch.float32) / self.head_dim
         inv_freq = 1.0 / (self.theta**exponent)  # (D/2,)
         angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, D/2)
+        if self.layout == "none":
+            angles = torch.zeros_like(angles)  # identity rotation
         return angles.cos().unsqueeze(-2).to(dtype), angles.sin().unsqueeze(-2).to(dtype)  # (..., T, 1, D/2)
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x (..., T, H, D) rotated by precomputed cos/sin (..., T, 1, D/2)."""
+        if self.layout == "none":
+            return x
         if self.layout == "half":
             h = x.shape[-1] // 2
             x1, x2 = x[..., :h], x[..., h:]
@@ -137,6 +164,26 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"
+
+
+class RotaryPositionalEmbedding(RotaryEmbedding):
+    """CS336's RoPE module: `RotaryPositionalEmbedding(theta, d_k, max_seq_len, device=None)`, adjacent pairs,
+    `forward(x (..., seq_len, d_k), token_positions (..., seq_len)) -> (..., seq_len, d_k)` (no head dim).
+
+    Nothing is precomputed (the angles are a few flops per position), so `max_seq_len` is only checked.
+    """
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int | None = None, device=None):
+        super().__init__(d_k, theta, "adjacent")
+        self.max_seq_len = max_seq_len
+
+    def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
+        if token_positions is None:
+            token_positions = torch.arange(x.shape[-2], device=x.device)
+        if self.max_seq_len is not None and token_positions.numel() and int(token_positions.max()) >= self.max_seq_len:
+            raise ValueError(f"token position {int(token_positions.max())} >= max_seq_len={self.max_seq_len}")
+        cos, sin = self.cos_sin(token_positions, x.dtype)  # (..., T, 1, D/2)
+        return self.rotate(x.unsqueeze(-2), cos, sin).squeeze(-2)  # x as (..., T, 1, D): one "head"
 
 
 class _SiluMulFunction(torch.autograd.Function):
@@ -285,11 +332,20 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0) -> Tens
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with grouped-query heads, RoPE and optional q/k/v biases."""
+    """Causal multi-head self-attention with grouped-query heads, RoPE and optional q/k/v biases.
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
-                 device=None, dtype=None):
+    `Attention(d_model, num_heads)` is CS336's multi-head self-attention (n_kv_heads = num_heads, head_dim =
+    d_model // num_heads); its `output_proj` is `o_proj` here (see `scratchlm.model.loading.cs336`).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False, device=None, dtype=None):
         super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"Attention: d_model={d_model} is not divisible by n_heads={n_heads}; give head_dim")
+            head_dim = d_model // n_heads
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.fuse_qkv = True  # training: q, k, v from one GEMM on the concatenated weights
         self.q_proj = Linear(d_model, n_heads * head_dim, device=device, dtype=dtype)
@@ -322,16 +378,28 @@ class Attention(nn.Module):
         return (q.view(*shape, self.n_heads, self.head_dim), k.view(*shape, self.n_kv_heads, self.head_dim),
                 v.view(*shape, self.n_kv_heads, self.head_dim))
 
-    def forward(self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor,
-                attn: AttentionBackend | None = None, layer_idx: int = 0) -> Tensor:
-        """x (B, T, d_model) -> (B, T, d_model); cos/sin from `rope.cos_sin(positions)`."""
+    def forward(self, x: Tensor, rope: RotaryEmbedding | None = None, cos: Tensor | None = None,
+                sin: Tensor | None = None, attn: AttentionBackend | None = None, layer_idx: int = 0, *,
+                token_positions: Tensor | None = None) -> Tensor:
+        """x (B, T, d_model) -> (B, T, d_model).
+
+        cos/sin from `rope.cos_sin(positions)`; with a rope but no tables they are made here from
+        `token_positions` (default 0..T-1). `rope=None` runs without position embedding (CS336's plain
+        multi-head self-attention).
+        """
+        if x.dim() != 3:
+            raise ValueError(f"Attention expects x of shape (batch, seq, d_model), got {tuple(x.shape)}")
         b, t, _ = x.shape
+        if rope is not None and (cos is None or sin is None):
+            positions = torch.arange(t, device=x.device) if token_positions is None else token_positions
+            cos, sin = rope.cos_sin(positions, x.dtype)
         if self.fuse_qkv and torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad):
             q, k, v = self._project_fused(x)  # training: one GEMM for q, k and v
         else:
             q = self._project(x, self.q_proj, self.q_bias, self.n_heads)  # (B, T, H, D)
             k = self._project(x, self.k_proj, self.k_bias, self.n_kv_heads)  # (B, T, Hkv, D)
             v = self._project(x, self.v_proj, self.v_bias, self.n_kv_heads)  # (B, T, Hkv, D)
-        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        if rope is not None:
+            q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         out = causal_attention(q, k, v) if attn is None else attn(layer_idx, q, k, v)  # (B, T, H, D)
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))

@@ -69,6 +69,9 @@ def export_hf(model: TransformerLM, config: ModelConfig | None = None, tokenizer
               out_dir: str | Path = "hf_export") -> Path:
     """Write `model` as an HF directory loadable by `transformers.AutoModelForCausalLM`; returns out_dir."""
     config = config or model.config
+    if config.rope_layout == "none":
+        raise ValueError("export_hf: this model has no position embedding (rope_layout='none'); HF's Llama and "
+                         "Qwen2 always apply RoPE, so no HF config reproduces it")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach() for k, v in model.state_dict().items()}
