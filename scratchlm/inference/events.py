@@ -15,7 +15,8 @@ Policy:
   events for slow consumers. A listener that raises is logged and unsubscribed; the step is not affected.
 - The parts of an event that cost O(blocks) to build (the pool map, every block table, the shared-block
   census, the cached-free count) are *details*, taken at most every ``detail_interval_s`` seconds
-  (0 = every step); ``StepEvent.pool.map`` is None on the steps in between. Everything else is per step.
+  (0 = every step), and on the step after which the engine is idle; ``StepEvent.pool.map`` is None on the
+  steps in between. Everything else is per step.
 - An event is plain data (ints, floats, strings, lists, dicts): picklable across processes and
   JSON-able with :meth:`StepEvent.to_dict`.
 
@@ -300,7 +301,8 @@ class EventStream:
         other = step_s - sum(totals_s.values())
         sched, spec = engine.scheduler, engine.speculator
         now = time.perf_counter()
-        detail = now - self._last_detail >= self.detail_interval_s
+        # details at most every detail_interval_s, and always when the engine goes idle (the final picture is exact)
+        detail = now - self._last_detail >= self.detail_interval_s or not engine.has_unfinished_requests()
         if detail:
             self._last_detail = now
         generated = after[2] - before[2]

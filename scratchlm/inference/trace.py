@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import multiprocessing.util
 import threading
 import time
 import weakref
@@ -76,6 +77,9 @@ class StepTracer:
         engine.events.subscribe(self._on_step)
         self._finalizer = weakref.finalize(engine, StepTracer._finalize, weakref.ref(self))
         atexit.register(self.close)
+        # a multiprocessing child (the server's engine process) leaves by os._exit after its own exit functions,
+        # which skip atexit: close there too
+        multiprocessing.util.Finalize(None, self.close, exitpriority=10)
         log.info("tracing engine steps to %s", self.path)
 
     @staticmethod

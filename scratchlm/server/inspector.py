@@ -32,7 +32,6 @@ import hmac
 import json
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,7 +44,7 @@ log = logging.getLogger("scratchlm.server")
 
 STATIC = Path(__file__).resolve().parent / "static" / "inspector.html"
 QUEUE_SIZE = 256  # events queued per client before its oldest are dropped
-KEEPALIVE_S = 10.0
+KEEPALIVE_S = 2.0  # with nothing to send, the counters go out anyway (keeps the page's check current)
 
 
 class _Client:
@@ -190,12 +189,11 @@ def router(state: Any) -> APIRouter:
                 hello = {"type": "hello", "model": state.model_name, "stats": _stats_dict(state.loop.stats()),
                          "event": hub.latest}
                 yield _sse(hello)
-                last = time.monotonic()
                 while True:
                     try:
                         await asyncio.wait_for(client.ready.wait(), timeout=KEEPALIVE_S)
                     except TimeoutError:
-                        yield b": keepalive\n\n"
+                        yield _sse({"type": "stats", "stats": _stats_dict(state.loop.stats())})
                         continue
                     client.ready.clear()
                     batch = list(client.items)
@@ -203,10 +201,8 @@ def router(state: Any) -> APIRouter:
                     for item in batch:
                         client.sent += 1
                         yield _sse({"type": "step", "dropped": client.dropped, **item})
-                    now = time.monotonic()
-                    if now - last > 1.0:  # counters from engine.stats(), for the page's cross-check
-                        last = now
-                        yield _sse({"type": "stats", "stats": _stats_dict(state.loop.stats())})
+                    # after each batch, the counters of engine.stats() (what /metrics shows), for the page's check
+                    yield _sse({"type": "stats", "stats": _stats_dict(state.loop.stats())})
             finally:
                 hub.remove(client)
 
