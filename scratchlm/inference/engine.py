@@ -26,10 +26,11 @@ import torch
 from scratchlm.inference.block_manager import BlockManager
 from scratchlm.inference.config import EngineConfig
 from scratchlm.inference.events import EventStream
-from scratchlm.inference.kv_cache import KVCache, num_blocks_for_budget
+from scratchlm.inference.executor import Executor, UniProcExecutor, default_executor_class
+from scratchlm.inference.kv_cache import num_blocks_for_budget
 from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOutput
 from scratchlm.inference.params import SamplingParams
-from scratchlm.inference.runner import ModelRunner, build_model_input
+from scratchlm.inference.runner import build_model_input
 from scratchlm.inference.sampler import Sampler, SamplingRow
 from scratchlm.inference.scheduler import Scheduler, SchedulerOutput
 from scratchlm.inference.sequence import Sequence, SequenceStatus
@@ -77,16 +78,19 @@ def stop_prefix_hold(text: str, stops: list[str]) -> int:
 
 
 class LLMEngine:
-    """The streaming-capable engine; see docs/contracts.md and docs/engine.md."""
+    """The streaming-capable engine; see docs/contracts.md and docs/engine.md.
+
+    `LLMEngine(model, tokenizer, model_config, config)` runs `model` in this process; with
+    `executor=` (and `model=None`) the steps run wherever that executor put the model (e.g. the ranks
+    of a tensor/pipeline-parallel executor: `scratchlm.inference.executor`). `from_pretrained` picks one."""
 
     def __init__(self, model: torch.nn.Module | None, tokenizer: Any, model_config: Any,
-                 config: EngineConfig | None = None, runner_factory: Any = None):
+                 config: EngineConfig | None = None, executor: Executor | None = None):
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
         c = self.config
         dtype = c.torch_dtype
-        device = torch.device(c.device)
         self.max_model_len = c.max_model_len or model_config.max_seq_len
         # Context parallelism: a logical block of C x block_size tokens is one block_size block on each of
         # the C ranks (token p on rank p % C), so num_blocks counts blocks per rank (docs/sequence_parallel.md).
@@ -101,20 +105,11 @@ class LLMEngine:
             log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
                         self.max_model_len, num_blocks * block, num_blocks, block)
             self.max_model_len = num_blocks * block
-        if runner_factory is None and c.context_parallel_size > 1:
-            raise ValueError(f"context_parallel_size={c.context_parallel_size} needs the multi-process runner: "
-                             f"build the engine with LLMEngine.from_pretrained(path, config) or LLM(path, ...)")
-        if runner_factory is None:
-            model = model.to(device=device, dtype=dtype).eval()
-            self.cache = KVCache.allocate(model_config.n_layers, num_blocks, c.block_size, model_config.n_kv_heads,
-                                          model_config.head_dim, dtype, device)
+        self.executor = executor if executor is not None else UniProcExecutor(model, model_config, tokenizer, c)
         self.block_manager = BlockManager(num_blocks, block, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        if runner_factory is None:
-            self.runner = ModelRunner(model, self.cache, device)
-        else:  # a TP/PP runner (scratchlm.parallel) owns its sharded model and KV cache shard
-            self.runner = runner_factory(num_blocks)
-            self.cache = self.runner.cache
+        self.runner = self.executor.start(num_blocks)  # allocates the KV cache (each rank its shard)
+        self.cache = self.runner.cache
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -135,29 +130,26 @@ class LLMEngine:
             self.speculator = Speculator(self, c.speculative, k_max=c.num_speculative_tokens)
         log.info("engine: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
                  num_blocks, c.block_size, self.cache.k.numel() * 2 * self.cache.k.element_size() / 2**20,
-                 self.max_model_len, c.dtype, device)
+                 self.max_model_len, c.dtype, c.device)
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None) -> LLMEngine:
+    def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None,
+                        executor_class: type | None = None) -> LLMEngine:
         """Load a model (HF dir, .gguf, llama2.c .bin, scratchlm or quantized checkpoint; None = the default model),
-        with `config.quantization` applied."""
+        with `config.quantization` applied, through `executor_class` (default: one process, or the multi-process
+        executor when tensor x pipeline x context parallel size > 1; `scratchlm.inference.executor`)."""
         from scratchlm.defaults import default_model_path
-        from scratchlm.inference.quantization import load_model_quantized
         from scratchlm.model.loading.tokenizers import attach_tokenizer
 
         config = config or EngineConfig()
         path = Path(model_path) if model_path is not None else default_model_path()
-        if config.tensor_parallel_size * config.pipeline_parallel_size * config.context_parallel_size > 1:
-            from scratchlm.parallel.launch import from_pretrained_parallel
+        executor = (executor_class or default_executor_class(config)).from_pretrained(path, config)
+        tokenizer = attach_tokenizer(executor.tokenizer, path, executor.model_config.vocab_size, config.tokenizer)
+        return cls(None, tokenizer, executor.model_config, config, executor=executor)
 
-            engine = from_pretrained_parallel(cls, path, config)
-            engine.tokenizer = attach_tokenizer(engine.tokenizer, path, engine.model_config.vocab_size,
-                                                config.tokenizer)
-            return engine
-        quantization = None if config.quantization in (None, "none") else config.quantization
-        loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device)
-        tokenizer = attach_tokenizer(loaded.tokenizer, path, loaded.config.vocab_size, config.tokenizer)
-        return cls(loaded.model, tokenizer, loaded.config, config)
+    def shutdown(self) -> None:
+        """Stop the executor's ranks, if any (also done at exit); the engine cannot step afterwards."""
+        self.executor.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
