@@ -16,6 +16,7 @@ CONFIGS = {
     "tied_half_mha": dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, rope_layout="half"),
     "untied_adjacent_gqa_bias": dict(vocab_size=53, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                                      rope_layout="adjacent", tie_embeddings=False, qkv_bias=True),
+    "untied_nope": dict(vocab_size=47, d_model=32, n_layers=1, n_heads=4, rope_layout="none", tie_embeddings=False),
 }
 
 

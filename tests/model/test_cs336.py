@@ -170,6 +170,30 @@ def test_no_rope_variant_matches_the_reference_without_position_embedding():
     assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
 
 
+def test_no_rope_model_serves_through_the_engine():
+    """The engine's paths (Python paged attention and, when built, the fused C++ decoder, which applies the
+    rope tables itself) give the same greedy ids as recomputing the whole sequence with the model."""
+    import random
+
+    from tests.inference.helpers import greedy, make_engine, naive_greedy, run_all
+
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96,
+                      rope_layout="none")
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(4.0)  # sharper logits: no greedy ties
+    prompts = [[random.Random(i).randrange(cfg.vocab_size) for _ in range(5 + 7 * i)] for i in range(3)]
+    want = {str(i): naive_greedy(model, p, 8) for i, p in enumerate(prompts)}
+    for use_fused in (True, False):
+        engine = make_engine(model, cfg, num_blocks=64, block_size=4, max_num_seqs=4)
+        if not use_fused:
+            engine.runner.fused_decoder = None
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy(8))
+        assert run_all(engine) == want, f"fused decoder: {engine.runner.fused_decoder is not None}"
+
+
 def test_tied_model_rejects_a_separate_cs336_head():
     w = cs336_state(num_layers=1)
     tied = TransformerLM(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, d_ff=48,
