@@ -165,8 +165,11 @@ def run(args: argparse.Namespace) -> int:
              "; API key required" if server_config.api_key else "")
     if host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    from scratchlm.server.http import uvicorn_options  # header timeout, 431, keep-alive (issue 16)
+
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                          log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5))
+                                          log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5,
+                                          **uvicorn_options(server_config)))
     failed: list[str] = []
     runner = getattr(getattr(app.state.server, "engine", None), "runner", None)
     if hasattr(runner, "failure_callbacks"):  # TP/PP: a dead or hung rank stops the server, exit status 1
