@@ -23,7 +23,7 @@ class Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
-        "scratchlm.server.cli",
+        "scratchlm.serve",
         "serve a model behind an OpenAI-compatible HTTP API",
         "Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming) "
         "on a model: an HF directory, a .gguf file, a llama2.c .bin or a scratchlm checkpoint. "

@@ -44,12 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser, "of the engine (per rank under TP/PP/CP, per replica under DP)")
     add_dataclass_arguments(parser, ServerConfig)
     add_dataclass_arguments(parser, EngineConfig)
-    from scratchlm.parallel.router import RouterConfig
-
-    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
-                        help="run D engine replicas (each a `scratchlm serve` process on its own local port) behind "
-                             "a router on --host/--port that balances by least outstanding tokens (docs/cluster.md)")
-    add_dataclass_arguments(parser, RouterConfig, prefix="router_")
+    # --data-parallel-size and --router-* are added above the server, by `scratchlm.serve` (the subcommand)
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -110,12 +105,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
         engine_config = dataclass_from_args(EngineConfig, args)
-        from scratchlm.parallel.router import RouterConfig
-
-        router_config = dataclass_from_args(RouterConfig, args, prefix="router_")
-        data_parallel_size = getattr(args, "data_parallel_size", 1)
-        if data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size {data_parallel_size} (expected a positive integer)")
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
@@ -125,27 +114,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         ranks = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
         ranks *= engine_config.context_parallel_size
-        if not router_config.replica_urls:  # the engines run here: D replicas x their ranks share the cores
-            choice = apply_threads(args.threads, world_size=data_parallel_size * ranks, logger=log)
-            args.threads = choice.threads  # handed down to the replicas, which must not each take every core
+        choice = apply_threads(args.threads, world_size=ranks, logger=log)
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
-    if data_parallel_size > 1 or router_config.replica_urls:
-        from scratchlm.defaults import default_model_path
-        from scratchlm.parallel.router import serve_data_parallel
-
-        try:
-            if not router_config.replica_urls:  # else the replicas run elsewhere with their own model
-                if args.model is not None and not Path(args.model).exists():
-                    raise FileNotFoundError(f"model not found: {args.model}")
-                if args.model is None:
-                    default_model_path()
-            bind_port(server_config.host, server_config.port).close()  # a taken port fails before replicas start
-            return serve_data_parallel(args, data_parallel_size, server_config, router_config)
-        except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-            print(f"scratchlm serve: {e}", file=sys.stderr)
-            return 2
     host = server_config.host
     try:
         sock = bind_port(host, server_config.port)  # before the model loads: a taken port fails in milliseconds

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import scratchlm.parallel.launch as launch
 from scratchlm.inference import EngineConfig, LLMEngine

@@ -245,7 +245,7 @@ def test_serve_flags_reach_the_replicas_and_bad_ones_are_named(capsys):
 
     from scratchlm.cli import main
     from scratchlm.parallel.router import replica_argv
-    from scratchlm.server.cli import add_arguments
+    from scratchlm.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
