@@ -13,7 +13,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import tempfile
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -92,9 +91,8 @@ def encode_corpus(
 
     count = 0
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encode", disable=not progress)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic.atomic_write(out, "wb") as f:  # usual permissions (umask), the whole file or none
             if workers == 1:
                 _init_worker(tok)
                 for t in tasks:
@@ -114,25 +112,20 @@ def encode_corpus(
                             count += _drain(pending.popleft(), f, bar)
                     while pending:
                         count += _drain(pending.popleft(), f, bar)
-        atomic.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     finally:
         bar.close()
     sidecar = {
         "dtype": dtype,
         "count": count,
         "vocab_size": tok.vocab_size,
-        "tokenizer": tokenizer_name,
+        # absolute, so that training from another folder finds it (a name that is not a path stays as given)
+        "tokenizer": str(Path(tokenizer_name).resolve()) if tokenizer_name and Path(tokenizer_name).exists()
+        else tokenizer_name,
         "source": [str(p) for p in paths],
         "bytes": total_bytes,
     }
     side = Path(str(out) + ".json")
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{side.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(sidecar, f, indent=2)
-    atomic.replace(tmp, side)
+    atomic.write_text(side, json.dumps(sidecar, indent=2))
     log.info("wrote %d tokens (%s) to %s (%.2f bytes/token)", count, dtype, out, total_bytes / max(count, 1))
     return sidecar
 

@@ -7,8 +7,6 @@ Byte-level BPE files store tokens as printable strings through GPT-2's byte-to-u
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,16 +54,9 @@ def str_to_token(s: str, where: str = "") -> bytes:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        atomic.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Atomic, with the usual permissions (0666 minus the umask, not mkstemp's 0600)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, text)
 
 
 def _read_json(path: Path, what: str):

@@ -78,7 +78,8 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = _f("float32", "compute dtype: bfloat16 = autocast on CUDA "
                                                            "(weights and optimizer stay float32)")
     compile: bool = _f(False, "torch.compile the model")
-    threads: int | None = _f(None, "torch intra-op threads on CPU; None = torch's default")
+    threads: int | None = _f(None, "torch CPU threads per rank; None = the shared policy: $OMP_NUM_THREADS, else "
+                                  "the physical cores not busy by the load average over the local ranks (logged)")
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError naming every inconsistent setting."""

@@ -36,3 +36,17 @@ def tokenizer_state(tok) -> dict[str, Any]:
     from scratchlm.tokenizer import tokenizer_to_state
 
     return tokenizer_to_state(tok)
+
+
+def save_run_tokenizer(tok, out_dir: str | Path) -> Path | None:
+    """Write the run's byte-level BPE tokenizer to ``out_dir/tokenizer.json`` (so `--tokenizer RUN_DIR` works
+    and the run folder does not depend on where the tokenizer was); None for other kinds (llama2.c), which
+    live in the checkpoint only."""
+    from scratchlm.tokenizer import Tokenizer
+    from scratchlm.tokenizer.formats import save_hf_tokenizer_json
+
+    if not isinstance(tok, Tokenizer):
+        return None
+    path = Path(out_dir) / "tokenizer.json"
+    save_hf_tokenizer_json(tok, path)
+    return path

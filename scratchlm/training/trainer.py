@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from scratchlm.training.engines import resolve_engine
 from scratchlm.training.loss import cross_entropy
 from scratchlm.training.metrics import MetricsLog, measure_matmul_peak, plot_loss_curve
 from scratchlm.training.optim import AdamW, get_lr_cosine_schedule, gradient_clipping, weight_decay_groups
-from scratchlm.training.tokenizers import load_tokenizer, tokenizer_state
+from scratchlm.training.tokenizers import load_tokenizer, save_run_tokenizer, tokenizer_state
 
 log = logging.getLogger("scratchlm.training")
 
@@ -148,8 +149,13 @@ class Trainer:
         if self.ctx.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.ctx.local_rank)
         cfg.validate(self.ctx.world_size)
-        if cfg.threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(cfg.threads)
+        if self.device.type == "cpu":  # the shared policy (scratchlm/threads.py): ranks on this machine share it
+            from scratchlm.threads import apply_threads
+
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+            choice = apply_threads(cfg.threads, world_size=max(1, local_ranks), logger=log)
+            if not self.ctx.is_main:
+                log.debug("rank %d: %s", self.ctx.rank, choice)
         self.out_dir = Path(cfg.out_dir)
         if self.ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,11 +171,20 @@ class Trainer:
         self.tokenizer = tokenizer
         if tokenizer is None:
             tok_path = cfg.tokenizer or self.train_data.meta.get("tokenizer")
-            if tok_path is not None and cfg.tokenizer is None and not Path(tok_path).exists():
-                log.warning("tokenizer %s named by %s.json not found; training without a tokenizer",
-                            tok_path, self.train_data.path)
-                tok_path = None
-            self.tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+            if tok_path and cfg.tokenizer is None and not Path(tok_path).exists():
+                beside = Path(self.train_data.path).parent / tok_path  # sidecars before absolute paths were stored
+                if not Path(tok_path).is_absolute() and beside.exists():
+                    tok_path = str(beside)
+                else:
+                    log.warning("tokenizer %s named by %s.json not found (from %s or next to the token file); "
+                                "training without one, so the checkpoint will not generate text: pass "
+                                "--tokenizer PATH", tok_path, self.train_data.path, Path.cwd())
+                    tok_path = None
+            self.tokenizer = load_tokenizer(tok_path) if tok_path else None
+        if self.tokenizer is not None and self.ctx.is_main:
+            copied = save_run_tokenizer(self.tokenizer, self.out_dir)  # the run folder is self-contained
+            if copied is not None:
+                log.info("tokenizer copied to %s (the checkpoint stores it too)", copied)
         overrides = dict(model_overrides or {})
         data_vocab = self.train_data.vocab_size
         tok_vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
@@ -318,7 +333,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Run until max_steps, stop_at_step or max_time_s; evaluate, checkpoint, plot, sample."""
-        from tqdm.auto import tqdm
+        from scratchlm.training.progress import ProgressBar
 
         cfg, ctx = self.cfg, self.ctx
         result = TrainResult()
@@ -333,8 +348,7 @@ class Trainer:
                      "matmul peak %.1f GFLOP/s", f"{len(self.train_data):,}", f"{tokens_per_step:,}",
                      self.device, ctx.world_size, peak / 1e9)
         last = cfg.max_steps if cfg.stop_at_step is None else min(cfg.max_steps, cfg.stop_at_step)
-        bar = tqdm(total=last, initial=self.step, disable=not (cfg.progress and ctx.is_main),
-                   desc="train", unit="step", dynamic_ncols=True)
+        bar = ProgressBar(last, cfg.max_time_s, self.step, disable=not (cfg.progress and ctx.is_main))
         t_start = time.perf_counter()
         elapsed = self.elapsed_before
         self.forward_model.train()
@@ -355,8 +369,8 @@ class Trainer:
             result.losses.append(loss)
             tok_s = tokens_per_step / dt
             mfu = flops_per_token * tok_s / peak
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.2e}")
+            bar.update(step, elapsed, time.perf_counter() - t_start, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}",
+                       mfu=f"{100 * mfu:.1f}%", lr=f"{lr:.2e}")
             if step % cfg.log_every == 0 or step == 1:
                 self.metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tok_per_s": tok_s,
                                     "mfu": mfu, "elapsed_s": round(elapsed, 3),
