@@ -127,6 +127,26 @@ def test_key_map_table_is_in_the_docs():
         assert f"`{cs}`" in text and f"`{ours}`" in text, (cs, ours)
 
 
+def test_block_level_names_load_into_a_transformer_block():
+    """CS336's `run_transformer_block` passes one block's weights without the `layers.{i}.` prefix."""
+    from scratchlm.model import TransformerBlock
+    from scratchlm.model.layers import RotaryEmbedding
+
+    w = {k.removeprefix("layers.0."): v for k, v in cs336_state(num_layers=1).items() if k.startswith("layers.0.")}
+    cfg = ModelConfig.cs336(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=48)
+    block = TransformerBlock(cfg, dtype=F64)
+    block.load_state_dict(from_cs336_state_dict(w))
+    assert set(to_cs336_state_dict(block)) == set(w)
+    x = torch.randn(2, 6, 32, dtype=F64)
+    with torch.no_grad():
+        got = block(x, RotaryEmbedding(8, 10_000.0, "adjacent"), None, None)
+    h = x + ref_mha(ref_rmsnorm(x, w["ln1.weight"]),
+                    *(w[f"attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "output_proj")), 4, 10_000.0)
+    u = ref_rmsnorm(h, w["ln2.weight"])
+    gate, up = u @ w["ffn.w1.weight"].T, u @ w["ffn.w3.weight"].T
+    torch.testing.assert_close(got, h + (gate * torch.sigmoid(gate) * up) @ w["ffn.w2.weight"].T, **TOL)
+
+
 def test_unknown_names_are_errors_that_list_the_expected_ones():
     with pytest.raises(CheckpointError, match=r"'layers.0.attn.o_bias'.*layers.\{i\}.attn.output_proj.weight"):
         cs336_key_to_scratchlm("layers.0.attn.o_bias")

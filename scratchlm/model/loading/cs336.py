@@ -19,7 +19,8 @@ pairs, untied head, SwiGLU w1/w2/w3, pre-norm RMSNorm); only the parameter names
 | `lm_head.weight`                   | `lm_head.weight` (absent when tied)|
 
 Tensors are the same layout on both sides (Linear weights are (out, in); q/k/v rows are heads in order), so
-the map is names only. A `torch.compile` / DDP prefix (`_orig_mod.`, `module.`) is stripped on the way in.
+the map is names only. A single block's names (without `layers.{i}.`, as CS336's `run_transformer_block`
+passes them) map the same way. A `torch.compile` / DDP prefix (`_orig_mod.`, `module.`) is stripped on the way in.
 
     from scratchlm.model.loading.cs336 import load_cs336
     model = load_cs336(torch.load("cs336_ckpt.pt")["model"], num_heads=16, rope_theta=10_000.0)
@@ -61,8 +62,12 @@ def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
 
 
-_FROM_CS336 = [(_compile(c), s) for c, s in CS336_KEY_MAP]
-_TO_CS336 = [(_compile(s), c) for c, s in CS336_KEY_MAP]
+_BLOCK = "layers.{i}."
+# A block's own state dict (CS336's `run_transformer_block` weights, `TransformerBlock.state_dict()`) has the
+# per-layer names without the `layers.{i}.` prefix.
+_BLOCK_MAP = [(c[len(_BLOCK):], s[len(_BLOCK):]) for c, s in CS336_KEY_MAP if c.startswith(_BLOCK)]
+_FROM_CS336 = [(_compile(c), s) for c, s in [*CS336_KEY_MAP, *_BLOCK_MAP]]
+_TO_CS336 = [(_compile(s), c) for c, s in [*CS336_KEY_MAP, *_BLOCK_MAP]]
 
 
 def _strip(name: str) -> str:
@@ -84,7 +89,8 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]], known: list[str
 
 
 def cs336_key_to_scratchlm(name: str) -> str:
-    """`layers.3.attn.output_proj.weight` -> `layers.3.attn.o_proj.weight` (prefixes such as `_orig_mod.` dropped)."""
+    """`layers.3.attn.output_proj.weight` -> `layers.3.attn.o_proj.weight`, `ln1.weight` -> `attn_norm.weight`
+    (prefixes such as `_orig_mod.` dropped)."""
     return _rename(_strip(name), _FROM_CS336, [c for c, _ in CS336_KEY_MAP], "CS336 TransformerLM")
 
 
