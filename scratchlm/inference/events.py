@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,18 @@ class StepEvent:
     spans: list[tuple[str, float, float]] = field(default_factory=list)  # (stage, start, end), perf_counter
 
     def to_dict(self, spans: bool = False) -> dict[str, Any]:
-        """JSON-able dict; `spans` (every timed call of the step) only when asked."""
-        d = asdict(self)
-        if not spans:
-            d.pop("spans")
+        """JSON-able dict; `spans` (every timed call of the step) only when asked. The event's lists are its own
+        (built for this step), so they are shared with the dict, not copied (dataclasses.asdict deep-copies every
+        block id: 10x slower)."""
+        d = dict(vars(self))
+        d["decodes"] = [dict(vars(w)) for w in self.decodes]
+        d["prefills"] = [dict(vars(w)) for w in self.prefills]
+        d["pool"] = dict(vars(self.pool))
+        d["totals"] = dict(vars(self.totals))
+        if spans:
+            d["spans"] = [list(x) for x in self.spans]
+        else:
+            del d["spans"]
         return d
 
 
