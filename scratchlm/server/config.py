@@ -33,7 +33,8 @@ class ServerConfig:
     )
     max_queue: int = field(
         default=256,
-        metadata={"help": "requests allowed to wait beyond the running batch (max-num-seqs); more get 429"},
+        metadata={"help": "sequences (prompts x n samples) allowed to wait beyond the running batch (max-num-seqs); "
+                  "more get 429"},
     )
     max_n: int = field(default=16, metadata={"help": "largest `n` (completions per prompt) a request may ask"})
     max_prompts: int = field(default=64, metadata={"help": "largest number of prompts in one /v1/completions call"})

@@ -239,3 +239,28 @@ def test_bad_neighbour(server, offline):
     assert statuses[10] == 500  # the engine failed that request alone
     assert all(400 <= s < 500 for i, s in enumerate(statuses) if i not in (1, 10)), statuses
     assert health.worst < 1.0 and health.failures == 0, health.worst
+
+
+def test_errored_output_raises_in_its_stream_only():
+    """Both engine homes (thread and process) hand outputs to RequestStream._put: an output with `error` set
+    becomes a RequestFailedError for that stream, and its admission slot is released."""
+    from scratchlm.inference.outputs import CompletionOutput, RequestOutput
+    from scratchlm.server.engine_loop import RequestFailedError, RequestStream, TimedOutput
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        bad, good = RequestStream("bad", loop), RequestStream("good", loop)
+        released = []
+        bad.on_done = lambda: released.append("bad")
+        for s in (bad, good):
+            s._accept(None)
+        out = RequestOutput("bad", None, [1], [CompletionOutput(0, "", [], "error")], True, error="boom")
+        bad._put(TimedOutput(out, 0.0))
+        good._put(TimedOutput(RequestOutput("good", None, [1], [CompletionOutput(0, "a", [5], "length")], True), 0))
+        with pytest.raises(RequestFailedError, match="boom"):
+            async for _ in bad:
+                pass
+        return [item.output.outputs[0].text async for item in good], released
+
+    texts, released = asyncio.run(run())
+    assert texts == ["a"] and released == ["bad"]
