@@ -143,7 +143,7 @@ def test_server_exits_nonzero_when_a_rank_dies(tmp_path) -> None:
                 assert server.poll() is None, log.read_text()
                 time.sleep(0.5)
         children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
-        workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        workers = [int(c) for c in children if "scratchlm.parallel.worker" in Path(f"/proc/{c}/cmdline").read_text()]
         assert workers, children
         os.kill(workers[0], signal.SIGKILL)
         t0 = time.monotonic()
