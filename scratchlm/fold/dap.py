@@ -72,19 +72,43 @@ class DapComm:
     def _wait(self, work) -> None:
         work.wait(timedelta(seconds=self.timeout_s)) if self.backend == "gloo" else work.wait()
 
-    def transpose(self, x: Tensor) -> Tensor:
-        """Row shard (B, R, N', c) of z -> row shard of z^T (B, R, N', c) (this rank's columns), by one all-to-all."""
+    def transpose(self, x: Tensor, overlap: bool = True, chunks: int = 8) -> Tensor:
+        """Row shard (B, R, N', c) of z -> row shard of z^T (B, R, N', c) (this rank's columns), by all-to-alls.
+
+        The channels go in `chunks` pieces, so the send/receive buffers are 2/chunks of the shard; with
+        overlap, piece i+1's all-to-all runs while piece i is unpacked."""
         p = self.world
         if p == 1:
             return x.transpose(1, 2).contiguous()
         b, r, n, c = x.shape
-        t = time.perf_counter()
-        send = x.view(b, r, p, r, c).permute(2, 0, 1, 3, 4).contiguous()  # (P, B, R_i, R_j, c): block q to rank q
-        recv = torch.empty_like(send)  # recv[q] = z[rows of rank q, my columns]
-        dist.all_to_all_single(recv, send, group=self.group)
-        del send
-        self._count("all_to_all", t, x.numel() * x.element_size() * (p - 1) // p)
-        return recv.permute(1, 3, 0, 2, 4).reshape(b, r, n, c)  # (B, R_j, P, R_i, c) -> z^T rows
+        out = x.new_empty(b, r, n, c)
+        bounds = [(c * i // chunks, c * (i + 1) // chunks) for i in range(chunks)]
+        bounds = [(c0, c1) for c0, c1 in bounds if c1 > c0]
+
+        def start(c0: int, c1: int):
+            t = time.perf_counter()
+            send = x[..., c0:c1].view(b, r, p, r, c1 - c0).permute(2, 0, 1, 3, 4).contiguous()  # (P, B, Ri, Rj, cc)
+            recv = torch.empty_like(send)  # recv[q] = z[rows of rank q, my columns, c0:c1]
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            self._count("all_to_all", t, send.numel() * send.element_size() * (p - 1) // p)
+            return send, recv, work
+
+        def finish(c0: int, c1: int, pending) -> None:
+            send, recv, work = pending
+            t = time.perf_counter()
+            self._wait(work)
+            self._count("all_to_all_wait", t, 0)
+            del send
+            out[..., c0:c1].view(b, r, p, r, c1 - c0).copy_(recv.permute(1, 3, 0, 2, 4))  # (B, Rj, P, Ri, cc)
+
+        pending = start(*bounds[0])
+        for i, (c0, c1) in enumerate(bounds):
+            nxt = start(*bounds[i + 1]) if overlap and i + 1 < len(bounds) else None
+            finish(c0, c1, pending)
+            if nxt is None and i + 1 < len(bounds):
+                nxt = start(*bounds[i + 1])
+            pending = nxt
+        return out
 
     def all_gather(self, x: Tensor, dim: int, async_op: bool = False):
         """Concatenate every rank's `x` along `dim`; with async_op, a callable that waits and returns it."""
@@ -107,40 +131,49 @@ class DapComm:
             return torch.cat(parts, dim=dim)
         return wait
 
-    def ring_contract(self, a: Tensor, b: Tensor, overlap: bool) -> Tensor:
-        """x = a @ b_all^T over every rank's b: a, b (B, c, R, N') row shards -> x (B, c, R, N').
+    def ring_contract(self, a: list[Tensor], b: list[Tensor], overlap: bool) -> list[Tensor]:
+        """x = a @ b_all^T over every rank's b, per channel chunk: a, b lists of (B, cc, R, N') row shards ->
+        x list of (B, cc, R, N'). Empties a and b as it goes (each chunk freed once used).
 
         overlap: b's blocks travel in a ring (isend to r+1, irecv from r-1) while the block in hand is
-        multiplied; otherwise b is all-gathered whole first."""
+        multiplied; otherwise each chunk of b is all-gathered whole first."""
         p, r = self.world, self.rank
-        rows = a.shape[2]
-        if p == 1:
-            return torch.matmul(a, b.transpose(-1, -2))
-        if not overlap:
-            b_all = self.all_gather(b, dim=2)  # (B, c, N', N')
-            return torch.matmul(a, b_all.transpose(-1, -2))
-        out = a.new_empty(*a.shape[:3], rows * p)
-        cur = b.contiguous()
-        nbytes = cur.numel() * cur.element_size()
-        for step in range(p):
-            works = []
-            if step < p - 1:
-                nxt = torch.empty_like(cur)
-                t = time.perf_counter()
-                works = dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend, cur, self.ranks[(r + 1) % p], group=self.group),
-                    dist.P2POp(dist.irecv, nxt, self.ranks[(r - 1) % p], group=self.group),
-                ])
-                self._count("ring_post", t, nbytes)
-            src = (r - step) % p  # the rank whose rows `cur` holds
-            out[..., src * rows:(src + 1) * rows] = torch.matmul(a, cur.transpose(-1, -2))
-            if works:
-                t = time.perf_counter()
-                for w in works:
-                    self._wait(w)
-                self._count("ring_wait", t, 0)
-                cur = nxt
-        return out
+        x = []
+        while a:
+            ai, cur = a.pop(0), b.pop(0)
+            rows = ai.shape[2]
+            if p == 1:
+                x.append(torch.matmul(ai, cur.transpose(-1, -2)))
+                continue
+            if not overlap:
+                b_all = self.all_gather(cur, dim=2)  # (B, cc, N', N')
+                del cur
+                x.append(torch.matmul(ai, b_all.transpose(-1, -2)))
+                del b_all
+                continue
+            out = ai.new_empty(*ai.shape[:3], rows * p)
+            cur = cur.contiguous()
+            nbytes = cur.numel() * cur.element_size()
+            for step in range(p):
+                works = []
+                if step < p - 1:
+                    nxt = torch.empty_like(cur)
+                    t = time.perf_counter()
+                    works = dist.batch_isend_irecv([
+                        dist.P2POp(dist.isend, cur, self.ranks[(r + 1) % p], group=self.group),
+                        dist.P2POp(dist.irecv, nxt, self.ranks[(r - 1) % p], group=self.group),
+                    ])
+                    self._count("ring", t, nbytes)
+                src = (r - step) % p  # the rank whose rows `cur` holds
+                out[..., src * rows:(src + 1) * rows] = torch.matmul(ai, cur.transpose(-1, -2))  # (B, cc, R, R)
+                if works:
+                    t = time.perf_counter()
+                    for w in works:
+                        self._wait(w)
+                    self._count("ring_wait", t, 0)
+                    cur = nxt
+            x.append(out)
+        return x
 
 
 def pad_to(n: int, world: int) -> int:
@@ -181,57 +214,64 @@ class DapPairformer:
         return self.comm.all_gather(z_rows, dim=1)[:, :n, :n]
 
     # --- compute --------------------------------------------------------------------------------
-    def block(self, blk: PairformerBlock, s: Tensor, z: Tensor, mask: Tensor, pm_rows: Tensor, pm_cols: Tensor):
-        """One block on the local shard: s (B, N', c_s) full, z (B, R, N', c) rows -> (s, z)."""
+    def block(self, blk: PairformerBlock, s: Tensor, zbox: list[Tensor], mask: Tensor, pm_rows: Tensor,
+              pm_cols: Tensor) -> tuple[Tensor, Tensor]:
+        """One block on the local shard: s (B, N', c_s) full, zbox = [z rows (B, R, N', c)] -> (s, z).
+
+        z is taken out of the box and updated in place (so no caller reference keeps an old shard alive)."""
         comm, ch, ov = self.comm, self.chunk_rows, self.overlap
+        z = zbox.pop()
         rows = z.shape[1]
         r0 = comm.rank * rows
         # triangle update, outgoing: rows local, the operand b over every row
         m = blk.tri_mul_out
-        a, b, gate = m.project(z, pm_rows, ch)
+        a, b = m.project(z, pm_rows, ch)
         x = comm.ring_contract(a, b, ov)
-        del a, b
-        z = z + m.finish(x, gate, ch)
-        del x, gate
+        m.finish_(z, x, ch)
+        del x
         # triangle update, incoming: on z^T's rows (this rank's columns), operands swapped
-        zt = comm.transpose(z)
+        zt = comm.transpose(z, ov)
         del z
         m = blk.tri_mul_in
-        a, b, gate = m.project(zt, pm_cols, ch)
+        a, b = m.project(zt, pm_cols, ch)
         x = comm.ring_contract(b, a, ov)
-        del a, b
-        zt += m.finish(x, gate, ch)
-        del x, gate
-        z = comm.transpose(zt)
+        m.finish_(zt, x, ch)
+        del x
+        z = comm.transpose(zt, ov)
         del zt
         # triangle attention, starting node: rows local, the bias over the whole pair
-        z += self._tri_attention(blk.tri_att_start, z, pm_rows)
+        self._tri_attention(blk.tri_att_start, z, pm_rows)
         # triangle attention, ending node, and the pair transition on the columns
-        zt = comm.transpose(z)
+        zt = comm.transpose(z, ov)
         del z
-        zt += self._tri_attention(blk.tri_att_end, zt, pm_cols)
-        zt += blk.transition_z(zt, ch)
-        z = comm.transpose(zt)
+        self._tri_attention(blk.tri_att_end, zt, pm_cols)
+        blk.transition_z.update_(zt, ch)
+        z = comm.transpose(zt, ov)
         del zt
         # single track: query rows with the pair rows, so the bias rows are local; then gather s
         s_normed = blk.pre_norm_s(s)
-        s_rows = s[:, r0:r0 + rows] + blk.attention(s_normed, blk.attention.pair_bias(z), mask, (r0, r0 + rows))
+        bias = blk.attention.pair_bias(z, ch)
+        s_rows = s[:, r0:r0 + rows] + blk.attention(s_normed, bias, mask, (r0, r0 + rows))
         s_rows = s_rows + blk.transition_s(s_rows)
         return comm.all_gather(s_rows, dim=1), z
 
-    def _tri_attention(self, att, z: Tensor, pm: Tensor) -> Tensor:
+    def _tri_attention(self, att, z: Tensor, pm: Tensor) -> None:
         x = att.layer_norm(z)
-        bias_rows = att.bias(x)  # (B, H, R, N')
-        # overlap: a callable that attend() calls after its first chunk's q k^T (the gather runs meanwhile)
-        bias = self.comm.all_gather(bias_rows, dim=2, async_op=self.overlap)
-        return att.attend(x, bias, pm, self.chunk_rows)
+        # overlap: a callable that attend_() calls after its first chunk's q k^T (the gather runs meanwhile)
+        bias = self.comm.all_gather(att.bias(x), dim=2, async_op=self.overlap)
+        att.attend_(z, x, bias, pm, self.chunk_rows)
 
     @torch.no_grad()
-    def forward_sharded(self, s: Tensor, z_rows: Tensor, mask: Tensor, pm_rows: Tensor, pm_cols: Tensor):
-        """Every block on the shard; inputs as `shard` returns them."""
+    def forward_sharded(self, s: Tensor, z_rows: Tensor, mask: Tensor, pm_rows: Tensor, pm_cols: Tensor,
+                        inplace: bool = False) -> tuple[Tensor, Tensor]:
+        """Every block on the shard; inputs as `shard` returns them. `inplace=False` copies z_rows first."""
+        zbox = [z_rows if inplace else z_rows.clone()]
+        del z_rows
         for blk in self.blocks:
-            s, z_rows = self.block(blk, s, z_rows, mask, pm_rows, pm_cols)
-        return s, z_rows
+            s, z = self.block(blk, s, zbox, mask, pm_rows, pm_cols)
+            zbox.append(z)
+            del z
+        return s, zbox.pop()
 
     @torch.no_grad()
     def __call__(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -240,3 +280,24 @@ class DapPairformer:
         s_p, z_rows, mask_p, pm_rows, pm_cols = self.shard(s, z, mask, pair_mask)
         s_out, z_rows = self.forward_sharded(s_p, z_rows, mask_p, pm_rows, pm_cols)
         return s_out[:, :n], self.gather_z(z_rows, n)
+
+
+def block_comm_bytes(cfg, n: int, world: int, overlap: bool = True, batch: int = 1, elem: int = 4) -> dict[str, int]:
+    """Bytes one rank sends per block, by kind, as `DapComm` counts them (R = ceil(N/P), N' = P R).
+
+    ring / all_gather of the triangle updates' operand: 2 (P-1) B R N' c; all_to_all: 4 transposes of
+    (P-1)/P of the shard; bias gathers: 2 (P-1) B H R N'; the single track: (P-1) B R c_s."""
+    if world == 1:
+        return {}
+    rows = -(-n // world)
+    n_pad = rows * world
+    shard = batch * rows * n_pad * cfg.c_z * elem
+    operand = 2 * (world - 1) * shard
+    out = {"all_to_all": 4 * (world - 1) * shard // world,
+           "all_gather": 2 * (world - 1) * batch * cfg.pair_heads * rows * n_pad * elem
+           + (world - 1) * batch * rows * cfg.c_s * elem}
+    if overlap:
+        out["ring"] = operand
+    else:
+        out["all_gather"] += operand
+    return out

@@ -92,23 +92,24 @@ class Transition(nn.Module):
         self.norm = LayerNorm(dim)
         self.mlp = SwiGLU(dim, hidden)
 
-    def forward(self, x: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """x (B, R, ..., dim) -> same shape; with `chunk_rows`, dim 1 in chunks (bounded hidden activation)."""
-        if chunk_rows is None or chunk_rows >= x.shape[1]:
-            return self.mlp(self.norm(x))
-        out = torch.empty_like(x)
-        for i0, i1 in _row_chunks(x.shape[1], chunk_rows):
-            out[:, i0:i1] = self.mlp(self.norm(x[:, i0:i1]))
-        return out
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., dim) -> the update (..., dim)."""
+        return self.mlp(self.norm(x))
+
+    def update_(self, z: Tensor, chunk_rows: int | None = None) -> None:
+        """z (B, R, N, dim) += Transition(z), in place, over row chunks (bounded hidden activation)."""
+        for i0, i1 in _row_chunks(z.shape[1], chunk_rows):
+            z[:, i0:i1] += self.mlp(self.norm(z[:, i0:i1]))
 
 
 class TriangleMultiplication(nn.Module):
     """Triangle multiplicative update, outgoing (z[i,j] = sum_k a[i,k] b[j,k]) or incoming (sum_k a[k,i] b[k,j]).
 
-    `project` gives the masked operands a, b and the output gate for some rows, `contract_rows` the
-    outgoing contraction of local rows of a against any rows of b, `finish` the output norm/projection.
-    The incoming update is the outgoing one on z transposed with a and b swapped:
-    x^T[p,q] = x[q,p] = sum_k a[k,q] b[k,p] = sum_k b^T[p,k] a^T[q,k].
+    Split for row shards: `project` gives the masked operands a, b of some rows as channel-chunk lists,
+    `contract` the outgoing contraction of those rows of a against b, freeing each channel chunk of a and b
+    as its product appears (so a + b + x never exceed two pair tensors), `finish_` the output norm,
+    projection and gate (recomputed from LN(z)), added to z in place. The incoming update is the outgoing
+    one on z transposed with a and b swapped: x^T[p,q] = x[q,p] = sum_k a[k,q] b[k,p] = sum_k b^T[p,k] a^T[q,k].
     """
 
     def __init__(self, dim: int, outgoing: bool):
@@ -120,43 +121,55 @@ class TriangleMultiplication(nn.Module):
         self.p_out = Linear(dim, dim)
         self.g_out = Linear(dim, dim)
 
-    def project(self, z: Tensor, mask: Tensor, chunk_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """z (B, R, N, c), mask (B, R, N) -> a, b (B, c, R, N) channel-first contiguous, gate (B, R, N, c)."""
+    def project(self, z: Tensor, mask: Tensor, chunk_rows: int | None = None,
+                channel_chunks: int = 8) -> tuple[list[Tensor], list[Tensor]]:
+        """z (B, R, N, c), mask (B, R, N) -> a, b as lists of channel chunks (B, c/k, R, N), contiguous."""
         bsz, r, n, c = z.shape
-        a = z.new_empty(bsz, c, r, n)
-        b = z.new_empty(bsz, c, r, n)
-        gate = torch.empty_like(z)
+        bounds = [(c * i // channel_chunks, c * (i + 1) // channel_chunks) for i in range(channel_chunks)]
+        bounds = [(c0, c1) for c0, c1 in bounds if c1 > c0]
+        a = [z.new_empty(bsz, c1 - c0, r, n) for c0, c1 in bounds]
+        b = [z.new_empty(bsz, c1 - c0, r, n) for c0, c1 in bounds]
         for i0, i1 in _row_chunks(r, chunk_rows):
-            x = self.norm_in(z[:, i0:i1])  # (B, r, N, c)
-            pg = self.proj_in(x)  # (B, r, N, 4c)
-            ab = pg[..., : 2 * c] * torch.sigmoid(pg[..., 2 * c:])
+            pg = self.proj_in(self.norm_in(z[:, i0:i1]))  # (B, r, N, 4c)
+            ab = pg[..., : 2 * c].mul_(torch.sigmoid(pg[..., 2 * c:]))  # (B, r, N, 2c), a then b
             ab *= mask[:, i0:i1, :, None]
-            a[:, :, i0:i1] = ab[..., :c].permute(0, 3, 1, 2)  # (B, c, r, N)
-            b[:, :, i0:i1] = ab[..., c:].permute(0, 3, 1, 2)
-            gate[:, i0:i1] = torch.sigmoid(self.g_out(x))
-        return a, b, gate
+            del pg
+            abt = ab.permute(0, 3, 1, 2)  # (B, 2c, r, N)
+            for (c0, c1), ta, tb in zip(bounds, a, b):
+                ta[:, :, i0:i1] = abt[:, c0:c1]
+                tb[:, :, i0:i1] = abt[:, c + c0:c + c1]
+        return a, b
 
     @staticmethod
-    def contract_rows(a: Tensor, b: Tensor) -> Tensor:
-        """a (B, c, R, K), b (B, c, J, K) -> x (B, c, R, J) = sum_k a[..., i, k] b[..., j, k]."""
-        return torch.matmul(a, b.transpose(-1, -2))
+    def contract(a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
+        """Channel chunks a (B, cc, R, K), b (B, cc, J, K) -> x (B, cc, R, J) = sum_k a[.., i, k] b[.., j, k].
 
-    def finish(self, x: Tensor, gate: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """x (B, c, R, N) channel-first, gate (B, R, N, c) -> update (B, R, N, c)."""
-        out = torch.empty_like(gate)
-        for i0, i1 in _row_chunks(gate.shape[1], chunk_rows):
-            xc = x[:, :, i0:i1].permute(0, 2, 3, 1)  # (B, r, N, c)
-            out[:, i0:i1] = self.p_out(self.norm_out(xc)) * gate[:, i0:i1]
-        return out
+        Empties the lists as it goes (a and b are freed chunk by chunk)."""
+        x = []
+        while a:
+            x.append(torch.matmul(a.pop(0), b.pop(0).transpose(-1, -2)))
+        return x
+
+    def finish_(self, z: Tensor, x: list[Tensor], chunk_rows: int | None = None) -> None:
+        """z (B, R, N, c) += p_out(LN(x)) * sigmoid(g_out(LN_in(z))), in place, row chunk by row chunk."""
+        for i0, i1 in _row_chunks(z.shape[1], chunk_rows):
+            gate = torch.sigmoid(self.g_out(self.norm_in(z[:, i0:i1])))  # from z's rows before their update
+            xc = torch.cat([t[:, :, i0:i1] for t in x], dim=1).permute(0, 2, 3, 1)  # (B, r, N, c)
+            z[:, i0:i1] += self.p_out(self.norm_out(xc)).mul_(gate)
+
+    def update_(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> None:
+        """z (B, N, N, c) += the update, in place; pair_mask (B, N, N)."""
+        if not self.outgoing:
+            z, pair_mask = z.transpose(1, 2), pair_mask.transpose(1, 2)  # rows of z^T are columns of z
+        a, b = self.project(z, pair_mask, chunk_rows)
+        x = self.contract(a, b) if self.outgoing else self.contract(b, a)
+        self.finish_(z, x, chunk_rows)
 
     def forward(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """z (B, N, N, c), pair_mask (B, N, N) -> the update (B, N, N, c) (not yet added to z)."""
-        if self.outgoing:
-            a, b, gate = self.project(z, pair_mask, chunk_rows)
-            return self.finish(self.contract_rows(a, b), gate, chunk_rows)
-        zt = z.transpose(1, 2)  # (B, N, N, c): rows of zt are columns of z
-        a, b, gate = self.project(zt, pair_mask.transpose(1, 2), chunk_rows)
-        return self.finish(self.contract_rows(b, a), gate, chunk_rows).transpose(1, 2)
+        """The update (B, N, N, c) alone (z is not modified)."""
+        out = z.clone()
+        self.update_(out, pair_mask, chunk_rows)
+        return out.sub_(z)
 
 
 class TriangleAttention(nn.Module):
@@ -178,14 +191,14 @@ class TriangleAttention(nn.Module):
         """LayerNormed rows x (B, R, N, c) -> their bias rows (B, H, R, N)."""
         return self.linear(x).permute(0, 3, 1, 2)
 
-    def attend(self, x: Tensor, bias: Tensor | Callable[[], Tensor], mask: Tensor,
-               chunk_rows: int | None = None) -> Tensor:
-        """Rows x (B, R, N, c) LayerNormed, bias (B, H, N, N) over the whole pair, mask (B, R, N) -> (B, R, N, c).
+    def attend_(self, z: Tensor, x: Tensor, bias: Tensor | Callable[[], Tensor], mask: Tensor,
+                chunk_rows: int | None = None) -> None:
+        """z rows (B, R, N, c) += attention of the LayerNormed rows x, in place, one row chunk at a time.
 
-        `bias` may be a callable returning it (an async all-gather's wait), called after the first q k^T."""
+        bias (B, H, N, N) covers the whole pair; it may be a callable returning it (an async all-gather's
+        wait), called after the first chunk's q k^T. mask (B, R, N) masks the keys of each row."""
         bsz, r, n, _ = x.shape
         h, d = self.heads, self.head_dim
-        out = torch.empty_like(x)
         scale = 1.0 / math.sqrt(d)
         bias5 = None
         for i0, i1 in _row_chunks(r, chunk_rows):
@@ -195,6 +208,7 @@ class TriangleAttention(nn.Module):
             k = qkvg[..., 1, :, :].transpose(2, 3)
             v = qkvg[..., 2, :, :].transpose(2, 3)
             logits = torch.matmul(q, k.transpose(-1, -2))  # (B, r, H, N, N)
+            del q, k
             if bias5 is None:
                 bias5 = (bias() if callable(bias) else bias).unsqueeze(1)  # (B, 1, H, N, N)
             logits += bias5
@@ -202,18 +216,23 @@ class TriangleAttention(nn.Module):
             attn = torch.softmax(logits, dim=-1)
             del logits
             o = torch.matmul(attn, v).transpose(2, 3)  # (B, r, N, H, D)
-            del attn
+            del attn, v
             o = o * torch.sigmoid(qkvg[..., 3, :, :])
-            out[:, i0:i1] = self.linear_o(o.reshape(bsz, rr, n, h * d))
-        return out
+            del qkvg
+            z[:, i0:i1] += self.linear_o(o.reshape(bsz, rr, n, h * d))
 
-    def forward(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> Tensor:
-        """z (B, N, N, c), pair_mask (B, N, N) -> the update (B, N, N, c)."""
+    def update_(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> None:
+        """z (B, N, N, c) += the update, in place; pair_mask (B, N, N)."""
         if not self.starting:
             z, pair_mask = z.transpose(1, 2), pair_mask.transpose(1, 2)
         x = self.layer_norm(z)
-        out = self.attend(x, self.bias(x), pair_mask, chunk_rows)
-        return out if self.starting else out.transpose(1, 2)
+        self.attend_(z, x, self.bias(x), pair_mask, chunk_rows)
+
+    def forward(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """The update (B, N, N, c) alone (z is not modified)."""
+        out = z.clone()
+        self.update_(out, pair_mask, chunk_rows)
+        return out.sub_(z)
 
 
 class AttentionPairBias(nn.Module):
@@ -226,11 +245,16 @@ class AttentionPairBias(nn.Module):
         self.q_bias = nn.Parameter(torch.zeros(c_s))
         self.norm_z = LayerNorm(c_z)
         self.proj_z = Linear(c_z, heads)
+
         self.proj_o = Linear(c_s, c_s)
 
-    def pair_bias(self, z: Tensor) -> Tensor:
-        """z rows (B, R, N, c_z) -> bias rows (B, H, R, N)."""
-        return self.proj_z(self.norm_z(z)).permute(0, 3, 1, 2)
+    def pair_bias(self, z: Tensor, chunk_rows: int | None = None) -> Tensor:
+        """z rows (B, R, N, c_z) -> bias rows (B, H, R, N) (LayerNorm over row chunks: no full-size copy)."""
+        bsz, r, n, _ = z.shape
+        out = z.new_empty(bsz, r, n, self.heads)
+        for i0, i1 in _row_chunks(r, chunk_rows):
+            out[:, i0:i1] = self.proj_z(self.norm_z(z[:, i0:i1]))
+        return out.permute(0, 3, 1, 2)
 
     def forward(self, s: Tensor, bias: Tensor, mask: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
         """s (B, N, c_s) normed, bias (B, H, R, N) for query rows `rows` (all when None), mask (B, N) keys.
@@ -267,16 +291,21 @@ class PairformerBlock(nn.Module):
         self.attention = AttentionPairBias(cs, cz, cfg.num_heads)
         self.transition_s = Transition(cs, cfg.transition_mult * cs)
 
-    def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
-                chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
-        """s (B, N, c_s), z (B, N, N, c_z), mask (B, N), pair_mask (B, N, N) (floats in {0, 1})."""
-        z = z + self.tri_mul_out(z, pair_mask, chunk_rows)  # a new tensor: the caller's z is left alone
-        z += self.tri_mul_in(z, pair_mask, chunk_rows)  # then in place: one pair tensor less at the peak
-        z += self.tri_att_start(z, pair_mask, chunk_rows)
-        z += self.tri_att_end(z, pair_mask, chunk_rows)
-        z += self.transition_z(z, chunk_rows)
+    def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor, chunk_rows: int | None = None,
+                inplace: bool = False) -> tuple[Tensor, Tensor]:
+        """s (B, N, c_s), z (B, N, N, c_z), mask (B, N), pair_mask (B, N, N) (floats in {0, 1}).
+
+        Every pair update is added to z in place (one pair tensor plus the op's own); `inplace=False`
+        (the default) first copies z so the caller's tensor is left alone."""
+        if not inplace:
+            z = z.clone()
+        self.tri_mul_out.update_(z, pair_mask, chunk_rows)
+        self.tri_mul_in.update_(z, pair_mask, chunk_rows)
+        self.tri_att_start.update_(z, pair_mask, chunk_rows)
+        self.tri_att_end.update_(z, pair_mask, chunk_rows)
+        self.transition_z.update_(z, chunk_rows)
         s_normed = self.pre_norm_s(s)
-        s = s + self.attention(s_normed, self.attention.pair_bias(z), mask)
+        s = s + self.attention(s_normed, self.attention.pair_bias(z, chunk_rows), mask)
         s = s + self.transition_s(s)
         return s, z
 
@@ -291,8 +320,8 @@ class Pairformer(nn.Module):
 
     def forward(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
                 chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
-        for block in self.blocks:
-            s, z = block(s, z, mask, pair_mask, chunk_rows)
+        for i, block in enumerate(self.blocks):
+            s, z = block(s, z, mask, pair_mask, chunk_rows, inplace=i > 0)  # only the first copies the input
         return s, z
 
 
@@ -300,15 +329,15 @@ class Pairformer(nn.Module):
 
 
 def chunk_transient_bytes(cfg: PairformerConfig, n: int, rows: int, batch: int = 1, elem: int = 4) -> int:
-    """Transient bytes of the largest chunked op on `rows` rows of an N x N pair (fp32 by default).
+    """Transient bytes of the largest chunked op on `rows` rows of an N-wide pair (fp32 by default).
 
-    Triangle attention per chunk: qkvg (rows N 4HD) + logits and softmax (2 x rows H N^2) + o (rows N HD);
-    the transition: hidden (3 x rows N 4c, gate/up/product); the triangle update's projection: 6 x rows N c.
-    """
-    h, d, c = cfg.pair_heads, cfg.pair_head_dim, cfg.c_z
-    att = rows * n * (4 * h * d + h * d) + 2 * rows * h * n * n
+    Triangle attention per chunk: q|k|v|g, o and the gated o (rows N 6HD) with the logits and their softmax
+    (2 x rows H N^2); the transition: hidden (3 x rows N 4c, gate/up/product); the triangle update's
+    projection: LN(z), p_in|g_in and the gated pair (rows N 7c)."""
+    h, hd, c = cfg.pair_heads, cfg.pair_heads * cfg.pair_head_dim, cfg.c_z
+    att = rows * n * 6 * hd + 2 * rows * h * n * n
     trans = 3 * rows * n * cfg.transition_mult * c
-    tri = 6 * rows * n * c
+    tri = 7 * rows * n * c
     return batch * elem * max(att, trans, tri)
 
 

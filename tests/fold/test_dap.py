@@ -8,10 +8,14 @@ import time
 import pytest
 import torch
 
+from scratchlm.fold.dap import block_comm_bytes
+from scratchlm.fold.diffusion_head import DiffusionHead, DiffusionHeadConfig
 from scratchlm.fold.pairformer import Pairformer, PairformerConfig
 from scratchlm.parallel.sequence import spawn_gloo
 
 CFG = PairformerConfig(c_s=32, c_z=16, num_heads=4, pair_heads=2, pair_head_dim=8, n_blocks=2)
+HEAD = DiffusionHeadConfig(c_token=16, n_layers=2, heads=2, steps=6)
+K = 3  # diffusion samples: uneven over 2 and 4 ranks
 
 
 def _model(seed: int = 0) -> Pairformer:
@@ -35,26 +39,41 @@ def _inputs(n: int, seed: int = 1, pad: int = 0):
     return s, z, mask, pm
 
 
+def _head() -> DiffusionHead:
+    torch.manual_seed(7)
+    return DiffusionHead(HEAD, CFG.c_s, CFG.c_z).eval()
+
+
 def _dap_worker(rank, world, n, pad, overlap, chunk):
     from scratchlm.fold.dap import DapComm, DapPairformer
+    from scratchlm.fold.diffusion_head import condition_from_shards, sample_data_parallel
 
     comm = DapComm("cpu", timeout_s=30)
     dap = DapPairformer(_model(), comm, overlap=overlap, chunk_rows=chunk)
-    s, z = dap(*_inputs(n, pad=pad))
-    return s, z, dict(comm.bytes_sent)
+    s, z_rows, mask, pm_rows, pm_cols = dap.shard(*_inputs(n, pad=pad))
+    s, z_rows = dap.forward_sharded(s, z_rows, mask, pm_rows, pm_cols)
+    sent = {k: v for k, v in comm.bytes_sent.items() if v}
+    with torch.no_grad():  # the hybrid: the K samples data-parallel over the trunk's ranks
+        samples = sample_data_parallel(_head(), condition_from_shards(_head(), comm, s, z_rows, mask, n), K, comm)
+    return s[:, :n], dap.gather_z(z_rows, n), sent, samples
 
 
 def _check(world, n, pad, overlap, chunk):
     with torch.no_grad():
         s_ref, z_ref = _model()(*_inputs(n, pad=pad))
+        head = _head()
+        cond = head.condition(s_ref, head.pair_biases(z_ref), _inputs(n, pad=pad)[2])
+        x_ref = head.sample(cond, list(range(K)))
     results = spawn_gloo(_dap_worker, world, n, pad, overlap, chunk, timeout=240)
     real = n - pad  # masked tokens' own outputs are don't-cares (a fully masked query row), as in Boltz
     s_ref, z_ref = s_ref[:, :real], z_ref[:, :real, :real]
-    for s, z, sent in results:
+    for s, z, sent, x in results:
+        torch.testing.assert_close(x[:, :real], x_ref[:, :real], rtol=1e-5, atol=1e-5 * x_ref.abs().max().item())
         s, z = s[:, :real], z[:, :real, :real]
         torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5 * s_ref.abs().max().item())
         torch.testing.assert_close(z, z_ref, rtol=1e-5, atol=1e-5 * z_ref.abs().max().item())
-        assert sent["all_to_all"] > 0 and (sent.get("ring_post", 0) > 0) == overlap
+        per_block = block_comm_bytes(CFG, n, world, overlap)  # the communication volume formula, exactly
+        assert sent == {k: CFG.n_blocks * v for k, v in per_block.items()}
 
 
 def test_dap_two_ranks_uneven_padded_equals_one_rank():
