@@ -167,3 +167,28 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     """A JSON-ready dict of a config (Paths become strings)."""
     out = dataclasses.asdict(cfg)
     return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
+
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"  # package data (recipes/ at the repository root)
+
+
+def recipe_names(folder: str = "") -> list[str]:
+    """Names of the shipped recipes in `folder` ("" = training runs, "clusters", "clusters/models")."""
+    where = RECIPES_DIR / folder
+    return sorted(p.stem for p in where.glob("*.toml")) if where.is_dir() else []
+
+
+def resolve_recipe(value: str | Path, folder: str = "", what: str = "config") -> Path:
+    """`value` as a path if it exists, else the shipped recipe of that name (``tinystories`` ->
+    ``scratchlm/recipes/tinystories.toml``), so recipes work from any folder and from an installed wheel.
+    Raises FileNotFoundError listing the recipe names."""
+    path = Path(value)
+    if path.exists():
+        return path
+    name = str(value)
+    if "/" not in name and "\\" not in name:
+        candidate = RECIPES_DIR / folder / (name if name.endswith(".toml") else name + ".toml")
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{what} {value!r} not found: neither a file nor a shipped recipe (recipes: "
+                            f"{', '.join(recipe_names(folder)) or 'none'})")

@@ -1,6 +1,6 @@
 """`scratchlm plan`: rank DP x TP x PP x CP layouts of a model on a cluster, or calibrate this machine.
 
-    scratchlm plan --model MODEL --cluster recipes/clusters/h100x8_nvlink.toml --prompt-len 2048 --output-len 256 \\
+    scratchlm plan --model MODEL --cluster h100x8_nvlink --prompt-len 2048 --output-len 256 \\
         --concurrency 64
     scratchlm plan --calibrate --out recipes/clusters/local.toml
 
@@ -40,10 +40,10 @@ def load_model_config(path: str | None) -> ModelConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `scratchlm plan`."""
-    parser.add_argument("--model", default=None, help="model path, or a TOML/JSON file of ModelConfig fields "
-                        "(default: SmolLM2-135M)")
-    parser.add_argument("--cluster", default=None, help="cluster TOML (see recipes/clusters/); default: calibrate "
-                        "this machine")
+    parser.add_argument("--model", default=None, help="model path, a TOML/JSON file of ModelConfig fields, or a "
+                        "shipped shape by name (llama3-8b, llama3-70b, smollm2-135m); default: SmolLM2-135M")
+    parser.add_argument("--cluster", default=None, help="cluster TOML, or a shipped one by name (h100x8_nvlink, "
+                        "cpu16_25gbe, gpu1000_ib); default: calibrate this machine")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     parser.add_argument("--concurrency", type=int, default=8, help="requests served at once")
@@ -75,6 +75,10 @@ def format_table(preds, top: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run `scratchlm plan`."""
     try:
+        from scratchlm.config import resolve_recipe
+
+        if args.model is not None and not Path(args.model).exists():  # a shipped model shape, by name
+            args.model = str(resolve_recipe(args.model, "clusters/models", "--model"))
         config = load_model_config(args.model)
         if args.calibrate:
             from scratchlm.plan.calibrate import calibrate
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             cluster = spec
         else:
-            cluster = load_cluster(args.cluster) if args.cluster else None
+            cluster = load_cluster(resolve_recipe(args.cluster, "clusters", "--cluster")) if args.cluster else None
         if cluster is None:
             print("no --cluster given: calibrating this machine first (use --calibrate --out FILE to keep it)",
                   file=sys.stderr)

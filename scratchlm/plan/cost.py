@@ -406,6 +406,12 @@ def plan(c: ModelConfig, w: Workload, cluster: ClusterSpec, objective: str = "th
     return sorted(preds, key=key)
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds with 3 significant digits, so a small term never prints as 0.00 beside a bigger one."""
+    ms = seconds * 1e3
+    return "0 ms" if ms == 0 else f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
 def explain(ranked: list[Prediction], objective: str = "throughput") -> str:
     """A few sentences on why the first layout wins, against the runner-up and the plain replicas."""
     feasible = [p for p in ranked if p.feasible]
@@ -413,15 +419,20 @@ def explain(ranked: list[Prediction], objective: str = "throughput") -> str:
         reasons = sorted({p.reason for p in ranked})[:3]
         return "No layout fits: " + " | ".join(reasons)
     best = feasible[0]
+    phase = "decode" if best.decode_share >= 0.5 else "prefill"  # the phase whose bottleneck `best.bottleneck` is
+    share = best.decode_share if phase == "decode" else 1 - best.decode_share
     lines = [
         f"Best for {objective}: {best.layout} -- {best.throughput:.1f} output tok/s, TTFT {best.ttft_s * 1e3:.1f} ms, "
-        f"{best.memory_bytes / 2**30:.2f} GiB per rank; limited by {best.bottleneck} "
-        f"(decode is {best.decode_share:.0%} of the time)."
+        f"{best.memory_bytes / 2**30:.2f} GiB per rank; limited by {best.bottleneck} in {phase} "
+        f"({phase} is {share:.0%} of the time)."
     ]
-    d = best.decode
-    lines.append(f"Its decode step: compute {d.compute * 1e3:.2f} ms, memory {d.memory * 1e3:.2f} ms, "
-                 f"network {d.network * 1e3:.2f} ms; one prefill: compute {best.prefill.compute * 1e3:.1f} ms, "
-                 f"network {(best.prefill.network + best.prefill.overlapped_network) * 1e3:.1f} ms.")
+
+    def terms(t: Terms) -> str:
+        compute = f"compute {_ms(t.compute)}" + (" (every op memory-bound)" if t.compute == 0 and t.memory else "")
+        return (f"{compute}, memory {_ms(t.memory)}, network {_ms(t.network + t.overlapped_network)}, "
+                f"per-op overhead {_ms(t.overhead)}")
+
+    lines.append(f"Its decode step: {terms(best.decode)}; one prefill: {terms(best.prefill)}.")
     if len(feasible) > 1:
         r = feasible[1]
         lines.append(f"Runner-up {r.layout}: {r.throughput:.1f} tok/s, TTFT {r.ttft_s * 1e3:.1f} ms "

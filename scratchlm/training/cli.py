@@ -1,6 +1,6 @@
 """`scratchlm train`: train a transformer LM from a config file plus CLI overrides.
 
-    scratchlm train --config recipes/tinystories.toml --max-steps 2000 --model-d-model 384
+    scratchlm train --config tinystories --max-steps 2000 --model-d-model 384   # a shipped recipe, by name
     torchrun --nproc-per-node 2 -m scratchlm train --config run.toml      # data parallel
 
 Values come from the field defaults, then the ``--config`` file (TrainConfig keys at the top,
@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import sys
 
-from scratchlm.config import add_dataclass_arguments, dataclass_from_args, from_dict
+from scratchlm.config import add_dataclass_arguments, dataclass_from_args, from_dict, recipe_names, resolve_recipe
 
 MODEL_PREFIX = "model_"
 
@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from scratchlm.training.config import TrainConfig
     from scratchlm.training.engines import ENGINES
 
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="TOML/JSON run file: TrainConfig keys at the top, ModelConfig keys in [model]")
+    parser.add_argument("--config", metavar="FILE|NAME", default=None,
+                        help="TOML/JSON run file: TrainConfig keys at the top, ModelConfig keys in [model]; or the "
+                             f"name of a shipped recipe ({', '.join(recipe_names())})")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity")
     add_dataclass_arguments(parser, TrainConfig)
@@ -43,7 +44,7 @@ def configs_from_args(args: argparse.Namespace):
     from scratchlm.training.config import TrainConfig, check_model_overrides, load_run_config
 
     if args.config is not None:
-        base, model = load_run_config(args.config)
+        base, model = load_run_config(resolve_recipe(args.config))
     else:
         base, model = from_dict(TrainConfig, {}), {}
     cfg = dataclass_from_args(TrainConfig, args, base=base)

@@ -77,3 +77,15 @@ def test_old_relative_sidecar_is_found_next_to_the_token_file(data_dir, tmp_path
                       max_steps=1, warmup_steps=0, progress=False, sample_tokens=0, threads=1)
     trainer = Trainer(cfg, {"d_model": 16, "n_layers": 1, "n_heads": 2})
     assert trainer.tokenizer is not None and trainer.tokenizer.encode("a") == [97]
+
+
+def test_config_by_recipe_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    from scratchlm.cli import build_parser
+    from scratchlm.training.cli import configs_from_args
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("train").parse_args(["train", "--config", "tinystories", "--max-steps", "7"])
+    cfg, model = configs_from_args(args)
+    assert cfg.batch_size == 16 and cfg.max_steps == 7 and model["d_model"] == 128
+    assert main(["train", "--config", "tinystoriez"]) == 2
+    assert "neither a file nor a shipped recipe (recipes: " in capsys.readouterr().err

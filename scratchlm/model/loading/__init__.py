@@ -28,7 +28,7 @@ def detect_format(path: str | Path) -> str:
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf"
-        raise CheckpointError(f"{path}: directory has no config.json (expected {FORMATS})")
+        raise CheckpointError(_not_a_model_dir(path))
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
@@ -40,8 +40,39 @@ def detect_format(path: str | Path) -> str:
     if path.suffix in (".pt", ".pth", ".ckpt"):
         raise CheckpointError(f"{path}: not a torch checkpoint (bad magic {magic!r}); truncated or corrupt?")
     if path.suffix == ".bin":
+        if _is_token_file(path):
+            raise CheckpointError(f"{path}: this is a token file written by `scratchlm tokenizer encode` (its sidecar "
+                                  f"{path.name}.json says so), training data rather than a model: pass it to "
+                                  f"`scratchlm train --train-data`, and give generate/serve a model ({FORMATS})")
         return "llama2c"
     raise CheckpointError(f"{path}: unrecognised model file (expected {FORMATS})")
+
+
+def _not_a_model_dir(path: Path) -> str:
+    """Why the folder `path` is not a model, and what to pass instead."""
+    checkpoints = sorted(p.name for p in path.glob("*.pt"))
+    if checkpoints:
+        pick = "ckpt.pt" if "ckpt.pt" in checkpoints else checkpoints[0]
+        return (f"{path}: a training run folder, not a model directory (no config.json): pass its checkpoint, "
+                f"{path / pick}")
+    if any((path / n).is_file() for n in ("tokenizer.json", "vocab.json", "encoder.json")):
+        return (f"{path}: this folder holds a tokenizer but no model (no config.json); pass a model ({FORMATS}), "
+                "and this folder as --tokenizer if the model has none")
+    return f"{path}: directory has no config.json (expected {FORMATS})"
+
+
+def _is_token_file(path: Path) -> bool:
+    """A flat token file from `scratchlm tokenizer encode`: its ``.bin.json`` sidecar names dtype and count."""
+    side = Path(str(path) + ".json")
+    if not side.is_file():
+        return False
+    try:
+        import json
+
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "dtype" in meta and "count" in meta
 
 
 def load(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:

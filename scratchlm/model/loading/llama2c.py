@@ -41,7 +41,10 @@ def read_header(path: Path) -> tuple[ModelConfig, bool]:
     values = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                   vocab_size=vocab, seq_len=seq_len)
     if min(values.values()) <= 0 or max(values.values()) > 1 << 20 or dim % n_heads or n_heads % n_kv_heads:
-        raise CheckpointError(f"{path}: not a llama2.c checkpoint (implausible header {values})")
+        raise CheckpointError(f"{path}: not a llama2.c checkpoint (implausible header {values}); a .bin model is a "
+                              "llama2.c checkpoint (token files from `scratchlm tokenizer encode` are training "
+                              "data, for `scratchlm train --train-data`; a llama2.c tokenizer tok*.bin goes to "
+                              "--tokenizer)")
     config = ModelConfig(vocab_size=vocab, d_model=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          d_ff=hidden, max_seq_len=seq_len, rope_theta=10_000.0, norm_eps=1e-5,
                          rope_layout="adjacent", tie_embeddings=shared, qkv_bias=False)
