@@ -58,3 +58,33 @@ def test_chat_in_process_engine_matches_offline_greedy(data_dir):
     llm = inference.LLM(str(model))
     [offline] = llm.generate(["Once upon a time"], inference.SamplingParams(temperature=0, max_tokens=24))
     assert res.stdout == offline.outputs[0].text + "\n"
+
+
+def test_chat_commands_help_unknown_and_goodbye():
+    with fake_server() as (srv, _):
+        res = run_chat("--url", srv.url, "--max-tokens", "5", stdin="/help\n/nonsense\n//slash\nhello\n")
+    assert res.returncode == 0, res.stderr
+    assert "/reset" in res.stderr and "/exit, /quit" in res.stderr  # /help
+    assert "unknown command '/nonsense' (not sent to the model)" in res.stderr
+    assert res.stderr.rstrip().endswith("bye.")  # Ctrl-D (end of input) says goodbye
+    replies = res.stdout.splitlines()  # only "/slash" (escaped) and "hello" reached the model
+    first = expected_text(chat_prompt([{"role": "user", "content": "/slash"}]), 5)[0]
+    assert len(replies) == 2 and replies[0] == first
+
+
+def test_ctrl_c_at_the_prompt_says_goodbye():
+    import signal
+    import time
+
+    with fake_server() as (srv, _):
+        proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "chat", "--url", srv.url, "--max-tokens", "3"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO)
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline()  # the first reply: the loop now waits at the prompt
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert err.rstrip().endswith("bye.") and "Traceback" not in err
