@@ -129,15 +129,19 @@ class TriangleMultiplication(nn.Module):
         bounds = [(c0, c1) for c0, c1 in bounds if c1 > c0]
         a = [z.new_empty(bsz, c1 - c0, r, n) for c0, c1 in bounds]
         b = [z.new_empty(bsz, c1 - c0, r, n) for c0, c1 in bounds]
+        w_p, w_g = self.proj_in.weight[: 2 * c], self.proj_in.weight[2 * c:]  # (2c, c) each, contiguous
         for i0, i1 in _row_chunks(r, chunk_rows):
-            pg = self.proj_in(self.norm_in(z[:, i0:i1]))  # (B, r, N, 4c)
-            ab = pg[..., : 2 * c].mul_(torch.sigmoid(pg[..., 2 * c:]))  # (B, r, N, 2c), a then b
-            ab *= mask[:, i0:i1, :, None]
-            del pg
-            abt = ab.permute(0, 3, 1, 2)  # (B, 2c, r, N)
-            for (c0, c1), ta, tb in zip(bounds, a, b):
-                ta[:, :, i0:i1] = abt[:, c0:c1]
-                tb[:, :, i0:i1] = abt[:, c + c0:c + c1]
+            x = self.norm_in(z[:, i0:i1])  # (B, r, N, c)
+            for bi in range(bsz):
+                xt = x[bi].reshape(-1, c).t()  # (c, r N)
+                # channel-first straight out of the GEMMs: W x^T is (2c, r N), so a and b need no transpose,
+                # and the sigmoid runs in place on a contiguous tensor (strided sigmoid is 3x slower)
+                ab = torch.mm(w_p, xt).mul_(torch.mm(w_g, xt).sigmoid_())  # (2c, r N): a then b
+                ab = ab.view(2 * c, i1 - i0, n).mul_(mask[bi, i0:i1])
+                for (c0, c1), ta, tb in zip(bounds, a, b):
+                    ta[bi, :, i0:i1] = ab[c0:c1]
+                    tb[bi, :, i0:i1] = ab[c + c0:c + c1]
+            del x
         return a, b
 
     @staticmethod
@@ -153,7 +157,7 @@ class TriangleMultiplication(nn.Module):
     def finish_(self, z: Tensor, x: list[Tensor], chunk_rows: int | None = None) -> None:
         """z (B, R, N, c) += p_out(LN(x)) * sigmoid(g_out(LN_in(z))), in place, row chunk by row chunk."""
         for i0, i1 in _row_chunks(z.shape[1], chunk_rows):
-            gate = torch.sigmoid(self.g_out(self.norm_in(z[:, i0:i1])))  # from z's rows before their update
+            gate = self.g_out(self.norm_in(z[:, i0:i1])).sigmoid_()  # from z's rows before their update
             xc = torch.cat([t[:, :, i0:i1] for t in x], dim=1).permute(0, 2, 3, 1)  # (B, r, N, c)
             z[:, i0:i1] += self.p_out(self.norm_out(xc)).mul_(gate)
 
@@ -203,10 +207,13 @@ class TriangleAttention(nn.Module):
         bias5 = None
         for i0, i1 in _row_chunks(r, chunk_rows):
             rr = i1 - i0
-            qkvg = self.qkvg(x[:, i0:i1]).view(bsz, rr, n, 4, h, d)  # (B, r, N, 4, H, D)
-            q = qkvg[..., 0, :, :].transpose(2, 3) * scale  # (B, r, H, N, D)
-            k = qkvg[..., 1, :, :].transpose(2, 3)
-            v = qkvg[..., 2, :, :].transpose(2, 3)
+            xr = x[:, i0:i1]
+            w = self.qkvg.weight  # rows q, k, v, g: the gate's GEMM apart, so its sigmoid is contiguous
+            qkv = (xr @ w[: 3 * h * d].t()).view(bsz, rr, n, 3, h, d)  # (B, r, N, 3, H, D)
+            gate = (xr @ w[3 * h * d:].t()).sigmoid_()  # (B, r, N, H D)
+            q = qkv[..., 0, :, :].transpose(2, 3) * scale  # (B, r, H, N, D)
+            k = qkv[..., 1, :, :].transpose(2, 3)
+            v = qkv[..., 2, :, :].transpose(2, 3)
             logits = torch.matmul(q, k.transpose(-1, -2))  # (B, r, H, N, N)
             del q, k
             if bias5 is None:
@@ -215,11 +222,9 @@ class TriangleAttention(nn.Module):
             logits += (mask[:, i0:i1, None, None, :] - 1.0) * TRI_INF
             attn = torch.softmax(logits, dim=-1)
             del logits
-            o = torch.matmul(attn, v).transpose(2, 3)  # (B, r, N, H, D)
-            del attn, v
-            o = o * torch.sigmoid(qkvg[..., 3, :, :])
-            del qkvg
-            z[:, i0:i1] += self.linear_o(o.reshape(bsz, rr, n, h * d))
+            o = torch.matmul(attn, v).transpose(2, 3).reshape(bsz, rr, n, h * d)  # (B, r, N, H D)
+            del attn, v, qkv
+            z[:, i0:i1] += self.linear_o(o.mul_(gate))
 
     def update_(self, z: Tensor, pair_mask: Tensor, chunk_rows: int | None = None) -> None:
         """z (B, N, N, c) += the update, in place; pair_mask (B, N, N)."""
