@@ -17,19 +17,19 @@ from torch import Tensor, nn
 
 
 class Judge(nn.Module):
-    """conv(32) -> pool -> conv(64) -> pool -> fc(128) [features] -> fc(10)."""
+    """conv(16) -> pool -> conv(32) -> pool -> fc(128) [features] -> fc(10)."""
 
     def __init__(self):
         super().__init__()
-        self.c1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.c2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc = nn.Linear(64 * 7 * 7, 128)
+        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 7 * 7, 128)
         self.out = nn.Linear(128, 10)
         self.drop = nn.Dropout(0.3)
 
     def features(self, x: Tensor) -> Tensor:
-        x = F.max_pool2d(F.relu(self.c1(x)), 2)  # (B, 32, 14, 14)
-        x = F.max_pool2d(F.relu(self.c2(x)), 2)  # (B, 64, 7, 7)
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)  # (B, 16, 14, 14)
+        x = F.max_pool2d(F.relu(self.c2(x)), 2)  # (B, 32, 7, 7)
         return F.relu(self.fc(x.flatten(1)))  # (B, 128)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -64,6 +64,14 @@ class DiffusionTrainConfig:
     prediction_type: str = field(default="epsilon", metadata={"help": "epsilon | v_prediction"})
     beta_schedule: str = field(default="squaredcos_cap_v2", metadata={"help": "noise schedule"})
     log_every: int = field(default=25, metadata={"help": "log every N steps"})
+    budget_clock: str = field(default="wall", metadata={
+        "help": "what the *_time_s budgets count: 'wall' seconds, or 'cpu' seconds of this process (all threads; "
+                "the fair measure on a shared machine: 1800 wall-s on 2 dedicated cores = 3600 cpu-s)"})
+    max_wall_s: float = field(default=0, metadata={"help": "a wall-clock cap on the whole run (0: none)"})
+
+    def __post_init__(self):
+        if self.budget_clock not in ("wall", "cpu"):
+            raise ValueError(f"budget_clock must be 'wall' or 'cpu', got {self.budget_clock!r}")
 
 
 def _lr(peak: float, frac: float, warm: float = 0.03) -> float:
@@ -73,19 +81,43 @@ def _lr(peak: float, frac: float, warm: float = 0.03) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (frac - warm) / (1 - warm)))))
 
 
-def _budget_frac(t0: float, budget: float, step: int, max_steps: int) -> float:
-    return max((time.perf_counter() - t0) / budget, step / max_steps)
+class _Budget:
+    """Fraction of a stage's budget used: the max of its clock (wall or process CPU), its step cap and the
+    run's wall cap."""
+
+    def __init__(self, cfg: DiffusionTrainConfig, seconds: float, max_steps: int, run_t0: float, run_left_s: float):
+        self.clock = time.process_time if cfg.budget_clock == "cpu" else time.perf_counter
+        self.t0, self.seconds, self.max_steps = self.clock(), seconds, max_steps
+        self.wall0, self.wall_left = time.perf_counter(), run_left_s
+
+    def frac(self, step: int) -> float:
+        f = max((self.clock() - self.t0) / self.seconds, step / self.max_steps)
+        if self.wall_left > 0:
+            f = max(f, (time.perf_counter() - self.wall0) / self.wall_left)
+        return f
+
+    def used(self) -> dict:
+        return {"clock": "cpu" if self.clock is time.process_time else "wall",
+                "budget_seconds_used": round(self.clock() - self.t0, 1),
+                "wall_seconds": round(time.perf_counter() - self.wall0, 1),
+                "cpu_seconds": round(time.process_time() - self._cpu0, 1)}
 
 
-def train_vae(cfg: DiffusionTrainConfig, x: torch.Tensor, log) -> AutoencoderKL:
+def _budget(cfg: DiffusionTrainConfig, seconds: float, max_steps: int, wall_left: float) -> _Budget:
+    b = _Budget(cfg, seconds, max_steps, time.perf_counter(), wall_left)
+    b._cpu0 = time.process_time()
+    return b
+
+
+def train_vae(cfg: DiffusionTrainConfig, x: torch.Tensor, log, wall_left: float = 0) -> AutoencoderKL:
     torch.manual_seed(cfg.seed)
     vae = AutoencoderKL(VAEConfig(in_channels=1, out_channels=1, latent_channels=cfg.latent_channels,
                                   block_out_channels=tuple(cfg.vae_channels), norm_num_groups=cfg.vae_groups,
                                   sample_size=28))
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(cfg.seed)
-    t0, step = time.perf_counter(), 0
-    while (frac := _budget_frac(t0, cfg.vae_time_s, step, cfg.vae_max_steps)) < 1.0:
+    budget, step = _budget(cfg, cfg.vae_time_s, cfg.vae_max_steps, wall_left), 0
+    while (frac := budget.frac(step)) < 1.0:
         for pg in opt.param_groups:
             pg["lr"] = _lr(cfg.vae_lr, frac)
         idx = torch.randint(0, len(x), (cfg.vae_batch,), generator=g)
@@ -98,18 +130,17 @@ def train_vae(cfg: DiffusionTrainConfig, x: torch.Tensor, log) -> AutoencoderKL:
         opt.step()
         step += 1
         if step % cfg.log_every == 0:
-            log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), "s": round(time.perf_counter() - t0, 1)})
+            log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), **budget.used()})
     vae.eval()
     with torch.no_grad():
         means = torch.cat([vae.encode(x[i:i + 500]).mean for i in range(0, len(x), 500)])
     vae.config.scaling_factor = float(1.0 / means.std())
-    log({"stage": "vae", "done_steps": step, "seconds": round(time.perf_counter() - t0, 1),
-         "scaling_factor": vae.config.scaling_factor})
+    log({"stage": "vae", "done_steps": step, **budget.used(), "scaling_factor": vae.config.scaling_factor})
     return vae
 
 
-def train_dit(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y: torch.Tensor, log
-              ) -> DiffusionPipeline:
+def train_dit(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y: torch.Tensor, log,
+              wall_left: float = 0) -> DiffusionPipeline:
     torch.manual_seed(cfg.seed + 1)
     rng = random.Random(cfg.seed)
     tok = PromptTokenizer.train(prompt_corpus(), cfg.vocab_size, cfg.max_len)
@@ -130,8 +161,8 @@ def train_dit(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y:
     ema = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(cfg.seed + 2)
     s = vae.config.scaling_factor
-    t0, step = time.perf_counter(), 0
-    while (frac := _budget_frac(t0, cfg.dit_time_s, step, cfg.dit_max_steps)) < 1.0:
+    budget, step = _budget(cfg, cfg.dit_time_s, cfg.dit_max_steps, wall_left), 0
+    while (frac := budget.frac(step)) < 1.0:
         for pg in opt.param_groups:
             pg["lr"] = _lr(cfg.dit_lr, frac)
         idx = torch.randint(0, len(x), (cfg.dit_batch,), generator=g)
@@ -151,11 +182,11 @@ def train_dit(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y:
             for e, p in zip(ema, params):
                 e.lerp_(p, 1 - decay)
         if step % cfg.log_every == 0:
-            log({"stage": "dit", "step": step, "loss": round(loss.item(), 5), "s": round(time.perf_counter() - t0, 1)})
+            log({"stage": "dit", "step": step, "loss": round(loss.item(), 5), **budget.used()})
     with torch.no_grad():
         for e, p in zip(ema, params):
             p.copy_(e)
-    log({"stage": "dit", "done_steps": step, "seconds": round(time.perf_counter() - t0, 1)})
+    log({"stage": "dit", "done_steps": step, **budget.used()})
     return DiffusionPipeline(tok, text, dit, vae, sched_cfg, latent)
 
 
@@ -169,14 +200,17 @@ def run_training(cfg: DiffusionTrainConfig, log_fn=print) -> DiffusionPipeline:
         records.append(rec)
         log_fn(json.dumps(rec))
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     x, y = load_mnist(cfg.data_dir, "train")
-    vae = train_vae(cfg, x, log)
+    # the wall cap: the VAE may use its share of it, the DiT whatever is left (minus a minute to save)
+    share = cfg.vae_time_s / (cfg.vae_time_s + cfg.dit_time_s)
+    vae = train_vae(cfg, x, log, wall_left=cfg.max_wall_s * share)
     vae.save_pretrained(out / "vae_stage")
-    pipe = train_dit(cfg, vae, x, y, log)
+    left = max(60.0, cfg.max_wall_s - (time.perf_counter() - t0) - 60) if cfg.max_wall_s else 0
+    pipe = train_dit(cfg, vae, x, y, log, wall_left=left)
     pipe.save_pretrained(out / "pipeline")
     total = time.perf_counter() - t0
-    log({"stage": "total", "seconds": round(total, 1)})
+    log({"stage": "total", "wall_seconds": round(total, 1), "cpu_seconds": round(time.process_time() - c0, 1)})
     (out / "train_log.json").write_text(json.dumps({"config": asdict(cfg), "log": records,
                                                     "total_seconds": total}, indent=2))
     return pipe
