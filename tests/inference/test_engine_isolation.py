@@ -150,3 +150,21 @@ def test_stop_prefix_hold_equals_the_brute_force() -> None:
     check()
     many = ["a" * 255 + "b"] * 16  # the worst case the bounds allow stays cheap
     assert stop_prefix_hold("a" * 10_000, many) == 255
+
+
+def test_speculative_step_isolates_a_stop_check_fault() -> None:
+    engine = make_engine(MODEL, CFG, block_size=4, speculative="layers:1", num_speculative_tokens=2)
+    check_stop = engine._check_stop
+
+    def bad_check_stop(seq):
+        if seq.request_id == "r3" and len(seq.output_ids) >= 4:
+            raise RuntimeError("injected stop-check fault")
+        check_stop(seq)
+
+    engine._check_stop = bad_check_stop
+    for rid, p in PROMPTS.items():
+        engine.add_request(rid, p, greedy(12))
+    final = run(engine)
+    assert "injected" in final.pop("r3").error
+    assert {rid: out.outputs[0].token_ids for rid, out in final.items()} == {k: v for k, v in REF.items() if k != "r3"}
+    check_freed(engine)

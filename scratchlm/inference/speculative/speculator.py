@@ -261,7 +261,11 @@ class Speculator:
         progressed = {}
         for pd in pend:
             rows[plan.scheduled.index(pd.entry)] = -1  # the engine's postprocess skips it
-            req = self._append(pd)
+            req = eng.requests[pd.entry.seq.request_id]
+            try:
+                self._append(pd)
+            except Exception as e:  # detokenizing / stop-checking this request failed: it alone fails
+                eng._fail_request(req, e)
             progressed[req.request_id] = req
         outputs = eng._postprocess(plan, (logits, rows))
         seen = {o.request_id for o in outputs}
