@@ -730,6 +730,12 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def playground() -> HTMLResponse:
         return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    @app.get("/favicon.svg", include_in_schema=False)
+    async def favicon() -> Response:  # browsers ask for it; an SVG serves both names
+        return Response((STATIC_DIR / "favicon.svg").read_bytes(), media_type="image/svg+xml",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
     @app.get("/health", summary="200 while the engine loop is alive")
     async def health() -> Response:
         if not state.loop.alive:

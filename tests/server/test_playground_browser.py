@@ -1,6 +1,6 @@
 """The browser playground end to end in headless Chromium (Debian `chromium` driven by Playwright):
 type a prompt, watch the reply stream in chunk by chunk, compare it with the offline engine, and save a
-screenshot as the test's artifact."""
+screenshot as the test's artifact; press Stop mid-reply and check the reply is marked stopped with its stats."""
 
 from __future__ import annotations
 
@@ -36,11 +36,26 @@ def chromium(request) -> str:
     return path
 
 
+def paced(engine, seconds: float):
+    """`engine` with each step at least `seconds` apart, so the browser sees the reply arrive in pieces even
+    when a busy machine would let one render batch many tokens (stories260K decodes hundreds per second)."""
+    import time
+
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step
+    return engine
+
+
 def test_playground_streams_a_reply(chromium, data_dir, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
     inference = pytest.importorskip("scratchlm.inference")
     model = data_dir / "models" / "stories260K" / "stories260K.bin"
-    engine = inference.LLMEngine.from_pretrained(model, inference.EngineConfig(max_num_seqs=4))
+    engine = paced(inference.LLMEngine.from_pretrained(model, inference.EngineConfig(max_num_seqs=4)), 0.02)
     offline = inference.LLM(str(model))
     prompt_text = "Once upon a time, there was a little dog"
     max_tokens = 120
@@ -90,3 +105,52 @@ def test_playground_streams_a_reply(chromium, data_dir, tmp_path):
     assert f"{len(expected.outputs[0].token_ids)} tokens in" in stats
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
+
+
+def test_playground_stop_marks_the_reply_and_keeps_its_stats(chromium, data_dir):
+    """Stop mid-reply: the reply keeps its text (a prefix of the greedy answer), is marked "stopped", the stats
+    line stays (tokens so far), and no request of the page fails (the favicon is served)."""
+    import httpx
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
+    inference = pytest.importorskip("scratchlm.inference")
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    # ~25 tokens/s, so that Stop lands mid-reply on any machine
+    engine = paced(inference.LLMEngine.from_pretrained(model, inference.EngineConfig(max_num_seqs=4)), 0.04)
+    offline = inference.LLM(str(model))
+    prompt_text = "Once upon a time, there was a little dog"
+    chat_prompt = offline.engine.apply_chat_template([{"role": "user", "content": prompt_text}])
+    [expected] = offline.generate([chat_prompt], inference.SamplingParams(temperature=0, max_tokens=200),
+                                  use_tqdm=False)
+    failed: list[str] = []
+    with BackgroundServer(create_app(engine, ServerConfig(), model_name="stories260K")) as srv, \
+            sync_api.sync_playwright() as p:
+        icon = httpx.get(srv.url + "/favicon.ico", timeout=10)
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.goto(srv.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.startsWith('stories260K')")
+            page.eval_on_selector("#temperature", "el => { el.value = '0'; el.dispatchEvent(new Event('input')); }")
+            page.fill("#max-tokens", "200")
+            page.fill("#prompt", prompt_text)
+            page.press("#prompt", "Enter")
+            page.wait_for_function("(document.querySelector('.msg.assistant .body') || {}).textContent?.length > 10")
+            page.click("#stop")
+            page.wait_for_selector(".msg.assistant[data-stopped='true']")
+            reply = page.inner_text(".msg.assistant .body")
+            mark = page.text_content(".msg.assistant .who .mark")
+            stats = page.inner_text("#stats")
+            assert page.is_enabled("#send") and not page.is_enabled("#stop")
+            page.wait_for_timeout(300)  # a late favicon request would show up here
+        finally:
+            browser.close()
+    full = expected.outputs[0].text
+    assert reply and full.startswith(reply) and len(reply) < len(full.rstrip()), (reply, full)
+    assert mark == "stopped"
+    assert stats.startswith("stopped: ") and " tokens in " in stats, stats
+    assert int(stats.split()[1]) > 0
+    assert not failed, failed
