@@ -64,6 +64,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "run); it prints a markdown table with the ratio and writes it to benchmarks/results/.",
         "the foundation issue",
     ),
+    "diffusion": Subcommand(
+        "scratchlm.diffusion.cli",
+        "train or sample the latent-diffusion case study (VAE + text encoder + DiT)",
+        "`diffusion train --config recipes/diffusion_mnist.toml` trains the text-to-image pipeline; "
+        "`diffusion sample --prompt \"a handwritten seven\" --out grid.png` writes a PNG grid.",
+        "the diffusion case study issue",
+    ),
     "plan": Subcommand(
         "scratchlm.plan.cli",
         "rank DP x TP x PP x CP layouts of a model on a cluster (cost model), or calibrate this machine",

@@ -79,6 +79,10 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (expected an HF directory, a .gguf, a llama2.c .bin "
                                 "or a scratchlm .pt checkpoint)")
+    if path.is_dir() and (path / "model_index.json").is_file():  # a diffusion pipeline: the images API
+        from scratchlm.server.images import create_images_app
+
+        return create_images_app(path, server_config)
     log.info("loading model %s (dtype %s, device %s%s)", path, engine_config.dtype, engine_config.device,
              ", in an engine process" if engine_process else "")
     t0 = time.perf_counter()

@@ -1,0 +1,128 @@
+"""`POST /v1/images/generations` (OpenAI images API, `b64_json`) for a diffusion pipeline folder.
+
+`scratchlm serve runs/diffusion_mnist/pipeline` builds this app instead of the LLM one (the hook is in
+`server/cli.py`'s `build_app`). It reuses the LLM server's guard middleware (Host check, Bearer API
+key, body limit) and its OpenAI-shaped errors. Generation runs in one worker thread (one request at a
+time: the denoiser is compute-bound, batching several requests' images is left to `n`).
+
+Request: `prompt` (required), `n` (1..16), `size` (the model's native "WxH" only), `response_format`
+("b64_json"; "url" is refused: this server stores no files), `model` (optional, must match), and the
+scratchlm extensions `steps` (1..1000, default 25), `guidance_scale` (default 3), `sampler`
+(ddim | ddpm | euler), `seed`. Response: `{"created": ..., "data": [{"b64_json": PNG, "revised_prompt": null}]}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from scratchlm.server.app import GuardMiddleware, error_response
+from scratchlm.server.config import ServerConfig
+
+log = logging.getLogger("scratchlm.server.images")
+
+
+class ImageRequest(BaseModel):
+    prompt: str = Field(min_length=1, max_length=1000)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    size: str | None = None
+    response_format: str = "b64_json"
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+    steps: int = Field(default=25, ge=1, le=1000)
+    guidance_scale: float = Field(default=3.0, ge=0.0, le=50.0)
+    sampler: str = "ddim"
+    seed: int | None = None
+
+
+@dataclass
+class ImagesState:
+    pipeline: object
+    model_name: str
+    config: ServerConfig
+    pool: ThreadPoolExecutor
+    lock: threading.Lock
+    engine: object = None  # `scratchlm serve` looks for an engine's runner; there is none here
+
+
+def _png_b64(img) -> str:
+    from PIL import Image
+
+    arr = ((img.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()  # (H, W, C)
+    buf = io.BytesIO()
+    Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def create_images_app(path: str | Path, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
+    """The images-only app around the pipeline folder at `path`."""
+    from scratchlm.diffusion.pipeline import DiffusionPipeline
+    from scratchlm.diffusion.schedulers import SAMPLERS
+
+    config = config or ServerConfig()
+    path = Path(path)
+    pipe = DiffusionPipeline.from_pretrained(path)
+    name = config.served_model_name or model_name or (path.name if path.name != "pipeline" else path.parent.name)
+    state = ImagesState(pipe, name, config, ThreadPoolExecutor(1, thread_name_prefix="scratchlm-images"),
+                        threading.Lock())
+    side = pipe.latent_size * pipe.vae.config.downsample
+    native = f"{side}x{side}"
+    app = FastAPI(title="scratchlm images server", version="0.1.0")
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        return error_response(400, f"Invalid request: {where}: {err.get('msg', 'invalid value')}", param=where)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scratchlm"}]}
+
+    @app.post("/v1/images/generations")
+    async def generations(req: ImageRequest):
+        if req.model not in (None, name):
+            return error_response(404, f"The model {req.model!r} does not exist; this server serves {name!r}.",
+                                  param="model", code="model_not_found")
+        if req.response_format != "b64_json":
+            return error_response(400, f"response_format {req.response_format!r} is not supported: only "
+                                       "'b64_json' (this server stores no files to link to)", param="response_format")
+        if req.size not in (None, native):
+            return error_response(400, f"size {req.size!r} is not supported: this model generates {native} images",
+                                  param="size")
+        if req.sampler not in SAMPLERS:
+            return error_response(400, f"sampler {req.sampler!r} is not one of {sorted(SAMPLERS)}", param="sampler")
+        seed = req.seed if req.seed is not None else int(time.time_ns() % (2**31))
+
+        def work():
+            with state.lock:
+                return pipe([req.prompt] * req.n, steps=req.steps, guidance=req.guidance_scale,
+                            sampler=req.sampler, seed=seed)
+
+        t0 = time.perf_counter()
+        images = await asyncio.get_running_loop().run_in_executor(state.pool, work)
+        log.info("generated %d image(s) for %r in %.2f s", req.n, req.prompt[:60], time.perf_counter() - t0)
+        return {"created": int(time.time()), "data": [{"b64_json": _png_b64(img), "revised_prompt": None}
+                                                      for img in images]}
+
+    app.add_middleware(GuardMiddleware, config=config)
+    return app
