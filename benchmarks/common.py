@@ -33,7 +33,8 @@ from pathlib import Path
 
 from scratchlm import atomic
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# `scratchlm bench all --quick` sends a smoke run's results elsewhere through $SCRATCHLM_BENCH_RESULTS
+RESULTS_DIR = Path(os.environ.get("SCRATCHLM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
