@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from scratchlm import atomic
+from scratchlm.inference.quantization import calibrate
 from scratchlm.inference.quantization.modules import (
     EMBEDDING,
     HEAD,
@@ -55,27 +56,43 @@ def layout_for(config: ModelConfig, scheme: QuantScheme) -> dict[str, LayerForma
     return layout
 
 
+def _quantize(w: Tensor, fmt: LayerFormat, search: str, stats: Tensor | None) -> dict[str, Tensor]:
+    """One weight -> its buffers; int4 with search="mse" goes through the error-minimizing search."""
+    if fmt.bits != 4 or search == "rtn":
+        return quantize_weight(w, fmt)
+    q, d, m = calibrate.quantize_int4_searched(w, fmt.group_size, fmt.symmetric,
+                                               None if stats is None else calibrate.channel_weights(stats, w.shape[1]))
+    return {"qweight": q, "scales": d} if m is None else {"qweight": q, "scales": d, "mins": m}
+
+
 @torch.no_grad()
-def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: dict[str, LayerFormat]
-                        ) -> dict[str, Tensor]:
-    """A float `TransformerLM` state dict -> the state dict of `QuantizedTransformerLM(config, layout)`."""
+def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: dict[str, LayerFormat],
+                        search: str = "rtn", act_stats: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """A float `TransformerLM` state dict -> the state dict of `QuantizedTransformerLM(config, layout)`.
+
+    search: "rtn" (round-to-nearest) or "mse" (int4 parameters by `calibrate.search_int4_params`,
+    weighted by `act_stats[module path]` = E[x^2] per input channel where given).
+    """
+    if search not in calibrate.SEARCHES:
+        raise ValueError(f"search={search!r} must be one of {calibrate.SEARCHES}")
+    stats = act_stats or {}
     out = dict(state)
     for name in tqdm([n for n in layout if n not in (HEAD, EMBEDDING)], desc="quantizing", unit="layer",
                      leave=False, disable=None):
         w = out.pop(f"{name}.weight")
-        for key, t in quantize_weight(w, layout[name]).items():
+        for key, t in _quantize(w, layout[name], search, stats.get(name)).items():
             out[f"{name}.{key}"] = t
     emb = state["tok_embeddings.weight"]
     if HEAD in layout:
         head_w = out.pop("lm_head.weight", None)
         source = emb if head_w is None else head_w
-        head = quantize_weight(source, layout[HEAD])
+        head = _quantize(source, layout[HEAD], search, stats.get(HEAD))
         for key, t in head.items():
             out[f"{HEAD}.{key}"] = t
     if EMBEDDING in layout:
         out.pop("tok_embeddings.weight")
         tied_and_same = HEAD in layout and "lm_head.weight" not in state and layout[HEAD] == layout[EMBEDDING]
-        emb_q = head if tied_and_same else quantize_weight(emb, layout[EMBEDDING])
+        emb_q = head if tied_and_same else _quantize(emb, layout[EMBEDDING], search, None)  # lookup rows: plain MSE
         for key, t in emb_q.items():
             out[f"{EMBEDDING}.{key}"] = t  # tied: the same tensors as the head's (stored once)
     return out
@@ -88,16 +105,24 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def quantize_model(model: nn.Module, scheme: str | QuantScheme) -> QuantizedTransformerLM:
+def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: Tensor | None = None
+                   ) -> QuantizedTransformerLM:
     """Quantize a `TransformerLM` (weight-only) into a new `QuantizedTransformerLM` on the same device.
 
-    `scheme`: a name (`parse_scheme`: int8, int4-g32-asym, ...) or a QuantScheme. Raises ValueError
-    when a layer's shape does not fit the scheme (e.g. int4 with d_in not a multiple of 32).
+    `scheme`: a name (`parse_scheme`: int8, int4-g32-asym, ...) or a QuantScheme. `calibration`:
+    optional (batch, seq) token ids (`calibrate.calibration_tokens`); with the default int4 search
+    their activation statistics weight each input channel's error. Without them the search is
+    weight-only. Raises ValueError when a layer's shape does not fit the scheme (e.g. int4 with
+    d_in not a multiple of 32).
     """
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     config = model.config
     layout = layout_for(config, scheme)
-    state = quantize_state_dict(model.state_dict(), config, layout)
+    stats = None
+    if calibration is not None and scheme.search == "mse":
+        stats = calibrate.activation_stats(model, calibration)
+        log.info("calibrated on %d tokens", calibration.numel())
+    state = quantize_state_dict(model.state_dict(), config, layout, search=scheme.search, act_stats=stats)
     dtype = _float_dtype(model)
     with torch.device("meta"):
         qmodel = QuantizedTransformerLM(config, layout, scheme_name=scheme.name, dtype=dtype)
