@@ -124,3 +124,86 @@ def test_a_rank_dying_while_loading_its_shard_is_reported_fast(tmp_path, monkeyp
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in engine.runner.procs)
+
+
+@pytest.mark.distributed
+def test_tp2_inside_a_daemon_engine_process(reference_text, tmp_path) -> None:
+    """`scratchlm serve --engine-process --tensor-parallel-size 2`: a daemonic multiprocessing child could not
+    spawn ranks with multiprocessing; fresh-interpreter ranks work, and they leave with the server."""
+    import json
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(STORIES), "--engine-process",
+                                   "--tensor-parallel-size", "2", "--threads", "1", "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, log.read_text()
+                time.sleep(0.5)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 24, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert reply["choices"][0]["text"] == reference_text
+        pids = [p for p in _descendants(server.pid) if b"scratchlm.parallel.worker" in _cmdline(p)]
+        assert len(pids) == 1, "expected rank 1 under the engine process"
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "rank 1 outlived the server"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                kids = []
+            out += kids
+            todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
