@@ -6,11 +6,12 @@ Writes are atomic (temporary file, then rename), so a crash never leaves half a 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from scratchlm import atomic
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -28,7 +29,7 @@ def load_diffusers_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
-    os.replace(tmp, path)
+    atomic.replace(tmp, path)
 
 
 def save_diffusers_dir(path: str | Path, class_name: str, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
