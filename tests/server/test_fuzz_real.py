@@ -4,8 +4,8 @@ that puts any JSON value in any field of the completion and chat bodies. Every a
 OpenAI-shaped error body, never a 5xx or an in-band stream error, and a greedy "neighbour" stream that runs the
 whole time always gets exactly its offline text.
 
-Default suite: 300 schemathesis cases + 2 x 60 property examples, fixed seeds. ``--run-slow``: 5,400
-schemathesis cases (the figures in docs/server.md, "Fuzzing").
+Default suite: 300 schemathesis cases + 2 x 60 property examples, fixed seeds. ``--run-slow``: 6,600
+schemathesis cases asked for, 5,000+ drawn (the figures in docs/server.md).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_schemathesis_real_engine(real_server, neighbour_text):
 @pytest.mark.slow
 def test_schemathesis_real_engine_long(real_server, neighbour_text):
     with Neighbour(real_server.url, neighbour_text) as neighbour:
-        counts = run_schemathesis(real_server, 5400, rng_seed=1616)
+        counts = run_schemathesis(real_server, 6600, rng_seed=1616)  # ~20% are not drawn: small GET spaces
     print(f"\nschemathesis long run: {dict(counts)}; neighbour completions: {neighbour.done}")
     assert counts["cases"] >= 5000 and counts["5xx"] == 0, counts
 
