@@ -544,12 +544,14 @@ def inspector_overhead(args: argparse.Namespace, model: str) -> int:
         plain, listened = statistics.median(cpu["offline"]), statistics.median(cpu["offline + listener"])
         pair = [y / x for x, y in zip(cpu["offline"], cpu["offline + listener"])]
         steps = statistics.median(steps_per_run)  # the same plan with or without a listener
-        report.add(f"Engine-thread CPU time (`time.thread_time`: the work itself, far less sensitive to the machine's "
-                   f"load than wall time), offline: median {plain:.3f} s per run without a listener, {listened:.3f} s "
-                   f"with it; median of pair ratios **{statistics.median(pair):.4f}** (range {min(pair):.3f}-"
-                   f"{max(pair):.3f}); {steps:.0f} steps per run, so the listener costs "
-                   f"{1e6 * (listened - plain) / steps:.0f} us of CPU per step against a {1e3 * plain / steps:.1f} ms "
-                   "step.")
+        report.table(["runs", "CPU s per run, without (median)", "CPU s per run, with (median)",
+                      "median of pair ratios", "pair ratios (range)", "steps per run", "listener CPU per step",
+                      "step CPU (without)"],
+                     [[len(pair), f"{plain:.3f}", f"{listened:.3f}", f"{statistics.median(pair):.4f}",
+                       f"{min(pair):.3f}-{max(pair):.3f}", f"{steps:.0f}", f"{1e6 * (listened - plain) / steps:.0f} us",
+                       f"{1e3 * plain / steps:.1f} ms"]],
+                     caption="Engine-thread CPU time, offline (time.thread_time: the work itself, far less sensitive "
+                             "to the machine's load than wall time)")
     if rows:
         wall = {r[0]: 1 - float(r[5]) for r in rows}
         text = ", ".join(f"{k}: {100 * v:.2f} %" for k, v in wall.items())

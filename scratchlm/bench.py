@@ -105,6 +105,7 @@ FIGURES: dict[str, Figure] = {
     "serve": Figure("serve", "Throughput"),
     "serve-latency": Figure("serve", "Latency"),
     "inspector-overhead": Figure("serve-inspector-overhead", "Throughput with / without", page="inspector.md"),
+    "inspector-overhead-cpu": Figure("serve-inspector-overhead", "Engine-thread CPU time", page="inspector.md"),
     "quant-speed": Figure("quant_speed", 1),
     "quant-fidelity": Figure("quant_fidelity", 1),
     "speculative": Figure("speculative", 1),
