@@ -188,9 +188,15 @@ class DapPairformer:
     and `unpad` put the full result back together (tests; a real run keeps z sharded)."""
 
     def __init__(self, model: Pairformer | PairformerBlock, comm: DapComm, overlap: bool = True,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, channel_chunks: int = 16):
+        """`chunk_rows`: row chunk of the attentions/transitions/projections (None: whole shard);
+        `channel_chunks`: pieces of the triangle update's operand and of each all-to-all (more pieces:
+        smaller in-flight buffers, 3/k of the shard, and more messages)."""
+        if channel_chunks < 1:
+            raise ValueError(f"channel_chunks must be >= 1, got {channel_chunks}")
         self.blocks = [model] if isinstance(model, PairformerBlock) else list(model.blocks)
         self.comm, self.overlap, self.chunk_rows = comm, overlap, chunk_rows
+        self.channel_chunks = channel_chunks
 
     # --- layout ---------------------------------------------------------------------------------
     def shard(self, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor):
@@ -219,34 +225,34 @@ class DapPairformer:
         """One block on the local shard: s (B, N', c_s) full, zbox = [z rows (B, R, N', c)] -> (s, z).
 
         z is taken out of the box and updated in place (so no caller reference keeps an old shard alive)."""
-        comm, ch, ov = self.comm, self.chunk_rows, self.overlap
+        comm, ch, ov, k = self.comm, self.chunk_rows, self.overlap, self.channel_chunks
         z = zbox.pop()
         rows = z.shape[1]
         r0 = comm.rank * rows
         # triangle update, outgoing: rows local, the operand b over every row
         m = blk.tri_mul_out
-        a, b = m.project(z, pm_rows, ch)
+        a, b = m.project(z, pm_rows, ch, k)
         x = comm.ring_contract(a, b, ov)
         m.finish_(z, x, ch)
         del x
         # triangle update, incoming: on z^T's rows (this rank's columns), operands swapped
-        zt = comm.transpose(z, ov)
+        zt = comm.transpose(z, ov, k)
         del z
         m = blk.tri_mul_in
-        a, b = m.project(zt, pm_cols, ch)
+        a, b = m.project(zt, pm_cols, ch, k)
         x = comm.ring_contract(b, a, ov)
         m.finish_(zt, x, ch)
         del x
-        z = comm.transpose(zt, ov)
+        z = comm.transpose(zt, ov, k)
         del zt
         # triangle attention, starting node: rows local, the bias over the whole pair
         self._tri_attention(blk.tri_att_start, z, pm_rows)
         # triangle attention, ending node, and the pair transition on the columns
-        zt = comm.transpose(z, ov)
+        zt = comm.transpose(z, ov, k)
         del z
         self._tri_attention(blk.tri_att_end, zt, pm_cols)
         blk.transition_z.update_(zt, ch)
-        z = comm.transpose(zt, ov)
+        z = comm.transpose(zt, ov, k)
         del zt
         # single track: query rows with the pair rows, so the bias rows are local; then gather s
         s_normed = blk.pre_norm_s(s)

@@ -26,9 +26,7 @@ import torch
 from scratchlm.fold.pairformer import PairformerConfig
 
 _STATUS = "/proc/self/status"
-# What a DAP rank's peak carries beyond the formula whatever N is (gloo's buffers, its threads' stacks):
-# measured 4-5.5 MiB at P = 2 and 4 (benchmarks/fold.py).
-DAP_FIXED_BYTES = 4 * 2**20
+
 
 
 def _status_kb(key: str) -> int:
@@ -83,7 +81,8 @@ class PeakMemory:
 
 
 def pair_block_peak_bytes(cfg: PairformerConfig, n: int, world: int = 1, chunk_rows: int | None = None,
-                          overlap: bool = True, batch: int = 1, elem: int = 4, channel_chunks: int = 8) -> int:
+                          overlap: bool = True, batch: int = 1, elem: int = 4,
+                          channel_chunks: int | None = None) -> int:
     """Predicted extra bytes at the peak of one block's forward on one rank (z's input shard not counted).
 
     R = ceil(N / P) rows per rank, N' = P R, S = B R N' c elem (the shard; the whole pair at P = 1),
@@ -95,15 +94,16 @@ def pair_block_peak_bytes(cfg: PairformerConfig, n: int, world: int = 1, chunk_r
       flight, send and receive (4 S/k);
     - a triangle attention: the LayerNormed copy (S), the gathered bias B H N'^2, and one row chunk's
       q|k|v|g, o and the gated o (r N' 6HD) with its logits and softmax (2 r H N'^2);
-    - the pair transition: one row chunk's hidden activations (r N' 3 x 4c);
-    plus, under DAP, `DAP_FIXED_BYTES` (gloo's buffers and threads: measured, not derived).
+    - the pair transition: one row chunk's hidden activations (r N' 3 x 4c).
+    Measured after a warm-up call (code paged in, gloo's buffers made): the first call of a process also
+    carries 4-8 MiB that do not grow with N.
     """
     rows = -(-n // world)
     n_pad = rows * world
     r = min(rows, chunk_rows or rows)
     c, h, hd = cfg.c_z, cfg.pair_heads, cfg.pair_heads * cfg.pair_head_dim
     s = batch * rows * n_pad * c * elem
-    k = channel_chunks
+    k = channel_chunks or (8 if world == 1 else 16)  # the single-rank and DapPairformer defaults
     if world == 1:
         tri = 2 * s + max(s // k, batch * r * n_pad * 7 * c * elem)
     else:
@@ -111,4 +111,4 @@ def pair_block_peak_bytes(cfg: PairformerConfig, n: int, world: int = 1, chunk_r
     transpose = (s + 4 * s // k) if world > 1 else 0
     att = s + batch * h * n_pad * n_pad * elem + batch * elem * (r * n_pad * 6 * hd + 2 * r * h * n_pad * n_pad)
     trans = batch * elem * r * n_pad * 3 * cfg.transition_mult * c
-    return s + max(tri, transpose, att, trans) + (DAP_FIXED_BYTES if world > 1 else 0)
+    return s + max(tri, transpose, att, trans)
