@@ -107,11 +107,13 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, thre
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s), backend=backend)
         ctx = RankContext(rank, world, group, dev, timeout_s)
         result = fn(ctx, *args)
-        out.put((rank, True, result))
+        out.put((rank, True, _wire(result, to_numpy=True)))
         dist.barrier(group=group)
         dist.destroy_process_group()
     except BaseException:  # reported to the launcher, which stops the other ranks
         out.put((rank, False, traceback.format_exc()))
+        out.close()
+        out.join_thread()  # flush the queue before the hard exit
         os._exit(1)
 
 
@@ -137,8 +139,11 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float =
             item = _next_result(out, procs, results, world, t_end, deadline_s)
             rank, ok, val = item
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{val}")
-            results[rank] = val
+                time.sleep(0.5)
+                exits = ", ".join(f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs)
+                                  if p.exitcode not in (None, 0))
+                raise RuntimeError(f"rank {rank} of {world} failed ({exits or 'no rank exited yet'}):\n{val}")
+            results[rank] = _wire(val, to_numpy=False)
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -148,6 +153,20 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float =
         for p in procs:
             p.join(timeout=5)
     return [results[r] for r in range(world)]
+
+
+def _wire(obj: Any, to_numpy: bool) -> Any:
+    """Tensors <-> numpy arrays: results cross the queue by value (torch's fd-shared tensors would die
+    with the rank that made them)."""
+    if to_numpy and isinstance(obj, Tensor):
+        return obj.detach().cpu().numpy()
+    if not to_numpy and type(obj).__module__ == "numpy" and hasattr(obj, "shape"):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _wire(v, to_numpy) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_wire(v, to_numpy) for v in obj)
+    return obj
 
 
 def _next_result(out, procs, results, world, t_end, deadline_s):
@@ -199,12 +218,25 @@ class PatchParallelDiT:
             raise ValueError(f"patch parallel mode must be 'exact' or 'displaced', got {mode!r}")
         self.dit, self.ctx, self.mode, self.warmup = pipe.transformer, ctx, mode, warmup
         self.step = 0
+        self.tokens = [0] * ctx.world
         self.pending: dict[int, tuple[list[Tensor], Any]] = {}
+
+    def set_bands(self, tokens: list[int]) -> None:
+        """Tokens per rank's band (bands may differ by one patch row: they are padded to the largest for
+        the all-gather, and the padding is cut off again before attention)."""
+        self.tokens = tokens
+
+    def _gather(self, kv: Tensor, parts: list[Tensor]) -> Tensor:
+        return torch.cat([p[:, :, :n] for p, n in zip(parts, self.tokens)], dim=2)  # (2, B, N, H, D)
+
+    def _padded(self, kv: Tensor) -> Tensor:
+        pad = max(self.tokens) - kv.shape[2]
+        return kv if pad == 0 else torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, pad))
 
     def _hook(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         kv = torch.stack([k, v])  # (2, B, n_local, H, D)
         if self.mode == "exact" or self.step < self.warmup:
-            parts = self.ctx.all_gather(kv, "kv_all_gather")
+            parts = self.ctx.all_gather(self._padded(kv), "kv_all_gather")
             if self.mode == "displaced":
                 self.pending[layer] = (parts, None)  # fresh: the next step's "stale" K/V
         else:
@@ -213,9 +245,9 @@ class PatchParallelDiT:
                 self.ctx.wait(work, "kv_async")
             parts = list(parts)
             parts[self.ctx.rank] = kv  # own band always fresh; the others one step old
-        full = torch.cat(parts, dim=2)  # (2, B, N, H, D), bands in rank (= row) order
+        full = self._gather(kv, parts)  # bands in rank (= patch-row) order
         if self.mode == "displaced" and self.step >= self.warmup:
-            self.pending[layer] = self.ctx.all_gather_async(kv, "kv_async")
+            self.pending[layer] = self.ctx.all_gather_async(self._padded(kv), "kv_async")
         return full[0], full[1]
 
     def __call__(self, x_band: Tensor, t: Tensor, text: Tensor, row0: int, grid_h: int) -> Tensor:
@@ -237,13 +269,14 @@ def patch_parallel_denoise(ctx: RankContext, pipe: DiffusionPipeline, latents: T
                            mode: str = "exact", warmup: int = 1, seed: int = 0) -> Tensor:
     """The full latent in, the full latent out (on every rank); in between each rank holds its band."""
     p = pipe.transformer.config.patch_size
-    grid_h = latents.shape[-2] // p
-    if grid_h % ctx.world:
-        raise ValueError(f"patch parallel: {grid_h} patch rows do not split over {ctx.world} ranks")
-    band = grid_h // ctx.world
-    row0 = ctx.rank * band
-    rows = slice(row0 * p, (row0 + band) * p)
+    grid_h, grid_w = latents.shape[-2] // p, latents.shape[-1] // p
+    if grid_h < ctx.world:
+        raise ValueError(f"patch parallel: {grid_h} patch rows cannot be split over {ctx.world} ranks")
+    bands = [grid_h // ctx.world + (1 if r < grid_h % ctx.world else 0) for r in range(ctx.world)]  # rows/rank
+    row0 = sum(bands[:ctx.rank])
+    rows = slice(row0 * p, (row0 + bands[ctx.rank]) * p)
     runner = PatchParallelDiT(pipe, ctx, mode, warmup)
+    runner.set_bands([b * grid_w for b in bands])
     sch = make_sampler(sampler, pipe.schedule)
     sch.set_timesteps(steps)
     x_full = latents * sch.init_noise_sigma
@@ -264,7 +297,10 @@ def patch_parallel_denoise(ctx: RankContext, pipe: DiffusionPipeline, latents: T
             noise = torch.randn(x_full.shape, generator=g)[:, :, rows]
         x = sch.step(out, t, x, noise=noise)
     runner.finish()
-    return torch.cat(ctx.all_gather(x, "latent_all_gather"), dim=2)  # (B, C, H, W)
+    pad = (max(bands) - bands[ctx.rank]) * p
+    x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+    parts = ctx.all_gather(x_pad, "latent_all_gather")
+    return torch.cat([xp[:, :, :b * p] for xp, b in zip(parts, bands)], dim=2)  # (B, C, H, W)
 
 
 # --- component pipelining -----------------------------------------------------------------------------
