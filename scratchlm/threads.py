@@ -5,7 +5,8 @@ Policy (first match wins):
 1. an explicit count (``--threads N``, ``LLM(..., threads=N)``, ``threads = N`` in a train config);
 2. ``$OMP_NUM_THREADS``, when set (torch reads it too; we only report it);
 3. otherwise **free cores per rank**: the physical cores this process may run on, minus the machine's
-   1-minute load average (rounded), divided by the ranks this command starts, and at least 1.
+   1-minute load average (rounded), divided by the ranks this command starts on this machine (under
+   torchrun: ``$LOCAL_WORLD_SIZE``), and at least 1.
 
 Why not torch's own default (one thread per physical core)? On a busy machine a gang of OpenMP threads
 that outnumbers the free cores waits at every barrier for a thread the OS has descheduled: on a shared
@@ -99,6 +100,12 @@ def choose_threads(requested: int | None = None, *, world_size: int = 1, cores: 
         if n < 1:
             raise ValueError(f"OMP_NUM_THREADS={omp!r} (expected a positive integer)")
         return ThreadChoice(n, "OMP_NUM_THREADS")
+    local = env.get("LOCAL_WORLD_SIZE")  # torchrun: the processes on this machine, whatever the world is
+    if local:
+        try:
+            world_size = max(1, int(local))
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} (expected a positive integer)") from None
     if world_size < 1:
         raise ValueError(f"world_size={world_size} (expected a positive integer)")
     cores = physical_cores() if cores is None else cores

@@ -45,6 +45,12 @@ def test_explicit_and_env_take_precedence():
     assert str(choose_threads(3)) == "3 torch threads (--threads)"
 
 
+def test_torchrun_local_world_size_counts_the_ranks_on_this_machine():
+    # 2 nodes x 1 rank (world 2): each rank has the node's free cores; 4 ranks on one node share them
+    assert choose_threads(world_size=2, cores=8, load=0.0, env={"LOCAL_WORLD_SIZE": "1"}).threads == 8
+    assert choose_threads(world_size=4, cores=8, load=0.0, env={"LOCAL_WORLD_SIZE": "4"}).threads == 2
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
 def test_bad_requests_are_clear_errors(bad):
     with pytest.raises(ValueError, match="expected a positive integer"):

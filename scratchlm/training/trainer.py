@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,8 +151,7 @@ class Trainer:
         if self.device.type == "cpu":  # the shared policy (scratchlm/threads.py): ranks on this machine share it
             from scratchlm.threads import apply_threads
 
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
-            choice = apply_threads(cfg.threads, world_size=max(1, local_ranks), logger=log)
+            choice = apply_threads(cfg.threads, world_size=self.ctx.world_size, logger=log)  # torchrun: local ranks
             if not self.ctx.is_main:
                 log.debug("rank %d: %s", self.ctx.rank, choice)
         self.out_dir = Path(cfg.out_dir)
