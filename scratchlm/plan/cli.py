@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "elementwise rates, overheads, activation memory, gloo all-reduce) and print or write a "
                         "cluster TOML")
     parser.add_argument("--out", type=Path, default=None, help="with --calibrate: write the cluster TOML here")
+    parser.add_argument("--pairformer-tokens", type=int, default=None, metavar="N",
+                        help="plan a Pairformer trunk (scratchlm.fold, Boltz-2 widths) of N tokens instead: memory "
+                        "per rank and time per block for each DAP world size (see scratchlm/plan/pairformer.py)")
+    parser.add_argument("--pairformer-world", default="1,2,4", help="with --pairformer-tokens: DAP world sizes")
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="with --pairformer-tokens: per-rank memory budget; the row chunk is chosen to fit it")
 
 
 def format_table(preds, top: int) -> str:
@@ -74,6 +80,10 @@ def format_table(preds, top: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run `scratchlm plan`."""
+    if args.pairformer_tokens is not None:
+        from scratchlm.plan.pairformer import run_cli
+
+        return run_cli(args)
     try:
         from scratchlm.config import resolve_recipe
 

@@ -1,0 +1,224 @@
+"""The Pairformer workload of `scratchlm plan`: memory per rank and time per block of a DAP layout.
+
+For one block of `scratchlm.fold` at N tokens over P DAP ranks (R = ceil(N/P) rows, N' = P R):
+
+- memory per rank = weights + the z shard (B R N' c) + s + the block's peak activations
+  (`scratchlm.fold.memory.pair_block_peak_bytes`, itself checked against `PeakMemory` by benchmarks/fold.py);
+- time per block = GEMM FLOPs / gemm rate (the projections: 2 x 6c^2 per pair element for each triangle
+  update, 2 (5HD + H) c for each triangle attention, 2 x 12c^2 for the transition)
+  + contraction/attention FLOPs / bmm rate (2 N' c per pair element per update, 4 N' HD per attention)
+  + softmax elements (2 R H N'^2) / softmax rate + element passes (`ELEMENT_PASSES` c per pair element)
+  / elementwise rate + communication: alpha-beta per message, 4 all-to-alls of (P-1)/P of the shard,
+  the ring of 2 (P-1) shard-sized blocks (hidden behind the contraction when overlapped, so it costs
+  max(ring, contraction)), the bias gathers; times the oversubscription factor max(1, P / cores).
+
+The rates come from `calibrate_pairformer` (timed here at the workload's own shapes) or from a cluster
+TOML's `flops`, `softmax_rate`, `elementwise_rate` and link figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scratchlm.fold.memory import pair_block_peak_bytes
+from scratchlm.fold.pairformer import PairformerConfig
+
+
+@dataclass(frozen=True)
+class PairformerRates:
+    """Per-rank rates the time model needs (one thread per rank)."""
+
+    gemm_flops: float  # FLOP/s of the projections (rows x c) @ (c x 4c)
+    bmm_flops: float  # FLOP/s of the batched contraction / attention matmuls
+    softmax_rate: float  # logits elements/s (bias add, mask add, softmax)
+    elementwise_rate: float  # element passes/s of LayerNorm / sigmoid / mul / add (one pass = one op per element)
+    latency: float  # seconds per message between two ranks
+    bandwidth: float  # bytes/s between two ranks
+    cores: int  # devices that run ranks at full speed (more ranks share them)
+
+
+@dataclass
+class PairformerPrediction:
+    """Predicted figures for one block at N tokens over P ranks."""
+
+    n: int
+    world: int
+    chunk_rows: int | None
+    memory_bytes: float  # per rank: weights + z shard + s + peak activations
+    activation_bytes: float  # the block's peak above its inputs (what PeakMemory measures)
+    gemm_s: float
+    bmm_s: float
+    softmax_s: float
+    elementwise_s: float
+    comm_s: float
+    oversubscription: float
+    fits: bool | None = None  # within the per-rank budget (None: no budget given)
+
+    @property
+    def block_s(self) -> float:
+        return (self.gemm_s + self.bmm_s + self.softmax_s + self.elementwise_s + self.comm_s) * self.oversubscription
+
+
+# Element passes per pair element per block, in units of c (counted op by op in scratchlm.fold.pairformer):
+# each triangle update 22 (LN_in twice, gates, mask, the a/b copies, cat, LN_out, adds), each triangle attention
+# 11 (LN, q scale, q/k/v/o transposes, gate, add), the transition 16 (LN, SiLU, two muls, add), the copy of z 1.
+ELEMENT_PASSES = 2 * 22 + 2 * 11 + 16 + 1
+DAP_ELEMENT_PASSES = 4 * 2  # four transposes: pack and unpack
+
+
+def _time(fn, repeats: int = 5) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def calibrate_pairformer(cfg: PairformerConfig, n: int = 96, network: bool = True) -> PairformerRates:
+    """Time this machine's kernels at a Pairformer's shapes (1 thread), and the gloo link between 2 processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c, h, d = cfg.c_z, cfg.pair_heads, cfg.pair_head_dim
+        x = torch.randn(n * n, c)
+        w = torch.randn(4 * c, c)
+        gemm = 2 * n * n * c * 4 * c / _time(lambda: x @ w.t())
+        a = torch.randn(c // 4, n, n)
+        bmm = 2 * (c // 4) * n**3 / _time(lambda: torch.matmul(a, a.transpose(-1, -2)))
+        logits = torch.randn(8, h, n, n)
+        bias = torch.randn(h, n, n)
+        sm = logits.numel() / _time(lambda: torch.softmax(logits + bias, dim=-1))
+        y = torch.randn(n * n, c)
+        # element passes: LayerNorm ~3 (mean, variance, normalise), sigmoid 1, mul 1
+        ew = 5 * y.numel() / _time(lambda: torch.nn.functional.layer_norm(y, (c,)).sigmoid_().mul_(y))
+        _ = d
+    finally:
+        torch.set_num_threads(threads)
+    lat, bw = 5e-5, 2e9
+    if network:
+        from scratchlm.plan.calibrate import measure_allreduce
+
+        lat, bw = measure_allreduce()[:2]
+    return PairformerRates(gemm, bmm, sm, ew, lat, bw, len(os.sched_getaffinity(0)))
+
+
+def rates_from_cluster(cluster) -> PairformerRates:
+    """Rates from a `ClusterSpec` (flops for both GEMM kinds, its softmax/elementwise rates, the intra-node link)."""
+    return PairformerRates(cluster.flops, cluster.flops, cluster.softmax_rate, cluster.elementwise_rate,
+                           cluster.intra_latency, cluster.intra_bw, cluster.devices_per_node)
+
+
+def weights_bytes(cfg: PairformerConfig, elem: int = 4) -> int:
+    """Parameters of one block, in bytes."""
+    from scratchlm.fold.pairformer import PairformerBlock
+
+    with torch.device("meta"):
+        blk = PairformerBlock(cfg)
+    return sum(p.numel() for p in blk.parameters()) * elem
+
+
+def predict_block(cfg: PairformerConfig, n: int, world: int, rates: PairformerRates, chunk_rows: int | None = None,
+                  overlap: bool = True, channel_chunks: int | None = None, elem: int = 4) -> PairformerPrediction:
+    """Memory per rank and time of one block at `n` tokens over `world` DAP ranks (see the module docstring)."""
+    if n <= 0 or world <= 0:
+        raise ValueError(f"predict_block: need n > 0 and world > 0, got n={n}, world={world}")
+    rows = -(-n // world)
+    n_pad = rows * world
+    c, h, hd = cfg.c_z, cfg.pair_heads, cfg.pair_heads * cfg.pair_head_dim
+    pairs = rows * n_pad  # pair elements on this rank
+    shard = pairs * c * elem
+    gemm = pairs * 2 * (2 * 6 * c * c + 2 * (5 * hd + h) * c + 3 * cfg.transition_mult * c * c)
+    gemm += rows * 2 * 8 * cfg.c_s * cfg.c_s  # the single track (its share of rows; small)
+    contraction = 2 * pairs * n_pad * 2 * c  # two triangle updates
+    attention = 2 * pairs * n_pad * 4 * hd  # two triangle attentions: q k^T and attn v
+    softmax = 2 * pairs * h * n_pad
+    elementwise = pairs * (ELEMENT_PASSES + (DAP_ELEMENT_PASSES if world > 1 else 0)) * c
+    comm = 0.0
+    if world > 1:
+        k = channel_chunks or 16
+        lat, bw = rates.latency, rates.bandwidth
+        a2a = 4 * (k * (world - 1) * lat + shard * (world - 1) / world / bw)
+        ring = 2 * k * (world - 1) * (lat + shard / k / bw)
+        gathers = 2 * (world - 1) * (lat + h * pairs * elem / bw) + (world - 1) * (lat + rows * cfg.c_s * elem / bw)
+        contraction_s = contraction / rates.bmm_flops
+        ring_cost = max(0.0, ring - contraction_s) if overlap else ring
+        comm = a2a + ring_cost + gathers
+    act = pair_block_peak_bytes(cfg, n, world, chunk_rows, overlap, channel_chunks=channel_chunks)
+    memory = weights_bytes(cfg, elem) + shard + n_pad * cfg.c_s * elem + act
+    return PairformerPrediction(
+        n=n, world=world, chunk_rows=chunk_rows, memory_bytes=memory, activation_bytes=act,
+        gemm_s=gemm / rates.gemm_flops, bmm_s=(contraction + attention) / rates.bmm_flops,
+        softmax_s=softmax / rates.softmax_rate, elementwise_s=elementwise / rates.elementwise_rate,
+        comm_s=comm, oversubscription=max(1.0, world / max(1, rates.cores)))
+
+
+def format_predictions(preds: list[PairformerPrediction]) -> str:
+    """A plain-text table for `scratchlm plan --pairformer-tokens`."""
+    head = (f"{'P':>3}{'N':>7}{'chunk':>7}{'GiB/rank':>10}{'act GiB':>9}{'block s':>9}{'gemm':>7}{'bmm':>7}"
+            f"{'softmax':>9}{'elem':>7}{'comm':>7}  fits")
+    rows = [head, "-" * len(head)]
+    g = 2**30
+    for p in preds:
+        rows.append(f"{p.world:>3}{p.n:>7}{str(p.chunk_rows or '-'):>7}{p.memory_bytes / g:>10.3f}"
+                    f"{p.activation_bytes / g:>9.3f}{p.block_s:>9.2f}{p.gemm_s:>7.2f}{p.bmm_s:>7.2f}"
+                    f"{p.softmax_s:>9.2f}{p.elementwise_s:>7.2f}{p.comm_s:>7.2f}  "
+                    f"{'-' if p.fits is None else ('yes' if p.fits else 'no')}")
+    return "\n".join(rows)
+
+
+def plan_pairformer(cfg: PairformerConfig, n: int, worlds: list[int], rates: PairformerRates,
+                    budget_bytes: float | None = None) -> list[PairformerPrediction]:
+    """One prediction per world size; with a per-rank budget, the row chunk is the largest that fits it."""
+    out = []
+    for world in worlds:
+        chunk = None
+        if budget_bytes is not None:
+            rows = -(-n // world)
+            fits = [r for r in (2**i for i in range(int(math.log2(rows)) + 1)) if
+                    predict_block(cfg, n, world, rates, r).memory_bytes <= budget_bytes]
+            chunk = max(fits) if fits else 1
+        pred = predict_block(cfg, n, world, rates, chunk)
+        if budget_bytes is not None:
+            pred.fits = pred.memory_bytes <= budget_bytes
+        out.append(pred)
+    return out
+
+
+def run_cli(args) -> int:
+    """`scratchlm plan --pairformer-tokens N [--pairformer-world 1,2,4] [--budget-gib G] [--cluster TOML]`."""
+    import sys
+
+    try:
+        if args.pairformer_tokens <= 0:
+            raise ValueError(f"--pairformer-tokens {args.pairformer_tokens}: expected a positive token count")
+        try:
+            worlds = [int(x) for x in str(args.pairformer_world).split(",")]
+        except ValueError as e:
+            raise ValueError(f"--pairformer-world {args.pairformer_world!r}: expected comma-separated ints") from e
+        if any(w <= 0 for w in worlds):
+            raise ValueError(f"--pairformer-world {args.pairformer_world!r}: world sizes must be positive")
+        cfg = PairformerConfig(n_blocks=1)
+        if args.cluster:
+            from scratchlm.plan.cluster import load_cluster
+
+            rates = rates_from_cluster(load_cluster(args.cluster))
+        else:
+            print("no --cluster given: timing this machine's kernels at the Pairformer's shapes", file=sys.stderr)
+            rates = calibrate_pairformer(cfg)
+        budget = args.budget_gib * 2**30 if args.budget_gib else None
+        preds = plan_pairformer(cfg, args.pairformer_tokens, worlds, rates, budget)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scratchlm plan: error: {e}", file=sys.stderr)
+        return 2
+    print(f"Pairformer block (c_s {cfg.c_s}, c_z {cfg.c_z}, {cfg.pair_heads} x {cfg.pair_head_dim} pair heads) at "
+          f"N = {args.pairformer_tokens}; rates: GEMM {rates.gemm_flops / 1e9:.1f} GFLOP/s, bmm "
+          f"{rates.bmm_flops / 1e9:.1f} GFLOP/s, link {rates.bandwidth / 1e9:.2f} GB/s, {rates.cores} core(s)")
+    print(format_predictions(preds))
+    return 0
