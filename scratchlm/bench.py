@@ -125,6 +125,8 @@ FIGURES: dict[str, Figure] = {
     "llamacpp-decode": Figure("llamacpp_decode", 1),
     "walls-roofline": Figure("walls", "Operating points", png="walls", page="walls.md"),
     "walls-peaks": Figure("walls", "Machine peaks", page="walls.md"),
+    "walls-techniques": Figure("walls", "What each technique moves", page="walls.md"),
+    "walls-comm": Figure("parallel", "Communication per engine step", page="walls.md"),
 }
 
 
