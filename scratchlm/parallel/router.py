@@ -576,6 +576,16 @@ def replica_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _own_trace(argv: list[str], index: int) -> list[str]:
+    """`--trace FILE` of replica i writes FILE with `.replica<i>` before its suffix (one trace per engine)."""
+    out = list(argv)
+    for j, a in enumerate(out[:-1]):
+        if a == "--trace":
+            p = Path(out[j + 1])
+            out[j + 1] = str(p.with_name(f"{p.stem}.replica{index}{p.suffix}"))
+    return out
+
+
 def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str | Path | None = None) -> list[Replica]:
     """Start `count` `scratchlm serve` processes on free local ports (or, with `config.replica_urls`, take those
     running servers) and wait until every one answers /health. Raises RuntimeError (after stopping the started
@@ -586,7 +596,8 @@ def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str 
     env = dict(os.environ)
     ports = [] if replicas else free_ports(count)
     for i, port in enumerate(ports):
-        cmd = [sys.executable, "-m", "scratchlm", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-m", "scratchlm", "serve", *_own_trace(argv, i), "--host", "127.0.0.1", "--port",
+               str(port)]
         log.info("starting replica %d: %s", i, " ".join(cmd))
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=_die_with_parent)
         replicas.append(Replica(index=i, url=f"http://127.0.0.1:{port}", process=proc))
