@@ -232,7 +232,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
                           or engine.model_config.max_seq_len),
         capacity=int(engine_config.max_num_seqs) + config.max_queue,
         max_prompt_chars=0,
-        tokenize_pool=ThreadPoolExecutor(max_workers=2, thread_name_prefix="scratchlm-tokenize"),
+        tokenize_pool=_tokenize_pool(),
     )
     state.max_prompt_chars = state.max_model_len * max_chars_per_token(engine.tokenizer)
 
@@ -248,6 +248,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
         finally:
             state.loop.stop()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            state.tokenize_pool = _tokenize_pool()  # threads start on first use: ready if the app is served again
 
     app = FastAPI(title="scratchlm OpenAI-compatible server", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat on a scratchlm engine.")
@@ -264,6 +265,10 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
     return app
+
+
+def _tokenize_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="scratchlm-tokenize")
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
