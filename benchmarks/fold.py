@@ -16,6 +16,8 @@ next to it, curves in PNGs):
   then measured at that N.
 - comm: time per block by kind and the bytes against `block_comm_bytes`; overlap on/off interleaved.
 - hybrid: trunk (DAP) then K diffusion samples data-parallel: memory per rank and time per sample.
+- plan: `scratchlm plan`'s Pairformer predictions (memory per rank, time per block) against every run
+  measured today (this invocation's and today's fold result JSONs), target +-30 %.
 
 P = 4 on this machine is 4 processes on 2 shared cores: times at P = 4 are oversubscribed (every rank
 waits for a core), memory figures are not affected.
@@ -216,6 +218,46 @@ def section_hybrid(report: Report, n: int, k: int, raw: dict) -> None:
                  "data-parallel over the same ranks")
 
 
+def section_plan(report: Report, raw: dict) -> None:
+    """`scratchlm plan`'s Pairformer predictions against every run measured so far today (this invocation's
+    and the fold result JSONs of today), with rates timed now on this machine."""
+    import datetime as dt
+
+    from scratchlm.plan.pairformer import calibrate_pairformer, predict_block
+
+    runs = [r for key in ("memory", "largest") for r in raw.get(key, [])]
+    runs += [v for c in raw.get("comm", []) for v in c["runs"].values()]
+    for path in sorted(RESULTS_DIR.glob(f"{dt.date.today().isoformat()}-fold*.json")):
+        old = json.loads(path.read_text())
+        runs += [r for key in ("memory", "largest") for r in old.get(key, [])]
+        runs += [v for c in old.get("comm", []) for v in c["runs"].values()]
+    seen, unique = set(), []
+    for r in runs:
+        key = (r["n"], r["world"], r["chunk_rows"], r["overlap"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    rates = calibrate_pairformer(CFG)
+    raw["plan_rates"] = vars(rates)
+    rows, mem_ok, time_ok = [], 0, 0
+    for r in sorted(unique, key=lambda r: (r["n"], r["world"], r["chunk_rows"] or 0)):
+        p = predict_block(CFG, r["n"], r["world"], rates, r["chunk_rows"], r["overlap"])
+        m_ratio, t_ratio = r["peak_bytes"] / p.activation_bytes, r["block_s"] / p.block_s
+        mem_ok += abs(m_ratio - 1) <= 0.3
+        time_ok += abs(t_ratio - 1) <= 0.3
+        rows.append([r["n"], r["world"], r["chunk_rows"] or "none", "on" if r["overlap"] else "off",
+                     f"{p.activation_bytes / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}", f"{m_ratio:.2f}",
+                     f"{p.block_s:.2f}", f"{r['block_s']:.2f}", f"{t_ratio:.2f}"])
+    report.add(f"Planner rates timed now (1 thread): GEMM {rates.gemm_flops / 1e9:.1f} GFLOP/s, bmm "
+               f"{rates.bmm_flops / 1e9:.1f} GFLOP/s, softmax {rates.softmax_rate / 1e6:.0f} M/s, element passes "
+               f"{rates.elementwise_rate / 1e6:.0f} M/s, gloo link {rates.latency * 1e6:.0f} us + "
+               f"{rates.bandwidth / 1e9:.2f} GB/s, {rates.cores} cores.")
+    report.table(["N", "P", "chunk", "overlap", "predicted act MiB", "measured MiB", "measured/predicted",
+                  "predicted block s", "measured s", "measured/predicted"], rows,
+                 caption=f"`scratchlm plan --pairformer-tokens` against measurement (target +-30 %): memory within "
+                 f"on {mem_ok}/{len(rows)} runs, time on {time_ok}/{len(rows)}")
+
+
 # --- plots ---------------------------------------------------------------------------------------
 
 
@@ -268,7 +310,7 @@ def _plot_largest(found: dict[int, int], budget_mib: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="speed,memory,largest,comm,hybrid")
+    ap.add_argument("--sections", default="speed,memory,largest,comm,hybrid,plan")
     ap.add_argument("--ns", default="96,192,288,384", help="N values of the memory section")
     ap.add_argument("--speed-ns", default="64,128,192", help="N values of the speed section")
     ap.add_argument("--repeats", type=int, default=3)
@@ -278,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=5, help="diffusion samples K (AlphaFold3 draws 5)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
-    unknown = sections - {"speed", "memory", "largest", "comm", "hybrid"}
-    if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}; expected speed, memory, largest, comm, hybrid")
+    known = {"speed", "memory", "largest", "comm", "hybrid", "plan"}
+    if sections - known:
+        raise SystemExit(f"unknown sections {sorted(sections - known)}; expected some of {sorted(known)}")
     set_threads(1)
-    name = "fold" if len(sections) == 5 else "fold-" + "-".join(sorted(sections))
+    name = "fold" if len(sections) == len(known) else "fold-" + "-".join(sorted(sections))
     report = Report(name, "Pairformer + DAP + diffusion head (issue 19)", argv if argv is not None else sys.argv[1:])
     report.add(f"Model: one Pairformer block at Boltz-2's widths ({CFG}); fp32; random weights and inputs. "
                "Memory: `PeakMemory` (VmHWM after clear_refs=5, MALLOC_MMAP_THRESHOLD_=65536, a fresh process "
@@ -299,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         section_comm(report, args.comm_n, max(1, args.repeats - 1), mem_runs, raw)
     if "hybrid" in sections:
         section_hybrid(report, args.hybrid_n, args.samples, raw)
+    if "plan" in sections:
+        section_plan(report, raw)
     path = report.write()
     path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
     return 0
