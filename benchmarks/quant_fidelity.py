@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-text", default=None,
                         help="calibration text for @cal variants (default: shared wikitext2/valid.txt)")
     parser.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens (default 512)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="run quantized layers through the C++ kernels (default: the pure-torch reference, "
+                             "dequantize + matmul: fidelity is a property of the stored weights, and the kernels "
+                             "are tested against the reference)")
     parser.add_argument("--name", default="quant_fidelity", help="results file name (benchmarks/results/DATE-NAME.md)")
     args = parser.parse_args(argv)
     if args.windows < 1 or args.window < 2:
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = torch.tensor(ids[:need]).view(args.windows, args.window)  # (W, T)
 
     from scratchlm.inference.quantization.calibrate import calibration_tokens_from_file
+    from scratchlm.inference.quantization.modules import QuantLinear
 
     calib_path = args.calib_text or shared_data_dir() / "corpora" / "wikitext2" / "valid.txt"
     calib = None
@@ -92,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: quantized in {quant_s[name]:.1f}s", flush=True)
     if not args.no_gguf:
         models["gguf-packed"] = load_gguf_packed(path).model
+    for model in models.values():
+        for module in model.modules():
+            if isinstance(module, QuantLinear) and not args.kernels:
+                module.use_extension = False
     stats = {name: {"nll": 0.0, "kl": 0.0, "top1": 0.0, "n": 0} for name in models}
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -124,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.name, "Quantization fidelity on SmolLM2-135M (WikiText-2 test)", argv or sys.argv[1:])
     report.add(f"{args.windows} non-overlapping windows of {args.window} tokens from the start of "
                f"wikitext2/test.txt ({stats['fp32']['n']} predicted tokens), same windows for every variant; "
-               f"reference = the default GGUF ({path.name}) dequantized to fp32. Evaluation took {elapsed:.0f}s. "
+               f"reference = the default GGUF ({path.name}) dequantized to fp32. Evaluation took {elapsed:.0f}s; "
+               f"quantized layers ran {'through the C++ kernels' if args.kernels else 'the pure-torch reference'}. "
                + (f"Calibration (@cal): the first {calib.numel()} tokens of {Path(calib_path).name} "
                   f"({Path(calib_path).parent.name}), one float forward." if calib is not None else ""))
     report.table(["variant", "weights MiB", "PPL", "ΔPPL", "target", "KL(fp32 ‖ q) / token", "top-1 = fp32",

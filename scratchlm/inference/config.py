@@ -37,7 +37,16 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata={"help": "weight quantization: none | gguf (keep a .gguf's Q8_0/Q4_0/Q4_1 blocks packed) | "
-                          "int8 | int4[-gN][-sym|-asym][+head8] (see docs/quantization.md)"},
+                          "int8 | int4[-gN][-sym|-asym][+head8][+rtn|+gptq] (see docs/quantization.md)"},
+    )
+    quantization_calibration: str | None = field(
+        default=None,
+        metadata={"help": "UTF-8 text file whose first quantization_calibration_tokens tokens calibrate int4: the "
+                          "scale search weighs each input channel by its E[x^2] (+gptq needs it); None = "
+                          "weight-only search"},
+    )
+    quantization_calibration_tokens: int = field(
+        default=512, metadata={"help": "tokens of quantization_calibration used (fixed: the file's first ones)"}
     )
     speculative: str | None = field(
         default=None,
@@ -120,6 +129,12 @@ class EngineConfig:
                 parse_scheme(self.quantization)
             except ValueError as e:
                 problems.append(f"quantization={self.quantization!r}: {e}")
+        if self.quantization_calibration is not None and not Path(self.quantization_calibration).is_file():
+            problems.append(f"quantization_calibration={self.quantization_calibration!r} is not a file "
+                            "(expected a UTF-8 text file)")
+        v = self.quantization_calibration_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"quantization_calibration_tokens={v!r} must be a positive integer")
         if self.speculative not in (None, "none"):
             from scratchlm.inference.speculative.method import parse_speculative
 

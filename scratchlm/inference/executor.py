@@ -75,7 +75,9 @@ class UniProcExecutor:
         from scratchlm.inference.quantization import load_model_quantized
 
         quantization = None if config.quantization in (None, "none") else config.quantization
-        loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device)
+        loaded = load_model_quantized(path, quantization, dtype=config.torch_dtype, device=config.device,
+                                      calibration=config.quantization_calibration,
+                                      calibration_tokens=config.quantization_calibration_tokens)
         return cls(loaded.model, loaded.config, loaded.tokenizer, config)
 
     def start(self, num_blocks: int) -> ModelRunner:

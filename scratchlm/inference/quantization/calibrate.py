@@ -34,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.inference.quantization.reference import pack_nibbles
-from scratchlm.inference.quantization.scheme import LayerFormat
+from scratchlm.inference.quantization.scheme import CHUNK, LayerFormat
 
-SEARCHES = ("mse", "rtn")
+SEARCHES = ("mse", "rtn", "gptq")
 HEAD = "output_head"  # same key as modules.HEAD (kept here so this module does not import the layers)
 STAT_FLOOR = 0.01  # h_k = E[x_k^2] + STAT_FLOOR * mean_k E[x_k^2]
 _CHUNK_ELEMS = 1 << 17  # rows are searched in chunks of about this many weights (bounded memory)
@@ -77,12 +77,14 @@ def calibration_tokens_from_file(tokenizer, path: str | Path, n_tokens: int = 51
 
 
 @torch.no_grad()
-def activation_stats(model: nn.Module, tokens: Tensor, max_rows: int = 1) -> dict[str, Tensor]:
+def activation_stats(model: nn.Module, tokens: Tensor, max_rows: int = 1, full: bool = False) -> dict[str, Tensor]:
     """E[x_k^2] per input channel of every linear layer and of the head: module path -> float32 (d_in,).
 
     One float forward of `tokens` (B, T) through a `TransformerLM`, `max_rows` rows at a time.
     Keys are the paths `modules.linear_names` gives (q/k/v share the attention norm's output,
-    w1/w3 the FFN norm's) and ``"output_head"`` (the final norm's output).
+    w1/w3 the FFN norm's) and ``"output_head"`` (the final norm's output). `full=True` returns
+    E[x x^T] (d_in, d_in) instead (GPTQ's Hessian; its diagonal is the E[x^2] above); modules that
+    share an input share one tensor.
     """
     if tokens.dim() != 2 or tokens.dtype != torch.long:
         raise ValueError(f"calibration tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} "
@@ -91,9 +93,13 @@ def activation_stats(model: nn.Module, tokens: Tensor, max_rows: int = 1) -> dic
     count = [0]
 
     def add(keys: tuple[str, ...], x: Tensor) -> None:
-        s = x.detach().float().reshape(-1, x.shape[-1]).pow(2).sum(0)  # (d_in,)
-        for key in keys:
-            sums[key] = sums[key] + s if key in sums else s.clone()
+        x2 = x.detach().float().reshape(-1, x.shape[-1])  # (rows, d_in)
+        s = x2.t() @ x2 if full else x2.pow(2).sum(0)  # (d_in, d_in) or (d_in,)
+        if keys[0] in sums:
+            sums[keys[0]] += s
+        else:
+            for key in keys:
+                sums[key] = s  # shared inputs share one accumulator
 
     hooks = []
 
@@ -121,7 +127,10 @@ def activation_stats(model: nn.Module, tokens: Tensor, max_rows: int = 1) -> dic
     finally:
         for h in hooks:
             h.remove()
-    return {k: (v / count[0]).cpu() for k, v in sums.items()}
+    scaled: dict[int, Tensor] = {}
+    for v in sums.values():
+        scaled.setdefault(id(v), v / count[0])
+    return {k: scaled[id(v)].cpu() for k, v in sums.items()}
 
 
 def channel_weights(stats: Tensor | None, d_in: int, floor: float = STAT_FLOOR) -> Tensor:
@@ -190,7 +199,7 @@ def _candidate_codes(wg: Tensor, symmetric: bool):
     if symmetric:
         idx = wg.abs().argmax(dim=-1, keepdim=True)
         v = torch.gather(wg, -1, idx)  # (n, G, 1) signed value of largest magnitude
-        for s in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75):
+        for s in (1.0, 0.93, 0.86, 0.8):
             for den in (-8.0, 7.0):  # the extreme on code 0 or on code 15
                 d = v * s / den
                 inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
@@ -198,10 +207,10 @@ def _candidate_codes(wg: Tensor, symmetric: bool):
         return
     lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
     span = (hi - lo).clamp_min(1e-30)
-    for t in (-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0):  # llama.cpp make_qkx2_quants' family
+    for t in (-1.0, -0.5, 0.0, 0.5, 1.0):  # llama.cpp make_qkx2_quants' family
         yield torch.round((wg - lo) * ((15.0 + t) / span)).clamp_(0, 15)
-    for a in (0.0, 0.04, 0.08, 0.12):  # clip a and b fractions of the range at the low / high end
-        for b in (0.0, 0.04, 0.08, 0.12):
+    for a in (0.0, 0.05, 0.1):  # clip a and b fractions of the range at the low / high end
+        for b in (0.0, 0.05, 0.1):
             if a == b == 0.0:
                 continue
             lo_c, hi_c = lo + a * span, hi - b * span
@@ -287,3 +296,68 @@ def weighted_error(w: Tensor, w_hat: Tensor, weights: Tensor | None = None) -> f
     if weights is not None:
         e = e * weights.float().to(e.device)
     return float(e.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPTQ (error feedback through the inverse Hessian)
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def gptq_int4(w: Tensor, hessian: Tensor, group_size: int = 32, symmetric: bool = False, damp: float = 0.01,
+              block: int = 128) -> tuple[Tensor, Tensor, Tensor | None]:
+    """GPTQ (Frantar et al. 2022) into the ordinary int4 format -> (packed (N, K/2), d (N, G), m (N, G) or None).
+
+    Columns are quantized left to right; each column's rounding error is spread over the columns
+    not yet quantized through the Cholesky factor of the damped inverse of `hessian` = E[x x^T]
+    (d_in, d_in), so the layer's output error on the calibration activations, not the weight error,
+    is minimized. A group's (d, m) are chosen when its first column is reached, by the weighted
+    search above (h = diag(H)) on the already-updated weights. `damp` * mean(diag H) is added to
+    the diagonal (a few hundred tokens leave H rank-deficient).
+    """
+    n, k = w.shape
+    LayerFormat(bits=4, group_size=group_size, symmetric=symmetric).check(k, "gptq_int4")
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
+    dev = w.device
+    W = w.float().clone()
+    H = hessian.to(dev, torch.float64).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype, device=dev)
+    diag = torch.diag(H).float()
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()  # (K, K) upper
+    G = -(-k // group_size)
+    d_all = torch.empty(n, G, dtype=torch.float16, device=dev)
+    m_all = None if symmetric else torch.empty(n, G, dtype=torch.float16, device=dev)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=dev)
+    block = max(block - block % group_size, group_size)  # groups never straddle blocks
+    zero_h = torch.zeros(1, 1, 1, device=dev)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()  # (N, b) working copy, updated column by column
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        d = m = None
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:
+                gi, ge = col // group_size, min(col + group_size, k)
+                dg, mg = search_int4_params(W1[:, i:i + ge - col], ge - col, symmetric, diag[col:ge], rounds=1) \
+                    if (ge - col) % CHUNK == 0 else _rtn(W1[:, i:i + ge - col].unsqueeze(1), symmetric)
+                d_all[:, gi] = dg.view(n)
+                d = dg.view(n, 1, 1)
+                if not symmetric:
+                    m_all[:, gi] = mg.view(n)
+                    m = mg.view(n, 1, 1)
+            x = W1[:, i].view(n, 1, 1)
+            q, _ = _assign(x, d.view(n, 1), None if m is None else m.view(n, 1), zero_h)
+            q = q.view(n)
+            codes[:, col] = q.to(torch.uint8)
+            rec = (q - 8.0) * d.view(n).float() if symmetric else q * d.view(n).float() + m.view(n).float()
+            err = (W1[:, i] - rec) / Hinv1[i, i]  # (N,)
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return pack_nibbles(codes), d_all.contiguous(), None if m_all is None else m_all.contiguous()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from scratchlm.inference.quantization.calibrate import calibration_tokens_from_file
 from scratchlm.inference.quantization.gguf_packed import load_gguf_packed
 from scratchlm.inference.quantization.scheme import SCHEME_HELP, parse_scheme
 from scratchlm.inference.quantization.transform import FORMAT, load_quantized, quantize_model
@@ -34,13 +35,25 @@ def _is_quantized_checkpoint(path: Path) -> bool:
 
 
 def load_model_quantized(path: str | Path, quantization: str | None = None, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu") -> LoadedModel:
-    """Load `path` (anything `scratchlm.model.load` reads, or a quantized checkpoint) and apply `quantization`."""
+                         device: str | torch.device = "cpu", calibration: str | Path | None = None,
+                         calibration_tokens: int = 512) -> LoadedModel:
+    """Load `path` (anything `scratchlm.model.load` reads, or a quantized checkpoint) and apply `quantization`.
+
+    `calibration`: a UTF-8 text file whose first `calibration_tokens` tokens calibrate the int4
+    scale search (`calibrate.py`); only meaningful with an int4 scheme that is not +rtn.
+    """
     from scratchlm.model import load
 
     path = Path(path)
+    scheme = None
     if quantization is not None and quantization != "gguf":
-        parse_scheme(quantization)  # fail on a bad name before the (slow) load
+        scheme = parse_scheme(quantization)  # fail on a bad name before the (slow) load
+    if calibration is not None:
+        if scheme is None or scheme.search == "rtn":
+            raise ValueError(f"calibration text {str(calibration)!r} is only used by an int4 scheme with a search "
+                             f"(e.g. int4-g32-asym or int4-g128-asym+gptq), got quantization={quantization!r}")
+        if not Path(calibration).is_file():
+            raise FileNotFoundError(f"calibration text not found: {calibration} (expected a UTF-8 text file)")
     if _is_quantized_checkpoint(path):
         loaded = load_quantized(path, device=device, dtype=dtype)
         if quantization not in (None, loaded.model.scheme_name):
@@ -54,4 +67,9 @@ def load_model_quantized(path: str | Path, quantization: str | None = None, dtyp
     loaded = load(path, dtype=dtype, device=device)
     if quantization is None:
         return loaded
-    return loaded._replace(model=quantize_model(loaded.model, quantization))
+    tokens = None
+    if calibration is not None:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{path} has no tokenizer to read the calibration text with; pass one (--tokenizer)")
+        tokens = calibration_tokens_from_file(loaded.tokenizer, calibration, calibration_tokens)
+    return loaded._replace(model=quantize_model(loaded.model, quantization, calibration=tokens))

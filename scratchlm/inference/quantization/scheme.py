@@ -84,7 +84,9 @@ class QuantScheme:
     embedding is made for the head; the lookup table stays float unless quantize_embedding).
     search: ``mse`` (default) picks each int4 group's scale and min by an error-minimizing search,
     weighted by activation statistics when calibration tokens are given (`calibrate.py`); ``rtn`` is
-    plain round-to-nearest on the group's min/max (Q4_1) or absmax (Q4_0). The stored format is the same.
+    plain round-to-nearest on the group's min/max (Q4_1) or absmax (Q4_0); ``gptq`` feeds each
+    column's rounding error forward through the inverse Hessian (needs calibration tokens). The
+    stored format is the same for all three.
     """
 
     name: str
@@ -92,7 +94,7 @@ class QuantScheme:
     quantize_head: bool = True
     quantize_embedding: bool = False
     head: LayerFormat | None = None  # the head's format when it differs from `linear` (+head8)
-    search: Literal["mse", "rtn"] = "mse"  # how int4 scales / mins are chosen (calibrate.py); int8 is always rtn
+    search: Literal["mse", "rtn", "gptq"] = "mse"  # how int4 codes / scales / mins are chosen (calibrate.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "linear": self.linear.to_dict(), "quantize_head": self.quantize_head,
@@ -111,16 +113,16 @@ class QuantScheme:
             raise ValueError(f"invalid quantization scheme {data!r}: {e}") from None
 
     def __post_init__(self) -> None:
-        if self.search not in ("mse", "rtn"):
-            raise ValueError(f"quantization search {self.search!r} must be 'mse' or 'rtn'")
+        if self.search not in ("mse", "rtn", "gptq"):
+            raise ValueError(f"quantization search {self.search!r} must be 'mse', 'rtn' or 'gptq'")
 
 
 SCHEME_HELP = ("int8 (per output channel) | int4[-gN][-sym|-asym] (default g32, asym), e.g. int4-g128-sym; "
                "append +emb to quantize the token embedding too, +nohead to keep the output head float, "
                "+head8 to store the head as per-channel int8 (llama.cpp keeps heads at 8 bits); int4 scales and "
                "mins are chosen by an error-minimizing search (activation-weighted with calibration text), "
-               "+rtn for plain round-to-nearest min/max")
-_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead|head8|rtn))*)$")
+               "+rtn for plain round-to-nearest min/max, +gptq for GPTQ (needs calibration text)")
+_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead|head8|rtn|gptq))*)$")
 
 
 def parse_scheme(name: str) -> QuantScheme:
@@ -147,12 +149,15 @@ def parse_scheme(name: str) -> QuantScheme:
         f"int8-g{group}" if kind == "int8" else f"int4-g{fmt.group_size}-{'sym' if fmt.symmetric else 'asym'}")
     if "+head8" in flags and "+nohead" in flags:
         raise ValueError(f"{name!r}: +head8 and +nohead exclude each other")
-    if "+rtn" in flags and kind == "int8":
-        raise ValueError(f"{name!r}: +rtn applies to int4 only (int8 always rounds to nearest on the absmax scale)")
+    for flag in ("+rtn", "+gptq"):
+        if flag in flags and kind == "int8":
+            raise ValueError(f"{name!r}: {flag} applies to int4 only (int8 rounds to nearest on the absmax scale)")
+    if "+rtn" in flags and "+gptq" in flags:
+        raise ValueError(f"{name!r}: +rtn and +gptq exclude each other")
     return QuantScheme(name=canonical + flags, linear=fmt, quantize_head="+nohead" not in flags,
                        quantize_embedding="+emb" in flags,
                        head=LayerFormat(bits=8) if "+head8" in flags else None,
-                       search="rtn" if "+rtn" in flags or kind == "int8" else "mse")
+                       search="rtn" if "+rtn" in flags or kind == "int8" else "gptq" if "+gptq" in flags else "mse")
 
 
 SCHEMES = ("int8", "int4-g32-sym", "int4-g32-asym", "int4-g128-sym", "int4-g128-asym")

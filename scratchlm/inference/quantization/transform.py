@@ -60,8 +60,13 @@ def _quantize(w: Tensor, fmt: LayerFormat, search: str, stats: Tensor | None) ->
     """One weight -> its buffers; int4 with search="mse" goes through the error-minimizing search."""
     if fmt.bits != 4 or search == "rtn":
         return quantize_weight(w, fmt)
-    q, d, m = calibrate.quantize_int4_searched(w, fmt.group_size, fmt.symmetric,
-                                               None if stats is None else calibrate.channel_weights(stats, w.shape[1]))
+    if search == "gptq" and stats is not None and stats.dim() == 2:
+        q, d, m = calibrate.gptq_int4(w, stats, fmt.group_size, fmt.symmetric)
+    else:
+        if stats is not None and stats.dim() == 2:
+            stats = torch.diagonal(stats)  # E[x x^T] -> E[x^2]
+        q, d, m = calibrate.quantize_int4_searched(
+            w, fmt.group_size, fmt.symmetric, None if stats is None else calibrate.channel_weights(stats, w.shape[1]))
     return {"qweight": q, "scales": d} if m is None else {"qweight": q, "scales": d, "mins": m}
 
 
@@ -70,8 +75,10 @@ def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: d
                         search: str = "rtn", act_stats: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """A float `TransformerLM` state dict -> the state dict of `QuantizedTransformerLM(config, layout)`.
 
-    search: "rtn" (round-to-nearest) or "mse" (int4 parameters by `calibrate.search_int4_params`,
-    weighted by `act_stats[module path]` = E[x^2] per input channel where given).
+    search: "rtn" (round-to-nearest), "mse" (int4 parameters by `calibrate.search_int4_params`,
+    weighted by `act_stats[module path]` = E[x^2] per input channel (or the diagonal of E[x x^T])
+    where given) or "gptq" (`calibrate.gptq_int4` with `act_stats[module path]` = E[x x^T]; modules
+    without a Hessian get "mse").
     """
     if search not in calibrate.SEARCHES:
         raise ValueError(f"search={search!r} must be one of {calibrate.SEARCHES}")
@@ -118,9 +125,12 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: Ten
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     config = model.config
     layout = layout_for(config, scheme)
+    if scheme.search == "gptq" and calibration is None:
+        raise ValueError(f"scheme {scheme.name!r}: +gptq needs calibration tokens (e.g. --quantization-calibration "
+                         f"TEXT_FILE); without them use the default search")
     stats = None
-    if calibration is not None and scheme.search == "mse":
-        stats = calibrate.activation_stats(model, calibration)
+    if calibration is not None and scheme.search != "rtn":
+        stats = calibrate.activation_stats(model, calibration, full=scheme.search == "gptq")
         log.info("calibrated on %d tokens", calibration.numel())
     state = quantize_state_dict(model.state_dict(), config, layout, search=scheme.search, act_stats=stats)
     dtype = _float_dtype(model)

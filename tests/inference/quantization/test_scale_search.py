@@ -111,8 +111,11 @@ def test_scheme_names_and_defaults():
     assert QuantScheme.from_dict(s.to_dict()) == s
     with pytest.raises(ValueError, match="int4 only"):
         parse_scheme("int8+rtn")
-    with pytest.raises(ValueError, match="must be 'mse' or 'rtn'"):
-        QuantScheme("x", LayerFormat(4, 32, False), search="gptq")
+    assert parse_scheme("int4-g128+gptq").search == "gptq"
+    with pytest.raises(ValueError, match="exclude each other"):
+        parse_scheme("int4+rtn+gptq")
+    with pytest.raises(ValueError, match="must be 'mse', 'rtn' or 'gptq'"):
+        QuantScheme("x", LayerFormat(4, 32, False), search="awq")
     with pytest.raises(ValueError, match="search="):
         quantize_state_dict({}, ModelConfig(), {}, search="awq")
 
@@ -181,6 +184,9 @@ def test_calibrated_search_on_stories(stories, stories_calib):
         with torch.device("meta"):
             q = QuantizedTransformerLM(cfg, layout)
         q.load_state_dict(sd, strict=True, assign=True)
+        for module in q.modules():
+            if isinstance(module, QuantLinear):
+                module.use_extension = False
         return q.eval()
 
     tokens = calibrate.calibration_tokens(stories.tokenizer, "Once upon a time, a little dog named Max found a "
@@ -208,3 +214,78 @@ def test_quantize_model_with_calibration_tokens():
         calibrate.activation_stats(model, tokens.float())
     with pytest.raises(ValueError, match="only"):
         calibrate.calibration_tokens(type("T", (), {"encode": staticmethod(lambda s: [1, 2])})(), "ab", 10)
+
+
+def _correlated(n_rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration and held-out activations (rows, k) with correlated channels of unequal scale."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k**0.5 + torch.diag(torch.rand(k, generator=g) ** 3 * 3)
+    return torch.randn(n_rows, k, generator=g) @ mix, torch.randn(n_rows, k, generator=g) @ mix
+
+
+@pytest.mark.parametrize("group, symmetric", [(32, False), (64, True), (128, False)])
+def test_gptq_beats_the_search_on_correlated_inputs(group, symmetric):
+    k = 192 if group != 128 else 256
+    w = _weights("gauss", 48, k, seed=11)
+    x, x_test = _correlated(1024, k, seed=12)
+    hess = x.t() @ x / x.shape[0]
+    searched = calibrate.quantize_int4_searched(w, group, symmetric, calibrate.channel_weights(torch.diag(hess), k))
+    gq = calibrate.gptq_int4(w, hess, group, symmetric)
+    q0 = ref.quantize_int4(w, group, symmetric)
+    assert [(t.dtype, t.shape) for t in gq if t is not None] == [(t.dtype, t.shape) for t in q0 if t is not None]
+
+    def out_err(params):
+        return float((x_test @ (ref.dequantize_int4(*params, group) - w).t()).square().mean())
+
+    assert out_err(gq) < 0.85 * out_err(searched) < out_err(q0)  # held-out activations, not the calibration ones
+    again = calibrate.gptq_int4(w, hess, group, symmetric)
+    assert all(torch.equal(a, b) for a, b in zip(gq[:2], again[:2], strict=True))
+
+
+def test_gptq_with_a_diagonal_hessian_is_the_weighted_search():
+    """No correlations, no error to feed forward: GPTQ reduces to rounding with the searched parameters."""
+    w = _weights("outliers", 16, 128, seed=4)
+    h = torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.1
+    gq = ref.dequantize_int4(*calibrate.gptq_int4(w, torch.diag(h), 32, False), 32)
+    se = ref.dequantize_int4(*calibrate.quantize_int4_searched(w, 32, False, calibrate.channel_weights(h, 128),
+                                                               rounds=1), 32)
+    hw = calibrate.channel_weights(h, 128)
+    assert calibrate.weighted_error(w, gq, hw) == pytest.approx(calibrate.weighted_error(w, se, hw), rel=1e-4)
+
+
+@torch.no_grad()
+def test_gptq_scheme_needs_calibration_and_uses_it():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    model = TransformerLM(cfg).eval()
+    with pytest.raises(ValueError, match="needs calibration tokens"):
+        quantize_model(model, "int4-g32-asym+gptq")
+    tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    q = quantize_model(model, "int4-g32-asym+gptq", calibration=tokens)
+    assert q.scheme_name == "int4-g32-asym+gptq"
+    for module in q.modules():
+        if isinstance(module, QuantLinear):
+            module.use_extension = False  # the format is checked against the reference; kernels have their tests
+    want = model(tokens)
+    rtn = quantize_model(model, "int4-g32-asym+rtn")
+    for module in rtn.modules():
+        if isinstance(module, QuantLinear):
+            module.use_extension = False
+    err = [float((m(tokens) - want).norm() / want.norm()) for m in (q, rtn)]
+    assert err[0] < 0.25 and err[0] < err[1], err
+
+
+def test_calibration_knobs_are_validated(data_dir, tmp_path):
+    from scratchlm.inference import EngineConfig
+    from scratchlm.inference.quantization import load_model_quantized
+
+    with pytest.raises(ValueError, match="quantization_calibration='nope.txt' is not a file"):
+        EngineConfig(quantization="int4", quantization_calibration="nope.txt")
+    with pytest.raises(ValueError, match="quantization_calibration_tokens=0"):
+        EngineConfig(quantization="int4", quantization_calibration_tokens=0)
+    text = data_dir / "corpora" / "tinystories" / "tinystories_v2_sample_cs336.txt"
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    with pytest.raises(ValueError, match="only used by an int4 scheme with a search"):
+        load_model_quantized(model, "int8", calibration=text)
+    with pytest.raises(FileNotFoundError, match="calibration text not found"):
+        load_model_quantized(model, "int4", calibration=tmp_path / "missing.txt")
