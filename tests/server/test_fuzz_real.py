@@ -64,8 +64,11 @@ class Neighbour:
         body = {"prompt": NEIGHBOUR, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         with httpx.Client(timeout=120) as c:
             while not self._stop.is_set():
-                r = c.post(self.url + "/v1/completions", json=body)
-                text = r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"
+                try:
+                    r = c.post(self.url + "/v1/completions", json=body)
+                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}: {r.text}"
+                except Exception as e:  # a neighbour that could not finish is a failed neighbour
+                    text = f"{type(e).__name__}: {e}"
                 if text != self.want:
                     self.wrong.append(text)
                 self.done += 1
