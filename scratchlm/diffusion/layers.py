@@ -20,6 +20,10 @@ from scratchlm.model.layers import Linear
 
 # Query rows per attention chunk (None: the whole score matrix at once). Set by `chunked_attention`.
 ATTENTION_CHUNK: int | None = None
+# "sdpa": torch's fused scaled_dot_product_attention (on CPU a flash-style kernel that never holds the
+# (T, S) scores); "math": scores materialised, softmax, then @ V (what a plain implementation, or
+# diffusers' AttnProcessor, holds in memory). Set by `attention_impl`.
+ATTENTION_IMPL: str = "sdpa"
 
 
 class BiasLinear(Linear):
@@ -43,12 +47,37 @@ def attention(q: Tensor, k: Tensor, v: Tensor, chunk: int | None = None) -> Tens
     """
     chunk = chunk if chunk is not None else ATTENTION_CHUNK
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T|S, D)
+    core = _math_attention if ATTENTION_IMPL == "math" else F.scaled_dot_product_attention
     if not chunk or chunk >= q.shape[1]:
-        return F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
+        return core(qh, kh, vh).transpose(1, 2)
     out = torch.empty_like(qh)
     for s in range(0, q.shape[1], chunk):
-        out[:, :, s:s + chunk] = F.scaled_dot_product_attention(qh[:, :, s:s + chunk], kh, vh)
+        out[:, :, s:s + chunk] = core(qh[:, :, s:s + chunk], kh, vh)
     return out.transpose(1, 2)  # (B, T, H, D)
+
+
+def _math_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v with the (B, H, T, S) scores materialised."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # (B, H, T, S)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+class attention_impl:
+    """Context manager: `with attention_impl("math"): ...` materialises the attention scores."""
+
+    def __init__(self, impl: str):
+        if impl not in ("sdpa", "math"):
+            raise ValueError(f"attention impl must be 'sdpa' or 'math', got {impl!r}")
+        self.impl = impl
+
+    def __enter__(self):
+        global ATTENTION_IMPL
+        self.prev, ATTENTION_IMPL = ATTENTION_IMPL, self.impl
+        return self
+
+    def __exit__(self, *exc):
+        global ATTENTION_IMPL
+        ATTENTION_IMPL = self.prev
 
 
 class chunked_attention:

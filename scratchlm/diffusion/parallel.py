@@ -87,7 +87,7 @@ class RankContext:
 
     def stats(self) -> dict:
         secs = {k: round(v, 4) for k, v in self.seconds.items()}
-        return {"bytes_received": dict(self.bytes_received), "seconds": secs}
+        return {"bytes_received": dict(self.bytes_received), "comm_seconds": secs}
 
 
 # --- launching ----------------------------------------------------------------------------------------
@@ -408,3 +408,30 @@ def _die_after(pipe: DiffusionPipeline, step: int) -> None:
         return forward(*a, **kw)
 
     pipe.transformer.forward = dying
+
+
+def run_patch_latents(ctx: RankContext, path: str, prompts: list[str], steps: int, guidance: float, sampler: str,
+                      mode: str, warmup: int, latents_file: str) -> dict:
+    """`run_patch` from given initial latents (a torch.save'd tensor), for quality comparisons."""
+    pipe = DiffusionPipeline.from_pretrained(path)
+    text, uncond = pipe.encode_prompts(prompts), pipe.encode_prompts([""] * len(prompts))
+    lat = torch.load(latents_file, weights_only=True)
+    z = patch_parallel_denoise(ctx, pipe, lat, text, uncond, steps, guidance, sampler, mode, warmup)
+    return {"latents": z, **ctx.stats()}
+
+
+def run_cfg_latents(ctx: RankContext, path: str, prompts: list[str], steps: int, guidance: float, sampler: str,
+                    latents_file: str) -> dict:
+    pipe = DiffusionPipeline.from_pretrained(path)
+    text, uncond = pipe.encode_prompts(prompts), pipe.encode_prompts([""] * len(prompts))
+    lat = torch.load(latents_file, weights_only=True)
+    return {"latents": cfg_parallel_denoise(ctx, pipe, lat, text, uncond, steps, guidance, sampler), **ctx.stats()}
+
+
+def run_serial_requests(ctx: RankContext, path: str, requests: list[list[str]], steps: int, guidance: float,
+                        sampler: str, seed: int) -> dict:
+    """One rank doing the component pipeline's requests in order (same process set-up as the pipelined run)."""
+    pipe = DiffusionPipeline.from_pretrained(path)
+    t = time.perf_counter()
+    out = serial_requests(pipe, requests, steps, guidance, sampler, seed)
+    return {**out, "seconds": time.perf_counter() - t}

@@ -8,7 +8,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from scratchlm.diffusion.dit import DiT, DiTConfig  # noqa: E402
-from scratchlm.diffusion.layers import chunked_attention  # noqa: E402
+from scratchlm.diffusion.layers import attention_impl, chunked_attention  # noqa: E402
 from scratchlm.diffusion.vae import AutoencoderKL, VAEConfig  # noqa: E402
 
 TOL = 1e-5
@@ -33,8 +33,11 @@ def test_dit_matches_pixart(tmp_path, patch, caption, size):
         got = ours(x, t, text)
         with chunked_attention(5):
             got_chunked = ours(x, t, text)
+        with attention_impl("math"), chunked_attention(7):
+            got_math = ours(x, t, text)
     assert (want - got).abs().max().item() <= TOL
     assert (want - got_chunked).abs().max().item() <= TOL
+    assert (want - got_math).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("attn", [True, False])
