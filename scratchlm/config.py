@@ -60,7 +60,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: 
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
         help_text = f.metadata.get("help", "")
-        help_text = f"{help_text} (default: {default!r})" if help_text else f"default: {default!r}"
+        if not help_text:
+            help_text = f"default: {default!r}"
+        elif "default" not in help_text.lower() and not (default is None and "None" in help_text):
+            help_text = f"{help_text} (default: {default!r})"  # said once: not where the help explains it
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": argparse.SUPPRESS, "help": help_text}
         origin = typing.get_origin(tp)
         if tp is bool:

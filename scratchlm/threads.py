@@ -119,10 +119,21 @@ def choose_threads(requested: int | None = None, *, world_size: int = 1, cores: 
 
 
 def apply_threads(requested: int | None = None, *, world_size: int = 1, logger: logging.Logger | None = None,
-                  **machine) -> ThreadChoice:
-    """Choose with :func:`choose_threads`, set ``torch.set_num_threads`` and log the choice."""
+                  keep_caller_setting: bool = False, **machine) -> ThreadChoice:
+    """Choose with :func:`choose_threads`, set ``torch.set_num_threads`` and log the choice.
+
+    With `keep_caller_setting` (the library entry points, e.g. ``LLM(...)``), a thread count the calling
+    program already set with ``torch.set_num_threads`` (one that differs from torch's start-up default,
+    one per physical core) is kept unless `requested` is given: a library does not override its host."""
     import torch
 
+    env = os.environ if machine.get("env") is None else machine["env"]
+    if keep_caller_setting and requested is None and not env.get("OMP_NUM_THREADS"):
+        current = torch.get_num_threads()
+        if current != physical_cores():
+            choice = ThreadChoice(current, "set by the caller with torch.set_num_threads")
+            (logger or log).info("using %s", choice)
+            return choice
     choice = choose_threads(requested, world_size=world_size, **machine)
     torch.set_num_threads(choice.threads)
     (logger or log).info("using %s", choice)

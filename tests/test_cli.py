@@ -55,3 +55,18 @@ def test_bench_lists_and_rejects_unknown(capsys):
     assert cli.main(["bench"]) == 0
     assert cli.main(["bench", "no_such_benchmark"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["chat", "generate", "serve", "train"])
+def test_help_states_each_default_once(name, capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    out = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", out)[1:]  # one chunk per option (not the usage and description)
+    for chunk in options:
+        text = " ".join(chunk.split())
+        # e.g. chat's "(default: its first) (default: None)"
+        assert text.lower().count("(default") <= 1, text
+        assert not re.search(r"None = [^()]*\(default: None\)", text), text

@@ -84,3 +84,21 @@ def test_apply_logs_the_choice(caplog):
         assert "using 1 torch thread (--threads)" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+def test_library_entry_keeps_a_count_the_caller_set(monkeypatch):
+    import torch
+
+    import scratchlm.threads as threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "physical_cores", lambda *a, **k: 4)  # torch's start-up default here: 4
+    try:
+        torch.set_num_threads(3)  # the host program chose 3
+        kept = threads.apply_threads(keep_caller_setting=True, env={}, cores=4, load=0.0)
+        assert (kept.threads, torch.get_num_threads()) == (3, 3) and "caller" in kept.reason
+        torch.set_num_threads(4)  # still torch's default: the policy applies
+        assert threads.apply_threads(keep_caller_setting=True, env={}, cores=4, load=2.0).threads == 2
+        assert threads.apply_threads(1, keep_caller_setting=True).threads == 1  # an explicit request wins
+    finally:
+        torch.set_num_threads(before)

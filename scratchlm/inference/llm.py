@@ -22,8 +22,9 @@ class LLM:
     `model` is an HF directory, a .gguf, a llama2.c .bin, a scratchlm checkpoint, or None for the
     default model (SmolLM2-135M-Instruct). Keyword arguments are `EngineConfig` fields (e.g.
     ``tokenizer=PATH`` for a model that has none). `threads` sets torch's CPU threads for the process:
-    None applies the shared policy of `scratchlm.threads` (``$OMP_NUM_THREADS`` if set, else the free
-    physical cores split over the ranks), logged on ``scratchlm.threads``.
+    None keeps a count the program already set with ``torch.set_num_threads``, else applies the shared
+    policy of `scratchlm.threads` (``$OMP_NUM_THREADS`` if set, else the free physical cores split over
+    the ranks); the choice is logged on ``scratchlm.threads``.
     """
 
     def __init__(self, model: str | Path | None = None, threads: int | None = None, **engine_options: Any):
@@ -31,7 +32,7 @@ class LLM:
 
         config = EngineConfig(**engine_options)
         apply_threads(threads, world_size=config.tensor_parallel_size * config.pipeline_parallel_size
-                      * config.context_parallel_size)
+                      * config.context_parallel_size, keep_caller_setting=True)
         self.engine = LLMEngine.from_pretrained(model, config)
 
     @classmethod
