@@ -492,7 +492,9 @@ def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, l
     try:
         return state.sampling_params_cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise APIError(400, f"Invalid sampling parameters: {e}", code="invalid_value") from e
+        named = str(e).partition(":")[0].removeprefix("SamplingParams.")  # "SamplingParams.min_tokens: got ..."
+        raise APIError(400, f"Invalid sampling parameters: {e}", param=named if named.isidentifier() else None,
+                       code="invalid_value") from e
 
 
 def _admit(state: ServerState, seqs: int) -> None:
