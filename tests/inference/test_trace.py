@@ -49,11 +49,11 @@ def _check_structure(events: list[dict], steps: int, ranks: int = 1) -> dict[str
             staged[id(parent(e))] += e["dur"]
     for e in top_forward:
         staged[id(parent(e))] += e["dur"]
-    total_step = sum(s["dur"] for s in step_spans)
-    total_staged = sum(staged.values())
     for s in step_spans:
         assert staged[id(s)] <= s["dur"] + 1e-2
-    assert total_staged >= 0.5 * total_step, (total_staged, total_step)  # the stages are most of the step
+    # the stages are most of a step: the median step (one descheduled step on a loaded machine is not the rule)
+    shares = sorted(staged[id(s)] / max(s["dur"], 1e-9) for s in step_spans)
+    assert shares[len(shares) // 2] >= 0.5, shares
     assert len(by_track["schedule"]) == steps and len(top_forward) >= steps - 1
     return by_track
 
