@@ -139,38 +139,69 @@ class ModelRunner:
             tables, lens = self._row_tables(inp, meta)
             h = self.fused_decoder.forward(x, self.cache.k, self.cache.v, meta.slot_mapping, cos[:, 0], sin[:, 0],
                                            tables, lens)  # (N, d)
-            return skinny_linear(self.model.norm(h.index_select(0, index)), self.model.output_weight)
+            return self._logits(self.model.norm(h.index_select(0, index)))
         attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
             return self.model(tokens, positions, attn=attn, logits_index=index)
         h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)
         h = self.model.norm(h.reshape(-1, h.shape[-1]).index_select(0, index))  # (len(index), d)
-        return skinny_linear(h, self.model.output_weight)  # (len(index), vocab)
+        return self._logits(h)  # (len(index), vocab)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(rows, d) normed hidden states -> (rows, vocab): a quantized head through its kernel, else skinny GEMM."""
+        head = getattr(self.model, "output_head", None)
+        if head is not None:
+            return head(h)
+        return skinny_linear(h, self.model.output_weight)
+
+
+def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None:
+    """A linear layer as the fused step takes it: ([weight], 0) for a float32 SkinnyLinear, ([qweight, scales
+    (, mins)], group size) for a CPU QuantLinear the integer kernels take; None otherwise."""
+    if type(m) is SkinnyLinear:
+        w = m.weight.detach()
+        ok = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+        return ([w], 0) if ok else None
+    from scratchlm.inference.quantization.kernels import int8_takes
+    from scratchlm.inference.quantization.modules import QuantLinear
+
+    if type(m) is not QuantLinear or m.qweight.device.type != "cpu":
+        return None
+    if m.fmt.bits == 8 and not int8_takes(m.d_in, m.group_size):
+        return None
+    ts = [m.qweight, m.scales] + ([] if m.mins is None else [m.mins])
+    if not all(t.is_contiguous() for t in ts):
+        return None
+    return ts, m.group_size
 
 
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
     """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
-    where it does not apply: a model that is not a plain `TransformerLM`, quantized or non-float32 layers,
-    a non-CPU device, no built kernels."""
-    if type(model) is not TransformerLM or cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
+    where it does not apply: a model that is not a plain or quantized `TransformerLM`, layers the kernels do
+    not take, a non-float32 cache, a non-CPU device, no built kernels."""
+    plain = type(model) is TransformerLM
+    if (not plain and type(model).__name__ != "QuantizedTransformerLM") or cache.k.device.type != "cpu" \
+            or cache.k.dtype != torch.float32:
         return None
-    layers = []
+    layers, linears, group_sizes = [], [], []
     for block in model.layers:
         a, f = block.attn, block.ffn
-        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.w1, f.w2, f.w3)
-        if not all(type(m) is SkinnyLinear for m in linears):
-            return None  # e.g. quantized layers
-        weights = [block.attn_norm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-                   block.ffn_norm.weight, f.w1.weight, f.w2.weight, f.w3.weight]
+        lin = [_linear_tensors(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.w1, f.w2, f.w3)]
+        if any(t is None for t in lin):
+            return None  # e.g. int8 groups of 16, or another layer type
+        weights = [block.attn_norm.weight, block.ffn_norm.weight]
         if a.q_bias is not None:
             weights += [a.q_bias, a.k_bias, a.v_bias]
         if not all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in weights):
             return None
         layers.append([w.detach() for w in weights])
+        linears.append([t for t, _ in lin])
+        group_sizes.append([g for _, g in lin])
     if not layers:
         return None
     ext = load_engine_kernels()
     if ext is None:
         return None
     c = model.config
-    return ext.FusedDecoder(layers, c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, c.rope_layout == "half")
+    return ext.FusedDecoder(layers, c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, c.rope_layout == "half",
+                            True, linears, group_sizes)

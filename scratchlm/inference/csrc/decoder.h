@@ -8,9 +8,11 @@
 //   rotate q, k (RoPE, "half" = HF rotate-half pairs (i, i + D/2), else adjacent pairs (2i, 2i + 1))
 //   write k, v into the paged cache at each token's slot; a = paged decode attention (paged_attention.h)
 //   x += a Wo^T;  h = rmsnorm(x) * w_ffn_norm;  x += (silu(h W1^T) * h W3^T) W2^T
-// Matmuls with B <= 64 rows use the skinny GEMM (skinny_gemm.h), larger ones ATen's mm. The arithmetic is
-// the Python model's, op for op (tests compare the two); only the per-op dispatch is gone: at batch 1 that
-// was ~40 % of a SmolLM2-135M step (about 45 torch ops per layer).
+// Matmuls with B <= 64 rows use the skinny GEMM (skinny_gemm.h) for float32 weights and the integer kernels of
+// quant_gemm.h for int8 / int4 / GGUF-packed weights (whose quantized x is shared by the q/k/v and the gate/up
+// matmuls); larger ones ATen's mm (quantized weights dequantized once per call). The arithmetic is the Python
+// model's, op for op (tests compare the two); only the per-op dispatch is gone: at batch 1 that was ~40 % of a
+// SmolLM2-135M step (about 45 torch ops per layer).
 
 #pragma once
 
@@ -21,12 +23,17 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "qlinear.h"
 #include "skinny_gemm.h"
 
 namespace scratchlm_decoder {
 
+using scratchlm_qgemm::QAct;
+using scratchlm_qgemm::QLinear;
+
 struct Layer {
-  torch::Tensor attn_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3, bq, bk, bv;  // biases undefined when absent
+  torch::Tensor attn_norm, ffn_norm, bq, bk, bv;  // biases undefined when absent
+  QLinear wq, wk, wv, wo, w1, w2, w3;
 };
 
 inline void check_weight(const torch::Tensor& t, std::vector<int64_t> shape, const char* what, size_t layer) {
@@ -38,34 +45,58 @@ inline void check_weight(const torch::Tensor& t, std::vector<int64_t> shape, con
 
 class FusedDecoder {
  public:
-  // layers[i] = [attn_norm, wq, wk, wv, wo, ffn_norm, w1 (gate), w2 (down), w3 (up)] (+ [bq, bk, bv]).
+  // layers[i] = [attn_norm, wq, wk, wv, wo, ffn_norm, w1 (gate), w2 (down), w3 (up)] (+ [bq, bk, bv]), float32.
+  // With `linears` (quantized models): layers[i] = [attn_norm, ffn_norm] (+ [bq, bk, bv]) and linears[i] the
+  // 7 matrices [wq, wk, wv, wo, w1, w2, w3], each [w] (float32), [q int8, scales] or [q uint8, d (, m)], with
+  // their group sizes in group_sizes[i].
   FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, int64_t n_heads, int64_t n_kv_heads,
-               int64_t head_dim, double eps, bool rope_half, bool use_simd)
+               int64_t head_dim, double eps, bool rope_half, bool use_simd,
+               const std::vector<std::vector<std::vector<torch::Tensor>>>& linears = {},
+               const std::vector<std::vector<int64_t>>& group_sizes = {})
       : H_(n_heads), Hkv_(n_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)), rope_half_(rope_half),
         simd_(use_simd) {
     TORCH_CHECK(!layers.empty(), "FusedDecoder needs at least one layer");
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ > 0 && D_ % 2 == 0,
                 "bad head configuration: ", H_, " heads, ", Hkv_, " kv heads, head dim ", D_);
+    const bool split = !linears.empty();
+    TORCH_CHECK(!split || (linears.size() == layers.size() && group_sizes.size() == layers.size()),
+                "linears and group_sizes need one entry per layer");
+    static const char* names[7] = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& w = layers[i];
-      TORCH_CHECK(w.size() == 9 || w.size() == 12, "layer ", i, " has ", w.size(), " tensors, expected 9 or 12");
-      if (i == 0) {
-        TORCH_CHECK(w[0].dim() == 1 && w[6].dim() == 2, "layer 0: attn_norm must be (d,) and w1 (d_ff, d)");
-        d_ = w[0].numel();
-        ff_ = w[6].size(0);
+      std::vector<std::vector<torch::Tensor>> lin(7);
+      std::vector<int64_t> gs(7, 0);
+      torch::Tensor attn_norm, ffn_norm;
+      std::vector<torch::Tensor> bias;
+      if (split) {
+        TORCH_CHECK(w.size() == 2 || w.size() == 5, "layer ", i, " has ", w.size(), " tensors, expected 2 or 5");
+        TORCH_CHECK(linears[i].size() == 7 && group_sizes[i].size() == 7, "layer ", i, ": expected 7 linears");
+        attn_norm = w[0], ffn_norm = w[1], bias.assign(w.begin() + 2, w.end());
+        lin = linears[i], gs = group_sizes[i];
+      } else {
+        TORCH_CHECK(w.size() == 9 || w.size() == 12, "layer ", i, " has ", w.size(), " tensors, expected 9 or 12");
+        attn_norm = w[0], ffn_norm = w[5], bias.assign(w.begin() + 9, w.end());
+        const int idx[7] = {1, 2, 3, 4, 6, 7, 8};
+        for (int j = 0; j < 7; ++j) lin[j] = {w[idx[j]]};
       }
-      Layer l{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]};
-      check_weight(l.attn_norm, {d_}, "attn_norm", i);
-      check_weight(l.wq, {H_ * D_, d_}, "wq", i);
-      check_weight(l.wk, {Hkv_ * D_, d_}, "wk", i);
-      check_weight(l.wv, {Hkv_ * D_, d_}, "wv", i);
-      check_weight(l.wo, {d_, H_ * D_}, "wo", i);
-      check_weight(l.ffn_norm, {d_}, "ffn_norm", i);
-      check_weight(l.w1, {ff_, d_}, "w1", i);
-      check_weight(l.w2, {d_, ff_}, "w2", i);
-      check_weight(l.w3, {ff_, d_}, "w3", i);
-      if (w.size() == 12) {
-        l.bq = w[9], l.bk = w[10], l.bv = w[11];
+      if (i == 0) {
+        TORCH_CHECK(attn_norm.dim() == 1 && lin[4][0].dim() == 2, "layer 0: attn_norm must be (d,) and w1 (d_ff, d)");
+        d_ = attn_norm.numel();
+        ff_ = lin[4][0].size(0);
+      }
+      check_weight(attn_norm, {d_}, "attn_norm", i);
+      const int64_t shapes[7][2] = {{H_ * D_, d_}, {Hkv_ * D_, d_}, {Hkv_ * D_, d_}, {d_, H_ * D_},
+                                    {ff_, d_},     {d_, ff_},       {ff_, d_}};
+      QLinear q[7];
+      for (int j = 0; j < 7; ++j) {
+        const std::string what = "layer " + std::to_string(i) + ": " + names[j];
+        if (lin[j].size() == 1) check_weight(lin[j][0], {shapes[j][0], shapes[j][1]}, names[j], i);
+        q[j] = QLinear::from(lin[j], gs[j], shapes[j][0], shapes[j][1], what);
+      }
+      check_weight(ffn_norm, {d_}, "ffn_norm", i);
+      Layer l{attn_norm, ffn_norm, {}, {}, {}, q[0], q[1], q[2], q[3], q[4], q[5], q[6]};
+      if (!bias.empty()) {
+        l.bq = bias[0], l.bk = bias[1], l.bv = bias[2];
         check_weight(l.bq, {H_ * D_}, "bq", i);
         check_weight(l.bk, {Hkv_ * D_}, "bk", i);
         check_weight(l.bv, {Hkv_ * D_}, "bv", i);
@@ -114,12 +145,14 @@ class FusedDecoder {
     const int64_t row = Hkv_ * D_, layer_stride = nb * bs * row;
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
+    QAct hq;  // h quantized for the integer kernels, shared by the matmuls that read it
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
       rmsnorm(x, w.attn_norm, h);
-      linear(h, w.wq, w.bq, q);
-      linear(h, w.wk, w.bk, k);
-      linear(h, w.wv, w.bv, v);
+      hq.valid = false;
+      linear(h, w.wq, w.bq, q, &hq);
+      linear(h, w.wk, w.bk, k, &hq);
+      linear(h, w.wv, w.bv, v, &hq);
       rope(q, H_, cos, sin);
       rope(k, Hkv_, cos, sin);
       for (int64_t b = 0; b < B; ++b) {
@@ -130,28 +163,24 @@ class FusedDecoder {
                              att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
                              static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_)))};
       scratchlm_attn::paged_decode(a, simd_);
-      linear(att, w.wo, torch::Tensor(), o);
+      linear(att, w.wo, torch::Tensor(), o, nullptr);
       x.add_(o);
       rmsnorm(x, w.ffn_norm, h);
-      linear(h, w.w1, torch::Tensor(), g);
-      linear(h, w.w3, torch::Tensor(), u);
+      hq.valid = false;
+      linear(h, w.w1, torch::Tensor(), g, &hq);
+      linear(h, w.w3, torch::Tensor(), u, &hq);
       at::sigmoid_out(s, g);
       s.mul_(g).mul_(u);  // silu(gate) * up, as the Python SwiGLU
-      linear(s, w.w2, torch::Tensor(), o);
+      linear(s, w.w2, torch::Tensor(), o, nullptr);
       x.add_(o);
     }
     return x;
   }
 
  private:
-  void linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, torch::Tensor& y) const {
-    const int64_t M = x.size(0);
-    if (M <= 64) {
-      scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, x.size(1),
-                                  w.size(0), simd_);
-    } else {
-      at::mm_out(y, x, w.t());
-    }
+  void linear(const torch::Tensor& x, const QLinear& w, const torch::Tensor& bias, torch::Tensor& y,
+              QAct* xq) const {
+    w.forward(x, y, xq, simd_ ? -1 : 0);
     if (bias.defined()) y.add_(bias);
   }
 

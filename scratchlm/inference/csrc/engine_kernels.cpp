@@ -1,6 +1,7 @@
 // The engine's CPU kernels in one extension module (scratchlm.inference.kernels):
 //   skinny_linear          decode-sized matmuls            (skinny_gemm.h)
 //   paged_decode_attention decode attention, paged cache   (paged_attention.h)
+//   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
 // Every entry point releases the GIL.
 
@@ -57,6 +58,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
+// y = x @ W^T for a quantized (or float32) W given as its tensors (qlinear.h); path -1: the best this CPU runs.
+torch::Tensor quant_linear(torch::Tensor x, const std::vector<torch::Tensor>& weight, int64_t group_size,
+                           int64_t path) {
+  TORCH_CHECK(!weight.empty(), "quant_linear: no weight tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "quant_linear: x must be a float32 CPU tensor (M, K), got ", x.sizes());
+  x = x.contiguous();
+  const int64_t N = weight[0].size(0), K = x.size(1);
+  auto w = scratchlm_qgemm::QLinear::from(weight, group_size, N, K, "quant_linear");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  w.forward(x, y, nullptr, static_cast<int>(path));
+  return y;
+}
+
+// The float32 weight of quantized tensors (qlinear.h's dequantization: what prefill multiplies with).
+torch::Tensor quant_dequantize(const std::vector<torch::Tensor>& weight, int64_t group_size, int64_t K) {
+  TORCH_CHECK(!weight.empty(), "quant_dequantize: no weight tensors");
+  return scratchlm_qgemm::QLinear::from(weight, group_size, weight[0].size(0), K, "quant_dequantize").dequantized();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -67,11 +88,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
-      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool>(),
+      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool,
+                    const std::vector<std::vector<std::vector<torch::Tensor>>>&,
+                    const std::vector<std::vector<int64_t>>&>(),
            py::arg("layers"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("rope_half"), py::arg("use_simd") = true)
+           py::arg("rope_half"), py::arg("use_simd") = true,
+           py::arg("linears") = std::vector<std::vector<std::vector<torch::Tensor>>>{},
+           py::arg("group_sizes") = std::vector<std::vector<int64_t>>{})
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
            py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
+  m.def("quant_linear", &quant_linear, "y = x @ W^T, W float32 / int8 / int4 tensors (qlinear.h)", py::arg("x"),
+        py::arg("weight"), py::arg("group_size"), py::arg("path") = -1, py::call_guard<py::gil_scoped_release>());
+  m.def("quant_dequantize", &quant_dequantize, "the float32 (N, K) weight of int8 / int4 tensors",
+        py::arg("weight"), py::arg("group_size"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
+  m.def("quant_best_path", &scratchlm_qgemm::best_path, "quant_linear's code path here: 0 scalar, 1 AVX2, 2 VNNI");
 }

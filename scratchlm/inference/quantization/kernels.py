@@ -3,12 +3,13 @@
 `load_extension()` compiles once through `scratchlm.inference.cpp_extensions` (cache directory, one
 warning and the pure-torch reference path when the build fails: nothing crashes).
 
-`int8_linear` / `int4_linear` are what the quantized modules call. They use the extension for
-CPU tensors (AVX2 path when the CPU has it, the portable scalar path otherwise) and the
-reference (dequantize, then matmul) elsewhere, e.g. on CUDA (a Triton kernel is future work).
-For more than `GEMM_ROWS` rows of x (prefill chunks) the weight is dequantized once per call and
-torch's blocked GEMM does the compute-bound work: the fused kernel only pays off when reading the
-weights is the bottleneck (decode).
+`int8_linear` / `int4_linear` are what the quantized modules call. For up to `GEMM_ROWS` CPU rows they run
+the engine extension's `quant_linear` (`inference/csrc/quant_gemm.h`: activations quantized to int8 per
+32-block and integer dot products for few rows, dequantize-to-L1 + FMA tiles from 8 rows), the very kernels
+of the fused decode step, so the Python path and the fused step give the same logits. Layouts those
+kernels do not take (int8 groups that are not multiples of 32) use this module's own older extension
+(`csrc/quant_kernels.cpp`: dequantize in registers + FMA). Above `GEMM_ROWS` rows (prefill chunks) and on
+other devices (CUDA: no kernel yet) the weight is dequantized and torch's GEMM does the compute-bound work.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from scratchlm.inference.quantization import reference
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.cpp"
 EXTENSION_NAME = "scratchlm_quant_kernels"
-GEMM_ROWS = 16  # above this many rows of x (prefill), dequantize once and use torch's blocked GEMM
+GEMM_ROWS = 64  # above this many rows of x (prefill), dequantize once and use torch's blocked GEMM (as the fused step)
 _extension = cpp_extensions.CppExtension(EXTENSION_NAME, SOURCE, "quantized layers")
 _state = _extension.state  # loaded module or the failure, per process (a cache, not configuration)
 
@@ -45,9 +46,25 @@ def _use_extension(x: Tensor) -> Any | None:
     return load_extension()
 
 
+def _engine_kernels(x: Tensor, use_simd: bool) -> Any | None:
+    """The engine extension for `quant_linear` when it applies to x (CPU float rows, at most GEMM_ROWS)."""
+    if not use_simd or x.device.type != "cpu" or x.numel() > GEMM_ROWS * x.shape[-1] or x.numel() == 0:
+        return None
+    return cpp_extensions.load_engine_kernels()
+
+
+def int8_takes(k: int, group_size: int) -> bool:
+    """Whether the engine's integer kernels take an int8 layout: one scale per row, or groups of 32s."""
+    return group_size >= k or (group_size % 32 == 0 and k % 32 == 0)
+
+
 def int8_linear(x: Tensor, q: Tensor, scales: Tensor, group_size: int, use_simd: bool = True,
                 use_extension: bool = True) -> Tensor:
     """y (..., N) = x (..., K) @ dequant(q, scales)^T; fused C++ kernel on CPU, reference elsewhere."""
+    eng = _engine_kernels(x, use_simd) if use_extension and int8_takes(q.shape[1], group_size) else None
+    if eng is not None:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
+        return eng.quant_linear(x2, [q, scales.float()], group_size).view(*x.shape[:-1], q.shape[0]).to(x.dtype)
     ext = _use_extension(x) if use_extension else None
     if ext is None:
         return reference.reference_linear(x, reference.dequantize_int8(q, scales))
@@ -59,6 +76,11 @@ def int8_linear(x: Tensor, q: Tensor, scales: Tensor, group_size: int, use_simd:
 def int4_linear(x: Tensor, q: Tensor, d: Tensor, m: Tensor | None, group_size: int, use_simd: bool = True,
                 use_extension: bool = True) -> Tensor:
     """y (..., N) = x (..., K) @ dequant(q, d, m)^T; fused C++ kernel on CPU, reference elsewhere."""
+    eng = _engine_kernels(x, use_simd) if use_extension else None
+    if eng is not None:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
+        w = [q, d.half()] + ([] if m is None else [m.half()])
+        return eng.quant_linear(x2, w, group_size).view(*x.shape[:-1], q.shape[0]).to(x.dtype)
     ext = _use_extension(x) if use_extension else None
     if ext is None:
         return reference.reference_linear(x, reference.dequantize_int4(q, d, m, group_size))

@@ -1,0 +1,113 @@
+// A linear layer's weight for the fused step, float32 or quantized (quant_gemm.h), built from the tensors of a
+// SkinnyLinear ([w]) or a QuantLinear ([qweight, scales] or [qweight, scales, mins], with its group size).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "quant_gemm.h"
+#include "skinny_gemm.h"
+
+namespace scratchlm_qgemm {
+
+struct QLinear {
+  QMat mat;
+  std::vector<torch::Tensor> keep;  // the tensors `mat` points into
+
+  // tensors: [w float32 (N, K)] | [q int8 (N, K), s float32 (N, G)] | [q uint8 (N, K/2), d fp16 (N, G) (, m fp16)]
+  static QLinear from(const std::vector<torch::Tensor>& t, int64_t group_size, int64_t N, int64_t K,
+                      const std::string& what) {
+    QLinear l;
+    l.keep = t;
+    QMat& m = l.mat;
+    TORCH_CHECK(!t.empty() && t.size() <= 3, what, ": expected 1 to 3 tensors, got ", t.size());
+    for (const auto& x : t)
+      TORCH_CHECK(x.defined() && x.device().is_cpu() && x.is_contiguous(), what,
+                  ": weight tensors must be contiguous CPU tensors");
+    m.N = N, m.K = K;
+    const auto& q = t[0];
+    if (q.scalar_type() == at::kFloat) {
+      TORCH_CHECK(t.size() == 1 && q.sizes() == c10::IntArrayRef({N, K}), what, " has shape ", q.sizes(),
+                  ", expected (", N, ", ", K, ")");
+      m.kind = Kind::kF32, m.w = q.data_ptr<float>(), m.gs = K, m.G = 1;
+      return l;
+    }
+    TORCH_CHECK(group_size > 0, what, ": group_size must be positive, got ", group_size);
+    m.gs = group_size, m.G = (K + group_size - 1) / group_size;
+    if (q.scalar_type() == at::kChar) {
+      TORCH_CHECK(t.size() == 2 && q.sizes() == c10::IntArrayRef({N, K}) && t[1].scalar_type() == at::kFloat &&
+                  t[1].sizes() == c10::IntArrayRef({N, m.G}), what, ": int8 needs q (", N, ", ", K,
+                  ") and float32 scales (", N, ", ", m.G, ")");
+      m.kind = Kind::kInt8, m.q8 = q.data_ptr<int8_t>(), m.s = t[1].data_ptr<float>();
+    } else {
+      TORCH_CHECK(q.scalar_type() == at::kByte && (t.size() == 2 || t.size() == 3) &&
+                  q.sizes() == c10::IntArrayRef({N, K / 2}) && K % kBlock == 0, what,
+                  ": int4 needs uint8 q (", N, ", ", K / 2, ") with K a multiple of 32, got ", q.sizes());
+      for (size_t i = 1; i < t.size(); ++i)
+        TORCH_CHECK(t[i].scalar_type() == at::kHalf && t[i].sizes() == c10::IntArrayRef({N, m.G}), what,
+                    ": int4 scales / mins must be float16 (", N, ", ", m.G, ")");
+      m.kind = Kind::kInt4, m.q4 = q.data_ptr<uint8_t>();
+      m.d = reinterpret_cast<const uint16_t*>(t[1].data_ptr<at::Half>());
+      m.m = t.size() == 3 ? reinterpret_cast<const uint16_t*>(t[2].data_ptr<at::Half>()) : nullptr;
+    }
+    TORCH_CHECK(supported(m), what, ": group size ", group_size, " with K = ", K,
+                " is not supported by the integer kernels (needs multiples of 32, or one scale per row)");
+    return l;
+  }
+
+  bool quantized() const { return mat.kind != Kind::kF32; }
+
+  // The float32 weight (N, K), dequantized (for more than kMaxRows rows of x).
+  torch::Tensor dequantized() const {
+    if (!quantized()) return keep[0];
+    auto w = torch::empty({mat.N, mat.K}, torch::dtype(torch::kFloat));
+    float* p = w.data_ptr<float>();
+    at::parallel_for(0, mat.N, 64, [&](int64_t n0, int64_t n1) { dequantize_rows(mat, n0, n1, p + n0 * mat.K); });
+    return w;
+  }
+
+  // y (M, N) = x (M, K) W^T. `xq`: a cache of x quantized, shared by the matmuls of one input (q/k/v, gate/up):
+  // used when valid, else filled; the caller clears `valid` when x changes. nullptr: no cache.
+  // path: quant_gemm's code path (-1: the measured best for M on this CPU; 0: portable, also for float32 weights).
+  void forward(const torch::Tensor& x, torch::Tensor& y, QAct* xq, int path = -1) const {
+    const int64_t M = x.size(0);
+    if (M > kMaxRows) {
+      at::mm_out(y, x, dequantized().t());
+      return;
+    }
+    if (!quantized()) {
+      scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), mat.w, y.data_ptr<float>(), M, mat.K, mat.N, path != 0);
+      return;
+    }
+    const int best = best_path();
+    // Measured (benchmarks/quant_gemv.py, one core): at 1-2 rows turning the codes into floats in registers (path
+    // 4) is as fast as the integer kernels and does not round x; from 3 rows the FMA tiles (path 3) are faster
+    // than both (1.8x the integer kernels at 32 rows). Default: 4 up to 2 rows, 3 above, on AVX2 CPUs; elsewhere
+    // the weight is dequantized and ATen multiplies (portable, exact). Paths 1, 2 (integer, AVX2 / VNNI) and 5
+    // (integer, scalar) are there to be measured and tested.
+    int p = path;
+    if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
+    if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
+    if ((p == 4 || p == 1) && best == 0) p = 0;
+    if (p == 2 && best < 2) p = best;
+    if (p == 0) {
+      at::mm_out(y, x, dequantized().t());
+      return;
+    }
+    if (p == 3 || p == 4) {
+      qgemm_fma(x.data_ptr<float>(), M, mat, y.data_ptr<float>(), p);
+      return;
+    }
+    if (p == 5) p = 0;  // the integer kernel's scalar code
+    QAct local;
+    if (xq == nullptr) xq = &local;
+    if (!xq->valid || xq->M != M || xq->K != mat.K) {
+      quantize_rows(x.data_ptr<float>(), M, mat.K, *xq, p);
+      xq->valid = true;
+    }
+    qgemm(*xq, mat, y.data_ptr<float>(), p);
+  }
+};
+
+}  // namespace scratchlm_qgemm

@@ -1,0 +1,502 @@
+// y (M, N) = x (M, K) @ W^T for W stored quantized, on the CPU: the matmuls of a quantized decode step.
+//
+// Weight formats (scratchlm.inference.quantization.scheme; GGUF's blocks are the same bytes):
+//   int8: q int8 (N, K), float32 scales (N, G), w = s q             (per channel: G = 1; GGUF Q8_0: groups of 32)
+//   int4: q uint8 (N, K/2), nibbles per 32-block as GGUF (byte i: weight i low, weight i + 16 high), fp16 d (N, G)
+//         and fp16 m (N, G) or none: w = d q + m (Q4_1) or w = d (q - 8) (Q4_0)
+//
+// Method (as llama.cpp on AVX2): the activations are quantized to int8 per 32-block, x ~ dx xq with
+// dx = max|x| / 127, and each block of a dot product is an integer dot product of 32 bytes,
+//   sum_k w_k x_k ~ sum_b dx_b [ d_g sum_{k in b} q_k xq_k + m_g sum_{k in b} xq_k ]      (int4, m = -8 d sym)
+//                 ~ sum_b dx_b s_g sum_{k in b} q_k xq_k                                    (int8)
+// on u8 x s8 pairs: AVX512-VNNI's vpdpbusd (32 multiply-adds into 8 int32 lanes in one instruction) where the
+// CPU has it, else AVX2's maddubs + madd; int8 weights use the sign trick (|w| x sign(x, w)) so that one operand
+// is unsigned and the maddubs pairs cannot saturate (127 * 127 * 2 < 2^15). Measured against dequantizing the
+// codes to float in registers and FMAs (the older quantization/csrc/quant_kernels.cpp) in
+// benchmarks/quant_gemv.py: see docs/quantization.md. The rounding of x is the only difference from the float
+// reference: its error is below 1/254 of each block's largest |x|, and the tests bound the result against
+// float64 dequantize-then-matmul.
+// For few rows of x (decode, M <= kMaxRows) a tile of 4 weight rows is unpacked once per tile (for M > 1) and
+// meets every x row while it is in L1; larger M (prefill) dequantizes the weight to float32 once per call
+// (exactly d q + m, as gguf.quants) and leaves the compute-bound product to ATen's GEMM (the caller does that).
+// Output rows are split over threads with at::parallel_for in tiles of 4.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd_common.h"
+#include "skinny_gemm.h"
+
+namespace scratchlm_qgemm {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 64;  // above this many rows of x the caller dequantizes and runs ATen's GEMM
+constexpr int64_t kTile = 4;      // weight rows per tile
+
+enum class Kind : int { kF32 = 0, kInt8 = 1, kInt4 = 2 };
+
+// One weight matrix (pointers into tensors the caller keeps alive).
+struct QMat {
+  Kind kind = Kind::kF32;
+  int64_t N = 0, K = 0, gs = 0, G = 0;
+  const float* w = nullptr;     // float32 (N, K)
+  const int8_t* q8 = nullptr;   // int8 (N, K)
+  const uint8_t* q4 = nullptr;  // uint8 (N, K / 2)
+  const float* s = nullptr;     // int8: float32 scales (N, G)
+  const uint16_t* d = nullptr;  // int4: fp16 scales (N, G)
+  const uint16_t* m = nullptr;  // int4: fp16 mins (N, G), nullptr for symmetric (-8 d)
+};
+
+// Whether the integer kernels take this matrix (else the caller uses another path).
+inline bool supported(const QMat& w) {
+  if (w.kind == Kind::kInt4) return w.K % kBlock == 0 && w.gs % kBlock == 0;
+  if (w.kind == Kind::kInt8) return w.G == 1 || (w.gs % kBlock == 0 && w.K % kBlock == 0);
+  return false;
+}
+
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// x (M, K) quantized per 32-block: q (M, nb * 32) with zeros past K, dx (M, nb), sx (M, nb) = dx * sum(q).
+struct QAct {
+  int64_t M = 0, K = 0, nb = 0;
+  bool valid = false;  // for callers that share one quantized x between matmuls
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+};
+
+inline void quantize_rows_scalar(const float* x, int64_t M, int64_t K, QAct& a) {
+  a.M = M, a.K = K, a.nb = (K + kBlock - 1) / kBlock;
+  a.q.assign(M * a.nb * kBlock, 0);
+  a.dx.resize(M * a.nb), a.sx.resize(M * a.nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      const int64_t n = std::min(kBlock, K - b * kBlock);
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = a.q.data() + (r * a.nb + b) * kBlock;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));  // round half to even, as _mm256_round_ps
+        sum += qb[i];
+      }
+      a.dx[r * a.nb + b] = d;
+      a.sx[r * a.nb + b] = d * static_cast<float>(sum);
+    }
+}
+
+// ------------------------------------------------------------------------------------------- scalar path
+inline void tile_scalar(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, nb = a.nb, stride = nb * kBlock;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < a.M; ++r) {
+      const int8_t* xq = a.q.data() + r * stride;
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g = b * kBlock / w.gs, k0 = b * kBlock, k1 = std::min(K, k0 + kBlock);
+        int32_t acc = 0;
+        float scale, off = 0.f;
+        if (w.kind == Kind::kInt4) {
+          const uint8_t* qb = w.q4 + n * (K / 2) + b * 16;
+          for (int i = 0; i < 16; ++i) acc += (qb[i] & 0x0F) * xq[k0 + i] + (qb[i] >> 4) * xq[k0 + 16 + i];
+          scale = half_to_float(w.d[n * w.G + g]);
+          off = w.m ? half_to_float(w.m[n * w.G + g]) : -8.f * scale;
+        } else {
+          const int8_t* qr = w.q8 + n * K;
+          for (int64_t k = k0; k < k1; ++k) acc += qr[k] * xq[k];
+          scale = w.s[n * w.G + g];
+        }
+        total += a.dx[r * nb + b] * scale * static_cast<float>(acc) + off * a.sx[r * nb + b];
+      }
+      y[r * w.N + n] = total;
+    }
+}
+
+#ifdef SCRATCHLM_X86
+#define QAVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define QVNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+QAVX2_FN inline void quantize_rows_avx2(const float* x, int64_t M, int64_t K, QAct& a) {
+  if (K % kBlock) return quantize_rows_scalar(x, M, K, a);
+  a.M = M, a.K = K, a.nb = K / kBlock;
+  a.q.resize(M * K);
+  a.dx.resize(M * a.nb), a.sx.resize(M * a.nb);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+      }
+      const float amax = scratchlm_simd::hmax256(mx);
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i i32[4];
+      for (int j = 0; j < 4; ++j)
+        i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], iv), _MM_FROUND_TO_NEAREST_INT |
+                                                                                _MM_FROUND_NO_EXC));
+      // int32 -> int16 -> int8 with packs (which interleave 128-bit lanes: undo with a permute)
+      __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + r * K + b * kBlock), p8);
+      __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      a.dx[r * a.nb + b] = d;
+      a.sx[r * a.nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+}
+
+// 16 packed bytes -> the block's 32 codes as bytes, weight i at byte i.
+QAVX2_FN inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+QAVX2_FN inline __m256i dot_u8s8_avx2(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+QVNNI_FN inline __m256i dot_u8s8_vnni(__m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+// The micro kernel: R weight rows (n .. n + R - 1) against x row r. Weight codes come either straight from the
+// packed matrix (unpacked in registers) or from a tile buffer `ub` of already unpacked codes (R x Kp bytes).
+// Int8 weights are read as |w| (unsigned) with the sign moved onto x.
+#define SCRATCHLM_QMICRO(NAME, ATTR, DOT)                                                                        \
+  template <int R>                                                                                               \
+  ATTR inline void NAME(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r, const uint8_t* ub,         \
+                        const char* pf, int64_t pf_lines, const float* df, const float* mf, const float* sxg) {  \
+    const int64_t nb = w.K / kBlock, Kp = a.nb * kBlock, bpg = std::max<int64_t>(1, w.gs / kBlock), G = w.G;     \
+    const int8_t* xq = a.q.data() + r * Kp;                                                                      \
+    const float* dx = a.dx.data() + r * a.nb;                                                                    \
+    const bool int4 = w.kind == Kind::kInt4;                                                                     \
+    __m256 total[R];                                                                                             \
+    for (int i = 0; i < R; ++i) total[i] = _mm256_setzero_ps();                                                  \
+    const int64_t per_block = (pf_lines + nb - 1) / std::max<int64_t>(1, nb);                                    \
+    for (int64_t b0 = 0, g = 0; b0 < nb; b0 += bpg, ++g) {                                                       \
+      const int64_t b1 = std::min(nb, b0 + bpg);                                                                 \
+      __m256 acc[R];                                                                                             \
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();                                                  \
+      for (int64_t b = b0; b < b1; ++b) {                                                                        \
+        for (int64_t p = 0; p < per_block && pf_lines > 0; ++p, pf += 64, --pf_lines) _mm_prefetch(pf, _MM_HINT_T0); \
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));              \
+        const __m256 dxv = _mm256_broadcast_ss(dx + b);                                                          \
+        for (int i = 0; i < R; ++i) {                                                                            \
+          __m256i p;                                                                                             \
+          if (int4) {                                                                                            \
+            const __m256i wv = ub ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ub + i * w.K + b * kBlock)) \
+                                  : unpack_nibbles(w.q4 + (n + i) * (w.K / 2) + b * 16);                         \
+            p = DOT(wv, xv);                                                                                     \
+          } else {                                                                                               \
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q8 + (n + i) * w.K + b * kBlock)); \
+            p = DOT(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));                                         \
+          }                                                                                                      \
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dxv, acc[i]);                                          \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int i = 0; i < R; ++i) total[i] = _mm256_fmadd_ps(acc[i], _mm256_broadcast_ss(df + i * G + g), total[i]); \
+    }                                                                                                            \
+    for (int i = 0; i < R; ++i) {                                                                                \
+      float t = scratchlm_simd::hsum256(total[i]);                                                               \
+      if (mf) { /* the min (or -8 d) terms: sum_g m_g * sum_{b in g} dx_b sum(xq_b) */                           \
+        __m256 o = _mm256_setzero_ps();                                                                          \
+        int64_t g = 0;                                                                                           \
+        for (; g + 8 <= G; g += 8) o = _mm256_fmadd_ps(_mm256_loadu_ps(mf + i * G + g), _mm256_loadu_ps(sxg + g), o); \
+        t += scratchlm_simd::hsum256(o);                                                                         \
+        for (; g < G; ++g) t += mf[i * G + g] * sxg[g];                                                          \
+      }                                                                                                          \
+      if (!int4 && nb * kBlock < w.K) { /* per-channel int8 with a ragged tail block (K % 32 != 0) */            \
+        const int8_t* qr = w.q8 + (n + i) * w.K;                                                                 \
+        int32_t acc = 0;                                                                                         \
+        for (int64_t k = nb * kBlock; k < w.K; ++k) acc += qr[k] * xq[k];                                        \
+        t += df[i * G] * dx[nb] * static_cast<float>(acc);                                                       \
+      }                                                                                                          \
+      y[r * w.N + n + i] = t;                                                                                    \
+    }                                                                                                            \
+  }
+
+SCRATCHLM_QMICRO(micro_avx2, QAVX2_FN, dot_u8s8_avx2)
+SCRATCHLM_QMICRO(micro_vnni, QVNNI_FN, dot_u8s8_vnni)
+
+// Rows n0 .. n1 of W against every x row. Int4 weights with several x rows are unpacked per tile into `ub`.
+#define SCRATCHLM_QTILE(NAME, ATTR, MICRO)                                                                       \
+  ATTR inline void NAME(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {                        \
+    std::vector<uint8_t> buf;                                                                                    \
+    const bool unpack = w.kind == Kind::kInt4 && a.M > 1;                                                        \
+    if (unpack) buf.resize(kTile * w.K);                                                                         \
+    const int64_t G = w.G, bpg = std::max<int64_t>(1, w.gs / kBlock);                                            \
+    /* per tile: the rows' scales (and mins, or -8 d) as float; per x row: its per-group sums dx * sum(xq) */    \
+    std::vector<float> df(kTile * G), mf(w.kind == Kind::kInt4 ? kTile * G : 0), sxg(a.M * G, 0.f);             \
+    for (int64_t r = 0; r < a.M; ++r)                                                                            \
+      for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + std::min(G - 1, b / bpg)] += a.sx[r * a.nb + b];           \
+    const int64_t row_bytes = w.kind == Kind::kInt4 ? w.K / 2 : w.K;                                             \
+    const char* base = w.kind == Kind::kInt4 ? reinterpret_cast<const char*>(w.q4)                              \
+                                             : reinterpret_cast<const char*>(w.q8);                              \
+    for (int64_t n = n0; n < n1; n += kTile) {                                                                   \
+      const int64_t R = std::min(kTile, n1 - n);                                                                 \
+      for (int64_t i = 0; i < R; ++i)                                                                            \
+        for (int64_t g = 0; g < G; ++g) {                                                                        \
+          if (w.kind == Kind::kInt4) {                                                                           \
+            const float d = _cvtsh_ss(w.d[(n + i) * G + g]);                                                     \
+            df[i * G + g] = d, mf[i * G + g] = w.m ? _cvtsh_ss(w.m[(n + i) * G + g]) : -8.f * d;                \
+          } else {                                                                                               \
+            df[i * G + g] = w.s[(n + i) * G + g];                                                                \
+          }                                                                                                      \
+        }                                                                                                        \
+      const uint8_t* ub = nullptr;                                                                               \
+      if (unpack) {                                                                                              \
+        for (int64_t i = 0; i < R; ++i)                                                                          \
+          for (int64_t b = 0; b < w.K / kBlock; ++b)                                                             \
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.data() + i * w.K + b * kBlock),                   \
+                                unpack_nibbles(w.q4 + (n + i) * (w.K / 2) + b * 16));                            \
+        ub = buf.data();                                                                                         \
+      }                                                                                                          \
+      const int64_t ahead = n + 2 * kTile; /* prefetch the rows two tiles ahead, during the first x row */       \
+      const char* pf = base + ahead * row_bytes;                                                                 \
+      const int64_t lines = ahead + kTile <= n1 ? kTile * row_bytes / 64 : 0;                                    \
+      const float* mp = mf.empty() ? nullptr : mf.data();                                                        \
+      for (int64_t r = 0; r < a.M; ++r) {                                                                        \
+        const char* p = r == 0 ? pf : nullptr;                                                                   \
+        const int64_t l = r == 0 ? lines : 0;                                                                    \
+        if (R == 4) MICRO<4>(a, w, y, n, r, ub, p, l, df.data(), mp, sxg.data() + r * G);                        \
+        else                                                                                                     \
+          for (int64_t i = 0; i < R; ++i)                                                                        \
+            MICRO<1>(a, w, y, n + i, r, ub ? ub + i * w.K : nullptr, p, l, df.data() + i * G,                    \
+                     mp ? mp + i * G : nullptr, sxg.data() + r * G);                                             \
+      }                                                                                                          \
+    }                                                                                                            \
+  }
+
+SCRATCHLM_QTILE(tile_avx2, QAVX2_FN, micro_avx2)
+
+// Few rows of float x (M <= 2): R weight rows against x row r with the codes turned into floats in registers and
+// FMAs (no rounding of x). The per-group terms are factored out: sum_k x_k w_k = sum_g [d_g sum x_k q_k + m_g sum x_k],
+// with x's group sums `xg` taken once per call (the min, or -8 d, costs one multiply-add per group).
+template <int R>
+QAVX2_FN inline void micro_reg(const float* x, const QMat& w, float* y, int64_t n, int64_t r, const float* xg,
+                               const char* pf, int64_t pf_lines) {
+  const int64_t K = w.K, G = w.G;
+  const float* xr = x + r * K;
+  __m256 total[R];
+  float off[R];
+  for (int i = 0; i < R; ++i) total[i] = _mm256_setzero_ps(), off[i] = 0.f;
+  const int64_t steps = (K + kBlock - 1) / kBlock, per_step = (pf_lines + steps - 1) / std::max<int64_t>(1, steps);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * w.gs, k1 = std::min(K, k0 + w.gs);
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    float tail[R] = {};
+    int64_t k = k0;
+    for (; k + kBlock <= k1; k += kBlock) {
+      for (int64_t p = 0; p < per_step && pf_lines > 0; ++p, pf += 64, --pf_lines) _mm_prefetch(pf, _MM_HINT_T0);
+      const __m256 x0 = _mm256_loadu_ps(xr + k), x1 = _mm256_loadu_ps(xr + k + 8);
+      const __m256 x2 = _mm256_loadu_ps(xr + k + 16), x3 = _mm256_loadu_ps(xr + k + 24);
+      for (int i = 0; i < R; ++i) {
+        __m128i c0, c1, c2, c3;  // 4 x 8 codes
+        if (w.kind == Kind::kInt4) {
+          const __m256i codes = unpack_nibbles(w.q4 + (n + i) * (K / 2) + k / 2);
+          const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+          c0 = _mm_cvtepu8_epi16(lo), c1 = _mm_cvtepu8_epi16(_mm_srli_si128(lo, 8));
+          c2 = _mm_cvtepu8_epi16(hi), c3 = _mm_cvtepu8_epi16(_mm_srli_si128(hi, 8));
+        } else {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q8 + (n + i) * K + k));
+          const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+          c0 = _mm_cvtepi8_epi16(lo), c1 = _mm_cvtepi8_epi16(_mm_srli_si128(lo, 8));
+          c2 = _mm_cvtepi8_epi16(hi), c3 = _mm_cvtepi8_epi16(_mm_srli_si128(hi, 8));
+        }
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c0)), x0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c1)), x1, acc[i][1]);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c2)), x2, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c3)), x3, acc[i][1]);
+      }
+    }
+    for (; k < k1; ++k)  // per-channel int8 rows with K % 32 != 0
+      for (int i = 0; i < R; ++i) tail[i] += xr[k] * static_cast<float>(w.q8[(n + i) * K + k]);
+    for (int i = 0; i < R; ++i) {
+      const __m256 a = _mm256_add_ps(acc[i][0], acc[i][1]);
+      if (w.kind == Kind::kInt4) {
+        const float d = _cvtsh_ss(w.d[(n + i) * G + g]);
+        total[i] = _mm256_fmadd_ps(a, _mm256_set1_ps(d), total[i]);
+        off[i] += (w.m ? _cvtsh_ss(w.m[(n + i) * G + g]) : -8.f * d) * xg[r * G + g];
+      } else {
+        const float s = w.s[(n + i) * G + g];
+        total[i] = _mm256_fmadd_ps(a, _mm256_set1_ps(s), total[i]);
+        off[i] += s * tail[i];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) y[r * w.N + n + i] = scratchlm_simd::hsum256(total[i]) + off[i];
+}
+
+QAVX2_FN inline void tile_reg(const float* x, const QMat& w, float* y, int64_t M, int64_t n0, int64_t n1) {
+  std::vector<float> xg(M * w.G, 0.f);  // x's group sums (M, G)
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < w.K; ++k) xg[r * w.G + k / w.gs] += x[r * w.K + k];
+  const int64_t row_bytes = w.kind == Kind::kInt4 ? w.K / 2 : w.K;
+  const char* base = w.kind == Kind::kInt4 ? reinterpret_cast<const char*>(w.q4) : reinterpret_cast<const char*>(w.q8);
+  for (int64_t n = n0; n < n1; n += kTile) {
+    const int64_t R = std::min(kTile, n1 - n), ahead = n + 2 * kTile;
+    const int64_t lines = ahead + kTile <= n1 ? kTile * row_bytes / 64 : 0;
+    for (int64_t r = 0; r < M; ++r) {
+      const char* pf = r == 0 ? base + ahead * row_bytes : nullptr;
+      if (R == 4) micro_reg<4>(x, w, y, n, r, xg.data(), pf, r == 0 ? lines : 0);
+      else for (int64_t i = 0; i < R; ++i) micro_reg<1>(x, w, y, n + i, r, xg.data(), nullptr, 0);
+    }
+  }
+}
+
+// Rows n .. n + R - 1 of W dequantized to float32 into out (R, K) in registers: exactly s q, d q + m, d (q - 8)
+// (a product, then a sum: the values of dequantize_rows and of the Python reference).
+QAVX2_FN inline void dequantize_tile_avx2(const QMat& w, int64_t n, int64_t R, float* out) {
+  const int64_t K = w.K;
+  for (int64_t i = 0; i < R; ++i) {
+    float* o = out + i * K;
+    for (int64_t g = 0; g < w.G; ++g) {
+      const int64_t k0 = g * w.gs, k1 = std::min(K, k0 + w.gs);
+      if (w.kind == Kind::kInt8) {
+        const __m256 sv = _mm256_set1_ps(w.s[(n + i) * w.G + g]);
+        const int8_t* q = w.q8 + (n + i) * K;
+        int64_t k = k0;
+        for (; k + 8 <= k1; k += 8) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sv));
+        }
+        for (; k < k1; ++k) o[k] = w.s[(n + i) * w.G + g] * static_cast<float>(q[k]);
+      } else {
+        const float df = _cvtsh_ss(w.d[(n + i) * w.G + g]);
+        const __m256 d = _mm256_set1_ps(df);
+        const __m256 m = _mm256_set1_ps(w.m ? _cvtsh_ss(w.m[(n + i) * w.G + g]) : 0.f);
+        const __m256 eight = _mm256_set1_ps(8.f);
+        for (int64_t c = k0; c < k1; c += kBlock) {
+          const __m256i codes = unpack_nibbles(w.q4 + (n + i) * (K / 2) + c / 2);
+          const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+          const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+          for (int j = 0; j < 4; ++j) {
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+            _mm256_storeu_ps(o + c + 8 * j, w.m ? _mm256_add_ps(_mm256_mul_ps(d, q), m)
+                                                : _mm256_mul_ps(d, _mm256_sub_ps(q, eight)));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows n0 .. n1 of W against M float rows of x: each 4-row tile is dequantized into an L1 buffer and multiplied
+// by the skinny GEMM's float micro kernels (4 x 2 / 4 x 3 register tiles of FMAs), while the packed rows two
+// tiles ahead are prefetched. For M > 1 this beats the integer kernel (measured: docs/quantization.md).
+QAVX2_FN inline void tile_fma(const float* x, const QMat& w, float* y, int64_t M, int64_t n0, int64_t n1) {
+  std::vector<float> buf(kTile * w.K);
+  const int64_t row_bytes = w.kind == Kind::kInt4 ? w.K / 2 : w.K;
+  const char* base = w.kind == Kind::kInt4 ? reinterpret_cast<const char*>(w.q4) : reinterpret_cast<const char*>(w.q8);
+  for (int64_t n = n0; n < n1; n += kTile) {
+    const int64_t R = std::min(kTile, n1 - n), ahead = n + 2 * kTile;
+    if (ahead + kTile <= n1)
+      for (int64_t b = 0; b < kTile * row_bytes; b += 64) _mm_prefetch(base + ahead * row_bytes + b, _MM_HINT_T0);
+    dequantize_tile_avx2(w, n, R, buf.data());
+    if (R == 4) scratchlm_gemm::rows_avx2<4>(x, buf.data(), y + n, M, w.K, w.N, 0, 4);
+    else for (int64_t i = 0; i < R; ++i) scratchlm_gemm::rows_avx2<1>(x, buf.data() + i * w.K, y + n + i, M, w.K, w.N, 0, 1);
+  }
+}
+SCRATCHLM_QTILE(tile_vnni, QVNNI_FN, micro_vnni)
+
+inline bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
+}
+inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2() && __builtin_cpu_supports("f16c"); }
+#endif  // SCRATCHLM_X86
+
+// Code paths: 0 scalar, 1 AVX2, 2 AVX512-VNNI (256-bit) integer kernels, 3 dequantize + FMA tiles (AVX2), 4 codes
+// to floats in registers + FMA (AVX2). `best_path` is what
+// the CPU runs; tests force each.
+inline int best_path() {
+#ifdef SCRATCHLM_X86
+  static const int p = cpu_has_vnni() ? 2 : cpu_has_avx2_f16c() ? 1 : 0;
+  return p;
+#else
+  return 0;
+#endif
+}
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, QAct& a, int path) {
+#ifdef SCRATCHLM_X86
+  if (path >= 1) return quantize_rows_avx2(x, M, K, a);
+#endif
+  (void)path;
+  quantize_rows_scalar(x, M, K, a);
+}
+
+// y (M, N) = x (M, K) dequant(W)^T with float x: path 3 dequantizes 4-row tiles to L1 for the FMA micro kernels,
+// path 4 turns codes into floats in registers (needs AVX2; path 3 also K % 8 == 0).
+inline void qgemm_fma(const float* x, int64_t M, const QMat& w, float* y, int path = 3) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M) / kTile);
+  at::parallel_for(0, (w.N + kTile - 1) / kTile, grain, [&](int64_t t0, int64_t t1) {
+#ifdef SCRATCHLM_X86
+    if (path == 4) return tile_reg(x, w, y, M, t0 * kTile, std::min(w.N, t1 * kTile));
+    tile_fma(x, w, y, M, t0 * kTile, std::min(w.N, t1 * kTile));
+#endif
+  });
+}
+
+// y (M, N) = dequant(W) applied to the quantized rows in `a`; path <= best_path().
+inline void qgemm(const QAct& a, const QMat& w, float* y, int path) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M) / kTile);
+  at::parallel_for(0, (w.N + kTile - 1) / kTile, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kTile, n1 = std::min(w.N, t1 * kTile);
+#ifdef SCRATCHLM_X86
+    if (path == 2) return tile_vnni(a, w, y, n0, n1);
+    if (path == 1) return tile_avx2(a, w, y, n0, n1);
+#endif
+    tile_scalar(a, w, y, n0, n1);
+  });
+}
+
+// Rows n0 .. n1 of W as float32 into out ((n1 - n0), K): exactly s q, d q + m, d (q - 8) in float32 (a product
+// then a sum, never fused, so the values equal gguf.quants' and the Python reference's bit for bit).
+inline void dequantize_rows(const QMat& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t K = w.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* o = out + (n - n0) * K;
+    for (int64_t g = 0; g < w.G; ++g) {
+      const int64_t k0 = g * w.gs, k1 = std::min(K, k0 + w.gs);
+      if (w.kind == Kind::kInt8) {
+        const float s = w.s[n * w.G + g];
+        const int8_t* q = w.q8 + n * K;
+        for (int64_t k = k0; k < k1; ++k) o[k] = s * static_cast<float>(q[k]);
+      } else {
+        const float d = half_to_float(w.d[n * w.G + g]);
+        const uint8_t* q = w.q4 + n * (K / 2);
+        for (int64_t c = k0; c < k1; c += kBlock)
+          for (int64_t i = 0; i < 16; ++i) {
+            const float lo = static_cast<float>(q[c / 2 + i] & 0x0F), hi = static_cast<float>(q[c / 2 + i] >> 4);
+            if (w.m) {
+              const float m = half_to_float(w.m[n * w.G + g]);
+              o[c + i] = d * lo + m, o[c + 16 + i] = d * hi + m;  // -std=c++17: no FMA contraction
+            } else {
+              o[c + i] = d * (lo - 8.f), o[c + 16 + i] = d * (hi - 8.f);
+            }
+          }
+      }
+    }
+  }
+}
+
+}  // namespace scratchlm_qgemm
