@@ -63,6 +63,10 @@ class DiffusionTrainConfig:
     p_uncond: float = field(default=0.1, metadata={"help": "prompt dropout for classifier-free guidance"})
     prediction_type: str = field(default="epsilon", metadata={"help": "epsilon | v_prediction"})
     beta_schedule: str = field(default="squaredcos_cap_v2", metadata={"help": "noise schedule"})
+    timestep_spacing: str = field(default="leading", metadata={
+        "help": "sampling grid saved with the pipeline: 'leading' (first step t = T - T/n) or 'trailing' (t = T-1); "
+                "with squaredcos_cap_v2, alpha_bar(999) = 2.4e-9 makes an eps model's x0 estimate at t = 999 blow up "
+                "(1/sqrt(alpha_bar) = 2e4), so trailing needs v_prediction"})
     log_every: int = field(default=25, metadata={"help": "log every N steps"})
     budget_clock: str = field(default="wall", metadata={
         "help": "what the *_time_s budgets count: 'wall' seconds, or 'cpu' seconds of this process (all threads; "
@@ -154,7 +158,8 @@ def train_dit(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y:
     dit = DiT(DiTConfig(sample_size=latent, in_channels=cfg.latent_channels, out_channels=cfg.latent_channels,
                         patch_size=1, num_layers=cfg.dit_layers, num_attention_heads=cfg.dit_heads,
                         attention_head_dim=d // cfg.dit_heads, cross_attention_dim=d))
-    sched_cfg = ScheduleConfig(prediction_type=cfg.prediction_type, beta_schedule=cfg.beta_schedule)
+    sched_cfg = ScheduleConfig(prediction_type=cfg.prediction_type, beta_schedule=cfg.beta_schedule,
+                               timestep_spacing=cfg.timestep_spacing)
     schedule = NoiseSchedule(sched_cfg)
     params = list(dit.parameters()) + list(text.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.dit_lr, weight_decay=0.0, betas=(0.9, 0.99))
