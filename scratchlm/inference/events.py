@@ -359,22 +359,15 @@ def pool_state(engine: Any, detail: bool = True) -> BlockPool:
         for b in s.block_table:
             holders.setdefault(b, set()).add(s.request_id)
     ref, hashes = bm.ref_count, bm.hash_of
-    cells = [FREE] * bm.num_blocks
-    cached = 0
-    for b in bm.free:
-        if hashes[b] is not None:
-            cells[b] = CACHED
-            cached += 1
+    # one pass over the pool in a comprehension; the loop below touches only the running sequences' blocks
+    cells = [USED if r else FREE if h is None else CACHED for r, h in zip(ref, hashes)]
     prefix = fork = 0
-    for b, r in enumerate(ref):
-        if r == 0:
-            continue
-        if r == 1:
-            cells[b] = USED
-        elif len(holders.get(b, ())) > 1:
-            cells[b], prefix = SHARED_PREFIX, prefix + 1
-        else:  # several references, all from one request's samples (or a waiting sequence's)
-            cells[b], fork = SHARED_FORK, fork + 1
-    pool.cached_free, pool.shared_prefix, pool.shared_fork = cached, prefix, fork
+    for b, owners in holders.items():
+        if ref[b] > 1:
+            if len(owners) > 1:
+                cells[b], prefix = SHARED_PREFIX, prefix + 1
+            else:  # several references, all from one request's samples
+                cells[b], fork = SHARED_FORK, fork + 1
     pool.map = "".join(cells)
+    pool.cached_free, pool.shared_prefix, pool.shared_fork = pool.map.count(CACHED), prefix, fork
     return pool
