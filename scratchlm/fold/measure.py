@@ -3,8 +3,10 @@
 `measure(spec)` spawns `spec.world` fresh gloo processes (one thread each; a fresh process per run so
 the resident high-water mark belongs to this run alone). Each rank builds its own z shard (never the
 full pair), runs one Pairformer block (the plain block at P = 1, `DapPairformer` above), and reports
-`PeakMemory`'s figure, the block's wall time and the communication by kind; with `head_samples` it then
-samples K structures data-parallel and reports their time and peak memory. Used by benchmarks/fold.py
+`PeakMemory`'s figure, the block's wall time and CPU time (the process's, all threads: on a
+loaded machine wall time includes waiting for a core, CPU time does not), and the communication by
+kind; with `head_samples` it then samples K structures data-parallel and reports their time and peak
+memory. Used by benchmarks/fold.py
 and the planner's validation.
 """
 
@@ -71,13 +73,14 @@ def _worker(rank: int, world: int, spec: RunSpec) -> dict:
             dap.forward_sharded(torch.randn(1, w, cfg.c_s), wz, wm, torch.ones(1, 4, w), torch.ones(1, 4, w))
         del wz, wm
         comm.reset_stats()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         with PeakMemory() as pk:
             if world == 1:
                 s_out, z_out = blk(s, z, mask, pm_rows, spec.chunk_rows)
             else:
                 s_out, z_out = dap.forward_sharded(s, z, mask, pm_rows, pm_cols)
-        out.update(block_s=time.perf_counter() - t, peak_bytes=pk.peak_bytes, method=pk.method,
+        out.update(block_s=time.perf_counter() - t, block_cpu_s=time.process_time() - cpu,
+                   peak_bytes=pk.peak_bytes, method=pk.method,
                    comm_s=dict(comm.seconds), comm_bytes=dict(comm.bytes_sent))
         del z
         if spec.head_samples:

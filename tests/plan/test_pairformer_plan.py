@@ -12,7 +12,8 @@ from scratchlm.plan.cli import add_arguments, run
 from scratchlm.plan.pairformer import PairformerRates, plan_pairformer, predict_block
 
 CFG = PairformerConfig(n_blocks=1)
-RATES = PairformerRates(gemm_flops=5e10, bmm_flops=5e10, softmax_rate=2e8, elementwise_rate=1e9, latency=5e-5,
+RATES = PairformerRates(gemm_flops=5e10, bmm_flops=5e10, softmax_rate=2e8, elementwise_rate=1e9, op_overhead=1e-5,
+                        latency=5e-5,
                         bandwidth=1e9, cores=8)
 
 
