@@ -8,7 +8,9 @@ Operating points, each a forward of the real engine (SmolLM2-135M-Instruct by de
 own step events (events.py: `forward_s`, the runner call alone) on a workload that makes that step kind:
 - prefill: one prompt of `--prefill-len` tokens in one chunk;
 - decode at batch 1 and at batch 32, fp32 and int8 (weight-only quantization);
-- speculative verification: a batch-1 verify of 1 + k tokens (n-gram drafts on a repetitive prompt).
+- speculative verification: a batch-1 verify of 1 + k tokens (n-gram drafts on a grounded prompt);
+- one Pairformer block (scratchlm.fold, Boltz-2's widths) at several N, FLOPs from torch's FlopCounterMode and
+  bytes a lower bound (weights + pair/single inputs and outputs), so its intensity is an upper bound.
 
 For each: FLOPs (2 x the linear layers' parameters per token, the head's rows that are sampled, attention
 over each token's context) and bytes (every weight once per forward, the KV context read, the KV rows
@@ -219,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     mean_accept = statistics.mean(accepted) if accepted else 0.0
     points[-1].emitted = 1.0 + mean_accept
 
+    points += pairformer_points((16, 32) if args.quick else (32, 64, 128), rounds)
+
     rows = []
     for p in points:
         roof = min(flops_peak, bw_peak * p.intensity)
         wall = "memory" if p.intensity < ridge else "compute"
+        if p.name.startswith("Pairformer"):  # bytes are a lower bound, so the intensity an upper bound
+            wall = "memory" if p.intensity < ridge else "compute (intensity an upper bound)"
         rows.append([p.name, p.tokens, f"{p.flops / 1e9:.2f}", f"{p.bytes / 2**20:.0f}", f"{p.intensity:.1f}",
                      f"{p.achieved / 1e9:.1f}", f"{roof / 1e9:.1f}", f"{100 * p.achieved / roof:.0f} %", wall,
                      f"{p.emitted / p.seconds:.1f}"])
@@ -266,6 +272,34 @@ def main(argv: list[str] | None = None) -> int:
         report.add("(matplotlib not installed: no plot)")
     report.write()
     return 0
+
+
+def pairformer_points(ns: tuple[int, ...], rounds: int) -> list[Point]:
+    """One Pairformer block (scratchlm.fold, Boltz-2's widths) at each N: FLOPs counted by torch's FlopCounterMode
+    (its matmuls, einsums and attention), time the median of `rounds` + 1 forwards. Bytes are a *lower bound*: the
+    weights and the block's pair/single inputs and outputs once (the N^2-sized intermediates of the triangle
+    updates move too), so the intensity is an upper bound."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scratchlm.fold.pairformer import PairformerBlock, PairformerConfig
+
+    cfg = PairformerConfig(n_blocks=1)
+    torch.manual_seed(0)
+    block = PairformerBlock(cfg).eval()
+    weights = sum(p.numel() * p.element_size() for p in block.parameters())
+    out = []
+    for n in ns:
+        s, z = torch.randn(1, n, cfg.c_s), torch.randn(1, n, n, cfg.c_z)
+        mask, pm = torch.ones(1, n), torch.ones(1, n, n)
+        with torch.no_grad():
+            counter = FlopCounterMode(display=False)
+            with counter:
+                block(s, z, mask, pm)
+            times = [_timed(lambda a=(s, z, mask, pm): block(*a)) for _ in range(max(2, rounds))]
+        data = weights + 2 * 4 * (z.numel() + s.numel())
+        out.append(Point(f"Pairformer block, N = {n} (fp32)", n, 1.0, float(counter.get_total_flops()), float(data),
+                         statistics.median(times)))
+    return out
 
 
 def plot(points: list[Point], flops_peak: float, bw_peak: float, path) -> None:
