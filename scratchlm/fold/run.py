@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 -m scratchlm.fold.run --tokens 128 --blocks 2 --samples 5
     torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 2 -m scratchlm.fold.run ...
 
-Every rank builds the same random weights (seeded), its own rows of a random pair representation, runs
+Every rank builds the same random weights (seeded), its own rows of a random pair representation
+(`rank_rows`: seeded by rank, so the full z is their concatenation), runs
 the trunk sharded by rows and its share of the K samples, and rank 0 prints memory per rank, time per
 block and per sample, and the bytes each kind of collective sent. The backend is NCCL when `--device
 cuda` (each rank on cuda:LOCAL_RANK), gloo otherwise; every collective has `--timeout` seconds.
@@ -32,7 +33,13 @@ from scratchlm.fold.pairformer import Pairformer, PairformerConfig, chunk_size_f
 from scratchlm.parallel.comm import backend_for, init_default_group
 
 
-def main(argv: list[str] | None = None) -> int:
+def rank_rows(cfg: PairformerConfig, rank: int, rows: int, n_pad: int) -> torch.Tensor:
+    """Rank `rank`'s rows of the run's random pair representation (1, rows, N', c_z)."""
+    return torch.randn(1, rows, n_pad, cfg.c_z, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def parser() -> argparse.ArgumentParser:
+    """The flags of `python -m scratchlm.fold.run`."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128, help="tokens N of the complex")
     ap.add_argument("--blocks", type=int, default=2, help="Pairformer blocks of the trunk")
@@ -43,6 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = run_hybrid(argv)
+    if report is not None:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+def run_hybrid(argv: list[str] | None = None) -> dict | None:
+    """Run the hybrid on this torchrun rank; rank 0 gets the report (the others None)."""
+    ap = parser()
     args = ap.parse_args(argv)
     if args.tokens <= 0 or args.blocks <= 0 or args.samples <= 0:
         ap.error("--tokens, --blocks and --samples must be positive")
@@ -67,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk = (chunk_size_for_budget(cfg, n_pad, int(args.chunk_mib * 2**20)) if args.chunk_mib else None)
         g = torch.Generator().manual_seed(1)
         s = torch.randn(1, n_pad, cfg.c_s, generator=g).to(device)
-        z = torch.randn(1, rows, n_pad, cfg.c_z, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+        z = rank_rows(cfg, rank, rows, n_pad).to(device)
         mask = torch.ones(1, n_pad, device=device)
         mask[:, n:] = 0
         pm = mask[:, rank * rows:(rank + 1) * rows, None] * mask[:, None, :]
@@ -88,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
                 "host": os.uname().nodename}
         every = [None] * world
         dist.all_gather_object(every, mine, group=comm.group)
+        report = None
         if rank == 0:
-            print(json.dumps({"tokens": n, "world": world, "blocks": args.blocks, "samples": list(x.shape),
-                              "chunk_rows": chunk, "per_block_s": max(e["trunk_s"] for e in every) / args.blocks,
-                              "per_sample_s": max(e["head_s"] for e in every) / args.samples, "ranks": every},
-                             indent=1))
+            report = {"tokens": n, "world": world, "blocks": args.blocks, "samples": list(x.shape),
+                      "chunk_rows": chunk, "per_block_s": max(e["trunk_s"] for e in every) / args.blocks,
+                      "per_sample_s": max(e["head_s"] for e in every) / args.samples, "ranks": every,
+                      "checksum": {"s": float(s_out[:, :n].double().abs().sum()),
+                                   "samples": float(x.double().abs().sum())}}
     finally:
         dist.destroy_process_group()
-    return 0
+    return report
 
 
 if __name__ == "__main__":
