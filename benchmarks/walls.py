@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     by = {p.name: p for p in points}
     b1, bn = by["decode, batch 1 (fp32)"], by[f"decode, batch {args.batch} (fp32)"]
     q1, qn = by["decode, batch 1 (int8)"], by[f"decode, batch {args.batch} (int8)"]
-    sv, pf = points[-1], points[0]
+    sv, pf = next(p for p in points if p.name.startswith("speculative")), points[0]
     tok_s = lambda p: p.emitted / p.seconds  # noqa: E731
     report.table(["technique", "moves", "measured gain"], [
         [f"batching (decode, 1 -> {args.batch} sequences)", f"intensity {b1.intensity:.1f} -> {bn.intensity:.1f} "

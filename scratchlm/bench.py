@@ -123,6 +123,9 @@ FIGURES: dict[str, Figure] = {
     "router": Figure("router", 1),
     "cluster-netem": Figure("cluster_netem", 1),
     "llamacpp-decode": Figure("llamacpp_decode", 1),
+    "fold-block-speed": Figure("fold-memory-speed", "One Pairformer block"),
+    "fold-block-memory": Figure("fold-memory-speed", "Peak extra resident memory"),
+    "diffusion-memory": Figure("diffusion_memory", 1),
     "walls-roofline": Figure("walls", "Operating points", png="walls", page="walls.md"),
     "walls-peaks": Figure("walls", "Machine peaks", page="walls.md"),
     "walls-techniques": Figure("walls", "What each technique moves", page="walls.md"),
@@ -217,10 +220,22 @@ FIGURE_BLOCK = re.compile(r"(<!-- figure: ([\w.-]+) -->\n)(.*?)(<!-- /figure -->
 INDEX_BLOCK = re.compile(r"(<!-- figures -->\n)(.*?)(<!-- /figures -->)", re.S)
 
 
+TRACKED: set[str] | None = None  # with --tracked-only: the result files git tracks (others' uncommitted ones ignored)
+
+
+def tracked_files(results: Path) -> set[str]:
+    """Names of the files in `results` that git tracks (empty outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "."], cwd=results, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {Path(line).name for line in out.stdout.splitlines()} if out.returncode == 0 else set()
+
+
 def latest_result(results: Path, stem: str) -> Path | None:
     """The newest `<date>-<stem>.md` in `results` (exact stem: `serve` is not `serve-stories260K`)."""
     found = [(m.group(1), p) for p in results.glob(f"*-{stem}.md")
-             if (m := _DATED.match(p.name)) and m.group(2) == stem]
+             if (m := _DATED.match(p.name)) and m.group(2) == stem and (TRACKED is None or p.name in TRACKED)]
     return max(found)[1] if found else None
 
 
@@ -334,6 +349,8 @@ def _all_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", type=Path, default=None,
                    help="where results go (default benchmarks/results, or benchmarks/results/quick with --quick)")
     p.add_argument("--docs-dir", type=Path, default=DOCS_DIR, help="docs folder whose figures --report rebuilds")
+    p.add_argument("--tracked-only", action="store_true",
+                   help="figures only from result files git tracks (not from uncommitted runs in the checkout)")
     return p
 
 
@@ -359,6 +376,8 @@ def run_all_command(argv: list[str]) -> int:
     else:
         failed = []
     if args.report or args.report_only:
+        global TRACKED
+        TRACKED = tracked_files(results) if args.tracked_only else None
         built = rebuild_figures(results, docs)
         print(f"[bench report] {len(built)} figures rebuilt in {docs} from {results}")
     for o in failed:
