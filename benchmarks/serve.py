@@ -129,6 +129,8 @@ async def _one(client, url: str, model: str, job: Job, api_key: str | None) -> R
                         result.itl.append(now - last)
                     last = now
         result.e2e = time.perf_counter() - start
+        if not result.output_tokens and last is not None:  # a server that sends no usage chunk: one token a chunk
+            result.output_tokens = len(result.itl) + 1
         result.ok = result.output_tokens > 0
         if not result.ok:
             result.error = "no usage chunk / no tokens"
@@ -186,8 +188,30 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s")
 
 
+def pinned(cmd: list[str], cores: str) -> list[str]:
+    """`cmd` under `taskset -c cores` (no pinning when cores is empty)."""
+    return ["taskset", "-c", cores, *cmd] if cores else cmd
+
+
+def start_llama_server(binary: Path, gguf: str, threads: int, parallel: int, ctx_per_slot: int, cores: str,
+                       log_path: Path) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own llama-server (built by `benchmarks/llamacpp_decode.py --setup-peers`): continuous batching
+    over `parallel` slots of `ctx_per_slot` tokens each, `threads` threads for decode and prompt processing."""
+    port = free_port()
+    cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+           "--cont-batching", "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+           "--alias", "bench", "--no-webui"]
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
+    proc = subprocess.Popen(pinned(cmd, cores), stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 600)
+    return proc, url
+
+
 def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path,
-                           engine_process: bool = False) -> tuple[subprocess.Popen, str]:
+                           engine_process: bool = False, quantization: str | None = None,
+                           cores: str = "") -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO_ROOT))
@@ -195,8 +219,10 @@ def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path
            "--max-num-seqs",
            str(max_num_seqs), "--max-queue", "4096", "--log-level", "warning", "--served-model-name", "bench",
            "--engine-process" if engine_process else "--no-engine-process"]
+    if quantization:
+        cmd += ["--quantization", quantization]
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    proc = subprocess.Popen(pinned(cmd, cores), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, 600)
     return proc, url
@@ -310,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-url", default=None,
                         help="use this running vLLM OpenAI server (model name `bench`) instead of starting one")
     parser.add_argument("--no-write", action="store_true", help="print the report without writing results/")
+    parser.add_argument("--quantization", default=None,
+                        help="scratchlm's weights (e.g. gguf: the GGUF's packed Q4_1 blocks); default: fp32")
+    parser.add_argument("--no-llama-server", action="store_true",
+                        help="do not start llama.cpp's llama-server even if .peers has it")
+    parser.add_argument("--no-offline", action="store_true", help="leave out the offline LLM.generate contender")
+    parser.add_argument("--bind-core", type=int, default=-1,
+                        help="pin the servers to cores bind_core .. bind_core + threads - 1 (-1: no pinning)")
     parser.add_argument("--inspector-overhead", action="store_true",
                         help="instead: the engine's step-event cost with a listener / an inspector viewer, interleaved")
     args = parser.parse_args(argv)
@@ -336,12 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.inspector_overhead:
         return inspector_overhead(args, model)
     print(f"loading {model} for the offline engine ...", file=sys.stderr)
-    llm = LLM(model, max_num_seqs=args.max_concurrency)
+    llm = LLM(model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
     vocab = llm.engine.model_config.vocab_size
     max_len = llm.engine.max_model_len
     jobs = make_workload(args.num_requests, vocab, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     jobs = [Job(j.prompt_ids[: max_len - j.max_tokens - 1], j.max_tokens) for j in jobs]  # fit short contexts
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    cores = ",".join(str(c) for c in range(args.bind_core, args.bind_core + args.threads)) if args.bind_core >= 0 \
+        else ""
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})  # the offline engine too
     notes = []
     servers: dict[str, str] = {}
     procs: list[subprocess.Popen] = []
@@ -350,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting `scratchlm serve` (log: {tmp / 'scratchlm-bench-serve.log'}) ...", file=sys.stderr)
         proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
                                                                   tmp / "scratchlm-bench-serve.log",
-                                                                  engine_process=args.engine_process)
+                                                                  engine_process=args.engine_process,
+                                                                  quantization=args.quantization, cores=cores)
         notes.append("`scratchlm serve` ran its engine in " + ("its own process (--engine-process)."
                                                                if args.engine_process else "a thread of the server."))
         procs.append(proc)
@@ -374,6 +412,26 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"`vllm serve` from {vllm.parent.parent} on an HF export of the same weights (fp32).")
             except Exception as e:  # a peer that cannot start is reported, not fatal
                 notes.append(f"`vllm serve` failed to start ({e}); see {tmp / 'vllm-bench-serve.log'}.")
+        from benchmarks.llamacpp_decode import LLAMA_SERVER
+
+        if args.no_llama_server:
+            notes.append("llama-server not run (--no-llama-server).")
+        elif not LLAMA_SERVER.exists():
+            notes.append("llama-server skipped: not built (python -m benchmarks.llamacpp_decode --setup-peers).")
+        elif not model.endswith(".gguf"):
+            notes.append("llama-server skipped: the model is not a GGUF.")
+        else:
+            try:
+                ctx = args.prompt_len[1] + args.output_len[1] + 16
+                proc, servers["llama-server"] = start_llama_server(LLAMA_SERVER, model, args.threads,
+                                                                   args.max_concurrency, ctx, cores,
+                                                                   tmp / "llama-server-bench.log")
+                procs.append(proc)
+                notes.append(f"llama-server ({LLAMA_SERVER.relative_to(REPO_ROOT)}) on the same GGUF: --parallel "
+                             f"{args.max_concurrency} --cont-batching, -c {args.max_concurrency * ctx}, "
+                             f"-t/-tb {args.threads}.")
+            except (OSError, TimeoutError, RuntimeError) as e:
+                notes.append(f"llama-server failed to start ({e}); see {tmp / 'llama-server-bench.log'}.")
         for name in servers:
             runs[name] = []
         # warm-up every contender
@@ -398,12 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             stop(proc)
 
-    try:
-        import llama_cpp  # noqa: F401
-
-        notes.append("llama-cpp-python is installed, but its server is not driven by this version of the benchmark.")
-    except ImportError:
-        notes.append("llama.cpp server skipped: llama-cpp-python is not installed.")
 
     report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
     # one results file per model and engine placement
@@ -412,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
                f"(random token ids, seed {args.seed}), output lengths U{tuple(args.output_len)}, `ignore_eos`, "
                f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
-               f"{args.threads} threads per contender; {args.repeats} interleaved repeats (median and best).")
+               f"{args.threads} threads per contender{f' pinned to cores {cores}' if cores else ''}; "
+               f"scratchlm weights: {args.quantization or 'fp32'}; {args.repeats} interleaved repeats (median and "
+               f"best). Load average "
+               f"at the end: {os.getloadavg()[0]:.1f}.")
     base = statistics.median(r.output_tok_s for r in runs["offline LLM.generate"])
     rows = []
     for name, rs in runs.items():
@@ -431,6 +486,19 @@ def main(argv: list[str] | None = None) -> int:
                  caption="Latency of each server's median run (vLLM definitions)")
     ratio = statistics.median(r.output_tok_s for r in runs["scratchlm serve"]) / base
     report.add(f"**Server / offline output throughput: {ratio:.3f}x** (target >= 0.9x).")
+    if runs.get("llama-server"):
+        ours = runs["scratchlm serve"]
+        theirs = runs["llama-server"]
+        o_tok = statistics.median(r.output_tok_s for r in ours)
+        t_tok = statistics.median(r.output_tok_s for r in theirs)
+        per = [a.output_tok_s / b.output_tok_s for a, b in zip(ours, theirs)]
+
+        def ttft(rs):
+            return statistics.median(statistics.median(x.ttft for x in r.requests if x.ok)
+                                     for r in rs)
+        report.add(f"**scratchlm serve / llama-server output throughput: {o_tok / t_tok:.2f}x** (per repeat: "
+                   f"{', '.join(f'{x:.2f}x' for x in per)}; target >= 2.0x); median TTFT {1e3 * ttft(ours):.0f} ms "
+                   f"against {1e3 * ttft(theirs):.0f} ms (target <=).")
     if "vllm serve" in runs and runs["vllm serve"]:
         ours = statistics.median(r.output_tok_s for r in runs["scratchlm serve"])
         theirs = statistics.median(r.output_tok_s for r in runs["vllm serve"])
