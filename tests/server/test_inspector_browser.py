@@ -47,6 +47,7 @@ def test_inspector_page_matches_metrics(chromium, data_dir, tmp_path):  # noqa: 
             deadline = time.monotonic() + 30
             while engine.events.num_listeners == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
+            steps_before = engine.events.steps
             page.evaluate("""() => {  // record the batch sizes and pool maps the page shows while the load runs
                 window.__seen = {decodes: [], prefills: [], pool: 0};
                 new MutationObserver(() => {
@@ -67,7 +68,8 @@ def test_inspector_page_matches_metrics(chromium, data_dir, tmp_path):  # noqa: 
             page.wait_for_function("document.getElementById('crosscheck').textContent.includes('(agrees)')")
             shown = page.evaluate("""() => Object.fromEntries(['total-prompt-tokens', 'total-generation-tokens',
                 'total-prefix-hits', 'total-prefix-queries', 'total-preemptions', 'num-running', 'num-waiting',
-                'kv-free', 'kv-used', 'kv-total'].map((id) => [id, +document.getElementById(id).textContent]).concat([
+                'kv-free', 'kv-used', 'kv-total', 'seen-steps', 'seen-prefills', 'seen-preemptions'
+                ].map((id) => [id, +document.getElementById(id).textContent]).concat([
                 ['pool-cells', document.querySelectorAll('#pool div').length],
                 ['pool-used-cells',
                  document.querySelectorAll('#pool .s-used, #pool .s-prefix, #pool .s-fork').length]]))""")
@@ -94,7 +96,10 @@ def test_inspector_page_matches_metrics(chromium, data_dir, tmp_path):  # noqa: 
     assert shown["num-running"] == m["num_requests_running"] == 0 and shown["num-waiting"] == 0
     assert shown["kv-free"] == m["num_kv_blocks_free"] == stats.num_free_blocks
     assert shown["kv-total"] == m["num_kv_blocks_total"] == stats.num_total_blocks
-    assert max(seen["decodes"]) > 1 and max(seen["prefills"]) >= 1  # batches were shown as they ran
+    assert max(seen["decodes"]) > 1  # batches were shown as they ran (the page renders the latest step per frame)
+    # ... and every step event reached the page (none dropped): its own tallies
+    assert shown["seen-steps"] == engine.events.steps - steps_before and shown["seen-prefills"] >= 9
+    assert shown["seen-preemptions"] == stats.num_preemptions
     assert seen["pool"] == stats.num_total_blocks  # one cell per KV block
     assert shown["pool-used-cells"] == 0 and shown["pool-cells"] == stats.num_total_blocks  # the final map is exact
     assert "preempted" in log_text and "prefix cache hit" in log_text and "finished" in log_text
