@@ -80,6 +80,8 @@ BENCHES: dict[str, Bench] = {
     "tokenizer_encode": Bench(why="encodes the full TinyStories and Gutenberg samples (no smaller mode)"),
     "tokenizer_train": Bench(why="trains BPE on the corpora (minutes)"),
     "train_tinystories": Bench(why="a training run with a time budget (30 minutes by default)"),
+    "diffusion": Bench(why="samples the trained pipeline and measures parallel variants with real processes (minutes)"),
+    "fold": Bench(why="Pairformer blocks against Boltz at Boltz-2 widths, memory in fresh processes (minutes)"),
     "threads": Bench(why="measures torch threads against deliberately spinning neighbour processes"),
 }
 # benchmarks/serve.py runs twice: its throughput figures, then the inspector's overhead (full, quick arguments)
