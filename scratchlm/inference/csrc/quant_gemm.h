@@ -308,22 +308,24 @@ QAVX2_FN inline void micro_reg(const float* x, const QMat& w, float* y, int64_t 
       const __m256 x0 = _mm256_loadu_ps(xr + k), x1 = _mm256_loadu_ps(xr + k + 8);
       const __m256 x2 = _mm256_loadu_ps(xr + k + 16), x3 = _mm256_loadu_ps(xr + k + 24);
       for (int i = 0; i < R; ++i) {
-        __m128i c0, c1, c2, c3;  // 4 x 8 codes
+        __m256i c0, c1, c2, c3;  // 4 x 8 codes as int32
         if (w.kind == Kind::kInt4) {
-          const __m256i codes = unpack_nibbles(w.q4 + (n + i) * (K / 2) + k / 2);
-          const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-          c0 = _mm_cvtepu8_epi16(lo), c1 = _mm_cvtepu8_epi16(_mm_srli_si128(lo, 8));
-          c2 = _mm_cvtepu8_epi16(hi), c3 = _mm_cvtepu8_epi16(_mm_srli_si128(hi, 8));
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + (n + i) * (K / 2) + k / 2));
+          const __m128i mask = _mm_set1_epi8(0x0F);
+          const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+          c0 = _mm256_cvtepu8_epi32(lo), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+          c2 = _mm256_cvtepu8_epi32(hi), c3 = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
         } else {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q8 + (n + i) * K + k));
-          const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
-          c0 = _mm_cvtepi8_epi16(lo), c1 = _mm_cvtepi8_epi16(_mm_srli_si128(lo, 8));
-          c2 = _mm_cvtepi8_epi16(hi), c3 = _mm_cvtepi8_epi16(_mm_srli_si128(hi, 8));
+          const int8_t* q = w.q8 + (n + i) * K + k;
+          c0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+          c1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+          c2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16)));
+          c3 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 24)));
         }
-        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c0)), x0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c1)), x1, acc[i][1]);
-        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c2)), x2, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(c3)), x3, acc[i][1]);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), x0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), x1, acc[i][1]);
+        acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c2), x2, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c3), x3, acc[i][1]);
       }
     }
     for (; k < k1; ++k)  // per-channel int8 rows with K % 32 != 0
