@@ -191,13 +191,23 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+def _running_module(name: str) -> str:
+    """The benchmark module this process runs (`python -m benchmarks.X`): the report's name can differ
+    (`--name`, partial runs), so the command line names the script, falling back to the report name."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("benchmarks."):
+        return spec.name
+    return "benchmarks." + name
+
+
 class Report:
     """A markdown report: title, machine, command, then sections; written to results/."""
 
     def __init__(self, name: str, title: str, argv: Sequence[str] | None = None):
         self.name = name
         self.title = title
-        self.command = "python -m benchmarks." + name + (" " + " ".join(argv) if argv else "")
+        self.command = f"python -m {_running_module(name)}" + (" " + " ".join(argv) if argv else "")
         self.machine = machine_info()
         self.sections: list[str] = []
 
