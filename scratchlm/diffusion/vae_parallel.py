@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from scratchlm.diffusion.layers import attention
 from scratchlm.diffusion.parallel import RankContext
-from scratchlm.diffusion.vae import AutoencoderKL, MidBlock, ResnetBlock, SpatialAttention, UpBlock
+from scratchlm.diffusion.vae import AutoencoderKL, MidBlock, ResnetBlock, SpatialAttention, UpBlock, VAEConfig
 
 
 def band_rows(h: int, world: int) -> list[int]:
@@ -44,6 +44,28 @@ def band_rows(h: int, world: int) -> list[int]:
     if h < world:
         raise ValueError(f"VAE patch parallel: {h} latent rows cannot be split over {world} ranks")
     return [h // world + (1 if r < h % world else 0) for r in range(world)]
+
+
+def decode_bytes(cfg: VAEConfig, b: int, h: int, w: int, world: int, rank: int) -> dict[str, int]:
+    """Bytes `rank` receives decoding a (b, c, h, w) latent over `world` bands: the module doc's formulas
+    summed over the decoder's layers (fp32 activations, float64 GroupNorm statistics)."""
+    ch, n, l1 = tuple(reversed(cfg.block_out_channels)), len(cfg.block_out_channels), cfg.layers_per_block + 1
+    convs = [(cfg.latent_channels, w)] + [(ch[0], w)] * 4  # (C_in, width) of every 3x3 conv, in order
+    for i in range(n):
+        width = w * 2**i
+        convs += [(ch[max(i - 1, 0)], width)] + [(ch[i], width)] * (2 * l1 - 1)
+        if i < n - 1:
+            convs.append((ch[i], 2 * width))
+    convs.append((ch[-1], w * 2 ** (n - 1)))
+    rows, n_nb = band_rows(h, world), (rank > 0) + (rank < world - 1)
+    out = {"halo": sum(n_nb * b * c * width * 4 for c, width in convs),
+           "gn_stats": (4 + cfg.mid_block_add_attention + n * 2 * l1 + 1) * 24 * b * cfg.norm_num_groups}
+    if cfg.mid_block_add_attention:
+        out["vae_kv_all_gather"] = (world - 1) * 2 * b * max(rows) * w * ch[0] * 4
+    if rank == 0:
+        f = cfg.downsample
+        out["image_gather"] = (world - 1) * b * cfg.out_channels * max(rows) * f * w * f * 4
+    return out
 
 
 class BandDecoder:
@@ -162,3 +184,12 @@ def run_vae_decode(ctx: RankContext, vae_path: str, z: Tensor) -> dict:
     t = time.perf_counter()
     img = patch_parallel_decode(ctx, vae, z)
     return {"image": img, "seconds": time.perf_counter() - t, **ctx.stats()}
+
+
+def run_vae_reference(ctx: RankContext, vae_path: str, z: Tensor) -> dict:
+    """One rank's `vae.decode(z)` in a rank process of its own (the benchmark's side-by-side reference)."""
+    vae = AutoencoderKL.from_pretrained(vae_path).to(ctx.device).eval()
+    t = time.perf_counter()
+    with torch.no_grad():
+        img = vae.decode(z.to(ctx.device))
+    return {"image": img, "seconds": time.perf_counter() - t}
