@@ -10,7 +10,11 @@ own step events (events.py: `forward_s`, the runner call alone) on a workload th
 - decode at batch 1 and at batch 32, fp32 and int8 (weight-only quantization);
 - speculative verification: a batch-1 verify of 1 + k tokens (n-gram drafts on a grounded prompt);
 - one Pairformer block (scratchlm.fold, Boltz-2's widths) at several N, FLOPs from torch's FlopCounterMode and
-  bytes a lower bound (weights + pair/single inputs and outputs), so its intensity is an upper bound.
+  bytes a lower bound (weights + pair/single inputs and outputs), so its intensity is an upper bound;
+- the diffusion case study (scratchlm.diffusion, the MNIST recipe's DiT and VAE shapes, random weights): one
+  denoiser step (a DiT forward on the CFG batch of 2) and one VAE decode at the MNIST latent (7x7) and larger
+  latents (16x16, 32x32, 64x64: the memory-wall sizes of docs/diffusion.md); FLOPs from FlopCounterMode, bytes
+  a lower bound (weights + the forward's inputs and outputs), time with the fused attention the pipeline runs.
 
 For each: FLOPs (2 x the linear layers' parameters per token, the head's rows that are sampled, attention
 over each token's context) and bytes (every weight once per forward, the KV context read, the KV rows
@@ -29,6 +33,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +48,9 @@ class Point:
     flops: float
     bytes: float
     seconds: float  # median forward time
+    bytes_lower_bound: bool = False  # bytes counted are a lower bound, so the intensity is an upper bound
+    label: str = ""  # a short name on the plot (default: the name)
+    family: str = ""  # points of one family are joined on the plot (one model at growing sizes)
 
     @property
     def intensity(self) -> float:
@@ -222,14 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     points[-1].emitted = 1.0 + mean_accept
 
     points += pairformer_points((16, 32) if args.quick else (32, 64, 128), rounds)
+    points += diffusion_points((7,) if args.quick else (7, 16, 32, 64), rounds)
 
     rows = []
     for p in points:
         roof = min(flops_peak, bw_peak * p.intensity)
         wall = "memory" if p.intensity < ridge else "compute"
-        if p.name.startswith("Pairformer"):  # bytes are a lower bound, so the intensity an upper bound
+        if p.bytes_lower_bound:  # bytes are a lower bound, so the intensity an upper bound
             wall = "memory" if p.intensity < ridge else "compute (intensity an upper bound)"
-        rows.append([p.name, p.tokens, f"{p.flops / 1e9:.2f}", f"{p.bytes / 2**20:.0f}", f"{p.intensity:.1f}",
+        mb = p.bytes / 2**20
+        rows.append([p.name, p.tokens, f"{p.flops / 1e9:.2f}", f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}",
+                     f"{p.intensity:.1f}",
                      f"{p.achieved / 1e9:.1f}", f"{roof / 1e9:.1f}", f"{100 * p.achieved / roof:.0f} %", wall,
                      f"{p.emitted / p.seconds:.1f}"])
 
@@ -243,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         ["ridge point", f"{ridge:.1f} FLOP/byte", "peak compute / peak bandwidth"],
     ], caption="Machine peaks")
     report.table(["workload", "tokens / forward", "GFLOP / forward", "MiB / forward", "FLOP/byte",
-                  "achieved GFLOP/s", "roof GFLOP/s", "of roof", "wall", "output tok/s"], rows,
+                  "achieved GFLOP/s", "roof GFLOP/s", "of roof", "wall",
+                  "outputs / s (LLM: tokens; Pairformer, diffusion: forwards)"], rows,
                  caption="Operating points")
     by = {p.name: p for p in points}
     b1, bn = by["decode, batch 1 (fp32)"], by[f"decode, batch {args.batch} (fp32)"]
@@ -298,7 +310,69 @@ def pairformer_points(ns: tuple[int, ...], rounds: int) -> list[Point]:
             times = [_timed(lambda a=(s, z, mask, pm): block(*a)) for _ in range(max(2, rounds))]
         data = weights + 2 * 4 * (z.numel() + s.numel())
         out.append(Point(f"Pairformer block, N = {n} (fp32)", n, 1.0, float(counter.get_total_flops()), float(data),
-                         statistics.median(times)))
+                         statistics.median(times), bytes_lower_bound=True))
+    return out
+
+
+def diffusion_points(sizes: tuple[int, ...], rounds: int) -> list[Point]:
+    """The diffusion case study's two heavy forwards at each latent side s (tokens N = s^2, patch 1), with the
+    MNIST recipe's shapes (recipes/diffusion_mnist.toml; random weights: FLOPs, bytes and time do not depend on
+    them): one denoiser step, a DiT forward on the classifier-free-guidance batch of 2 (uncond + cond) with 8 text
+    tokens, and one VAE decode of a single latent to its (4s x 4s) image.
+
+    FLOPs: FlopCounterMode, with the attention counted on its materialised form in 256-query chunks (torch's CPU
+    flash kernel reports 0 FLOPs to the counter; the matmuls are the same). Time: the median of `rounds` + 1
+    forwards with the fused SDPA the pipeline runs. Bytes are a *lower bound*: the weights once plus the forward's
+    inputs (latent, timestep, text tokens) and its output, fp32; the activations in between (at 64x64 a DiT layer's
+    (2, 4096, 64) tensors, a materialised attention's 2*H*N^2 scores) are not counted, so intensity is an upper
+    bound."""
+    import tomllib
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scratchlm.diffusion.dit import DiT, DiTConfig
+    from scratchlm.diffusion.layers import attention_impl, chunked_attention
+    from scratchlm.diffusion.train import DiffusionTrainConfig
+    from scratchlm.diffusion.vae import AutoencoderKL, VAEConfig
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "diffusion_mnist.toml"
+    rc = DiffusionTrainConfig(**tomllib.loads(recipe.read_text()))
+    torch.manual_seed(0)
+    vae = AutoencoderKL(VAEConfig(in_channels=1, out_channels=1, latent_channels=rc.latent_channels,
+                                  block_out_channels=tuple(rc.vae_channels), norm_num_groups=rc.vae_groups,
+                                  sample_size=28)).eval()
+    f = vae.config.downsample
+    d, c = rc.dit_width, rc.latent_channels
+
+    def nbytes(*ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def point(name: str, n: int, model, fn, inputs) -> Point:
+        with torch.no_grad():
+            counter = FlopCounterMode(display=False)
+            with counter, attention_impl("math"), chunked_attention(256):
+                fn()
+            fn()  # warm-up
+            times = [_timed(fn) for _ in range(max(2, rounds))]
+            out = fn()
+        data = nbytes(*model.parameters()) + nbytes(*inputs, out)
+        return Point(name, n, 1.0, float(counter.get_total_flops()), float(data), statistics.median(times),
+                     bytes_lower_bound=True)
+
+    out = []
+    for s in sizes:
+        dit = DiT(DiTConfig(sample_size=s, in_channels=c, out_channels=c, patch_size=1, num_layers=rc.dit_layers,
+                            num_attention_heads=rc.dit_heads, attention_head_dim=d // rc.dit_heads,
+                            cross_attention_dim=d)).eval()
+        x, t, text = torch.randn(2, c, s, s), torch.tensor([500.0, 500.0]), torch.randn(2, rc.max_len, d)
+        mnist = " (MNIST)" if s * f == 28 else ""
+        out.append(point(f"DiT denoiser step, {s}x{s} latent{mnist}, CFG batch 2 (fp32)", s * s, dit,
+                         lambda m=dit, a=(x, t, text): m(*a), (x, t, text)))
+        out[-1].label, out[-1].family = f"DiT {s}x{s}", "DiT denoiser step (CFG batch 2)"
+        z = torch.randn(1, c, s, s)
+        out.append(point(f"VAE decode, {s}x{s} -> {s * f} px{mnist} (fp32)", s * s, vae,
+                         lambda z=z: vae.decode(z), (z,)))
+        out[-1].label, out[-1].family = f"VAE {s}x{s}", "VAE decode"
     return out
 
 
@@ -316,14 +390,24 @@ def plot(points: list[Point], flops_peak: float, bw_peak: float, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.loglog(grid, [min(flops_peak, bw_peak * x) / 1e9 for x in grid], "k-", label="roofline (measured peaks)")
     ax.axvline(flops_peak / bw_peak, color="gray", ls=":", lw=1)
+    families: dict[str, list[Point]] = {}
     for p in points:
+        if p.family:
+            families.setdefault(p.family, []).append(p)
+            continue
         ax.loglog([p.intensity], [p.achieved / 1e9], "o")
-        ax.annotate(p.name, (p.intensity, p.achieved / 1e9), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(p.label or p.name, (p.intensity, p.achieved / 1e9), textcoords="offset points", xytext=(5, 4),
+                    fontsize=8)
+    for (family, ps), marker in zip(families.items(), "^sdv"):
+        ax.loglog([p.intensity for p in ps], [p.achieved / 1e9 for p in ps], marker + "--", lw=0.8, label=family)
+        for p in ps:
+            ax.annotate(p.label or p.name, (p.intensity, p.achieved / 1e9), textcoords="offset points",
+                        xytext=(4, -10), fontsize=7)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("GFLOP/s")
-    ax.set_title("Roofline of this machine (1 thread) and the engine's forwards")
+    ax.set_title("Roofline of this machine (1 thread): the engine's, Pairformer's and diffusion's forwards")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
