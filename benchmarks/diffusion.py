@@ -19,6 +19,8 @@ Parts (comma-separated `--parts`, default all):
 - speed: one rank vs CFG parallel, exact patch parallel and displaced patch parallel at P=2 (1 thread per
   rank, interleaved repeats), on the trained model's architecture at a latent where one step takes
   >= 100 ms; P=4 exact and displaced: error against one rank and the K/V bytes against the formula.
+- vae_patch: the trained VAE's decoder, one rank vs exact patch parallel (halo exchange, all-reduced
+  GroupNorm statistics) at P=2 (interleaved repeats) and P=4: time, error and bytes against the formula.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, shared_data_dir
 
-PARTS = ("quality", "memory", "speed")
+PARTS = ("quality", "memory", "speed", "vae_patch")
 
 
 # ------------------------------------------------------------------------------------ quality
@@ -390,6 +392,42 @@ def part_speed(report: Report, args) -> None:
                  caption="P = 4 (correctness and communication volume)")
 
 
+# ------------------------------------------------------------------------------------ VAE patch parallel
+def part_vae_patch(report: Report, args) -> None:
+    import statistics
+
+    from scratchlm.diffusion import parallel as pp
+    from scratchlm.diffusion import vae_parallel as vp
+    from scratchlm.diffusion.vae import AutoencoderKL, VAEConfig
+
+    path = Path(args.model) / "vae"
+    if not path.is_dir():  # the trained architecture, random weights
+        path = Path(tempfile.mkdtemp()) / "vae"
+        AutoencoderKL(VAEConfig(block_out_channels=(8, 16, 32), norm_num_groups=4)).save_pretrained(path)
+    cfg = AutoencoderKL.from_pretrained(path).config
+    rows = []
+    for s in [int(v) for v in args.vae_patch_sizes.split(",")]:
+        z = torch.randn(1, cfg.latent_channels, s, s, generator=torch.Generator().manual_seed(0))
+        times, res = {1: [], 2: [], 4: []}, {}
+        for r in range(args.repeats):
+            for world in (1, 2) if r else (1, 2, 4):  # P=4 once: 4 ranks on 2 cores are oversubscribed
+                fn = vp.run_vae_reference if world == 1 else vp.run_vae_decode
+                res[world] = pp.launch(fn, world, str(path), z, threads=1, timeout_s=300)
+                times[world].append(max(x["seconds"] for x in res[world]))
+        ref, base = res[1][0]["image"], statistics.median(times[1])
+        for world in (2, 4):
+            med = statistics.median(times[world])
+            got = sum(sum(x["bytes_received"].values()) for x in res[world])
+            want = sum(sum(vp.decode_bytes(cfg, 1, s, s, world, r).values()) for r in range(world))
+            rows.append([f"{s}x{s} -> {s * cfg.downsample} px", world, f"{base * 1e3:.0f} ms", f"{med * 1e3:.0f} ms",
+                         f"{base / med:.2f}x", f"{(res[world][0]['image'] - ref).abs().max().item():.1e}",
+                         f"{got:,}", f"{got / want:.3f}"])
+    report.table(["latent -> image", "P", "one rank", "P ranks", "speed-up", "max abs(image - one rank)",
+                  "bytes received (all ranks)", "measured / formula"], rows,
+                 caption=f"VAE decoder patch parallel, {path}, batch 1, 1 thread per rank, medians of "
+                         f"{args.repeats} interleaved repeats (P=4: one run, oversubscribed)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="runs/diffusion_mnist/pipeline", help="trained pipeline folder")
@@ -404,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-batch", type=int, default=4)
     ap.add_argument("--memory-sizes", default="8,16,32,48,64")
     ap.add_argument("--vae-sizes", default="7,14,28,56,112")
+    ap.add_argument("--vae-patch-sizes", default="28,56", help="latent sides for the vae_patch part")
     ap.add_argument("--speed-size", type=int, default=32)
     ap.add_argument("--speed-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -424,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for part in parts:
         t0 = time.perf_counter()
-        {"quality": part_quality, "memory": part_memory, "speed": part_speed}[part](report, args)
+        {"quality": part_quality, "memory": part_memory, "speed": part_speed,
+         "vae_patch": part_vae_patch}[part](report, args)
         report.add(f"_(part {part}: {time.perf_counter() - t0:.0f} s)_")
     report.write()
     return 0
