@@ -27,6 +27,7 @@ float rounding (tests/diffusion/test_vae_parallel.py, <= 1e-5). Bytes received p
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -184,11 +185,22 @@ def patch_parallel_decode(ctx: RankContext, vae: AutoencoderKL, z: Tensor) -> Te
     return torch.cat([p[:, :, :n * f] for p, n in zip(parts, rows)], dim=2)  # (B, C, h*f, w*f)
 
 
-def run_vae_decode(ctx: RankContext, vae_path: str, z: Tensor) -> dict:
-    """Rank entry point (module level so spawn can import it): load the VAE folder, decode z in bands."""
+def run_vae_decode(ctx: RankContext, vae_path: str, z: Tensor, die_at_norm: int | None = None) -> dict:
+    """Rank entry point (module level so spawn can import it): load the VAE folder, decode z in bands.
+    `die_at_norm` (fault injection for the tests): the last rank exits abruptly at that GroupNorm."""
     vae = AutoencoderKL.from_pretrained(vae_path).to(ctx.device).eval()
     dist.barrier(group=ctx.group)
     t = time.perf_counter()
+    if die_at_norm is not None and ctx.rank == ctx.world - 1:
+        calls, norm = {"n": 0}, BandDecoder.group_norm
+
+        def dying(self, gn, x):
+            calls["n"] += 1
+            if calls["n"] > die_at_norm:
+                os._exit(3)
+            return norm(self, gn, x)
+
+        BandDecoder.group_norm = dying  # this rank's process only
     img = patch_parallel_decode(ctx, vae, z)
     return {"image": img, "seconds": time.perf_counter() - t, **ctx.stats()}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -74,6 +76,16 @@ def test_vae_patch_parallel_p4(tmp_path, attention):
 def test_vae_patch_parallel_one_row_bands_three_levels(tmp_path):
     """Bands of one latent row, a 3-level decoder (two upsamplings, widths 16 -> 8 -> 8)."""
     _check(tmp_path, 4, 5, 4, channels=(8, 8, 16))
+
+
+@pytest.mark.distributed
+def test_vae_patch_parallel_dead_rank_fails_fast(tmp_path):
+    _vae(tmp_path)
+    z = torch.randn(B, C_LAT, 6, 6)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exit code 3"):  # rank 1 dies at its 4th GroupNorm
+        pp.launch(run_vae_decode, 2, str(tmp_path), z, 3, timeout_s=20)
+    assert time.monotonic() - t < 60
 
 
 def test_band_rows_refuses_too_few_rows():
