@@ -321,11 +321,11 @@ def diffusion_points(sizes: tuple[int, ...], rounds: int) -> list[Point]:
     tokens, and one VAE decode of a single latent to its (4s x 4s) image.
 
     FLOPs: FlopCounterMode, with the attention counted on its materialised form in 256-query chunks (torch's CPU
-    flash kernel reports 0 FLOPs to the counter; the matmuls are the same). Time: the median of `rounds` + 1
-    forwards with the fused SDPA the pipeline runs. Bytes are a *lower bound*: the weights once plus the forward's
-    inputs (latent, timestep, text tokens) and its output, fp32; the activations in between (at 64x64 a DiT layer's
-    (2, 4096, 64) tensors, a materialised attention's 2*H*N^2 scores) are not counted, so intensity is an upper
-    bound."""
+    flash kernel reports 0 FLOPs to the counter; the matmuls are the same). Time: the median of max(2, rounds)
+    forwards after a warm-up, with the fused SDPA the pipeline runs. Bytes are a *lower bound*: the weights the
+    forward uses once (for the VAE its decoder and post-quant conv only) plus its inputs (latent, timesteps, text
+    tokens) and its output, fp32; the activations in between (at 64x64 a DiT layer's (2, 4096, 64) tensors, a
+    materialised attention's 2*H*N^2 scores) are not counted, so the intensity is an upper bound."""
     import tomllib
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -342,12 +342,13 @@ def diffusion_points(sizes: tuple[int, ...], rounds: int) -> list[Point]:
                                   block_out_channels=tuple(rc.vae_channels), norm_num_groups=rc.vae_groups,
                                   sample_size=28)).eval()
     f = vae.config.downsample
+    decoder = list(vae.post_quant_conv.parameters()) + list(vae.decoder.parameters())  # what a decode reads
     d, c = rc.dit_width, rc.latent_channels
 
     def nbytes(*ts) -> int:
         return sum(t.numel() * t.element_size() for t in ts)
 
-    def point(name: str, n: int, model, fn, inputs) -> Point:
+    def point(name: str, n: int, params, fn, inputs) -> Point:
         with torch.no_grad():
             counter = FlopCounterMode(display=False)
             with counter, attention_impl("math"), chunked_attention(256):
@@ -355,7 +356,7 @@ def diffusion_points(sizes: tuple[int, ...], rounds: int) -> list[Point]:
             fn()  # warm-up
             times = [_timed(fn) for _ in range(max(2, rounds))]
             out = fn()
-        data = nbytes(*model.parameters()) + nbytes(*inputs, out)
+        data = nbytes(*params) + nbytes(*inputs, out)
         return Point(name, n, 1.0, float(counter.get_total_flops()), float(data), statistics.median(times),
                      bytes_lower_bound=True)
 
@@ -366,11 +367,11 @@ def diffusion_points(sizes: tuple[int, ...], rounds: int) -> list[Point]:
                             cross_attention_dim=d)).eval()
         x, t, text = torch.randn(2, c, s, s), torch.tensor([500.0, 500.0]), torch.randn(2, rc.max_len, d)
         mnist = " (MNIST)" if s * f == 28 else ""
-        out.append(point(f"DiT denoiser step, {s}x{s} latent{mnist}, CFG batch 2 (fp32)", s * s, dit,
+        out.append(point(f"DiT denoiser step, {s}x{s} latent{mnist}, CFG batch 2 (fp32)", s * s, list(dit.parameters()),
                          lambda m=dit, a=(x, t, text): m(*a), (x, t, text)))
         out[-1].label, out[-1].family = f"DiT {s}x{s}", "DiT denoiser step (CFG batch 2)"
         z = torch.randn(1, c, s, s)
-        out.append(point(f"VAE decode, {s}x{s} -> {s * f} px{mnist} (fp32)", s * s, vae,
+        out.append(point(f"VAE decode, {s}x{s} -> {s * f} px{mnist} (fp32)", s * s, decoder,
                          lambda z=z: vae.decode(z), (z,)))
         out[-1].label, out[-1].family = f"VAE {s}x{s}", "VAE decode"
     return out
