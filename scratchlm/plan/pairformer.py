@@ -13,15 +13,23 @@ For one block of `scratchlm.fold` at N tokens over P DAP ranks (R = ceil(N/P) ro
   max(ring, contraction)), the bias gathers; plus a fixed cost per tensor op times the ops per row chunk
   (chunking runs many small ops); times the oversubscription factor max(1, P / cores).
 
-The rates come from `calibrate_pairformer` (timed here at the workload's own shapes, then one real block at
-N = 64 sets `efficiency`, the ratio of a block's time to the kernel model's) or from a cluster TOML's
+A DAP rank's CPU time (`compute_s`) adds to its share of the kernels what DAP itself costs the CPU
+(`dap_cpu_terms`, priced by `measure_dap_cpu`, not scaled by the block efficiency): the gloo calls (per call
+per peer: the caller's and gloo's threads), the bytes through gloo (socket copies), the permute + contiguous
+packing copies before and after each all-to-all chunk, and the fresh buffers each transpose, ring step and
+gather allocates (page faults); all at the padded N' = P ceil(N/P).
+
+The rates come from `calibrate_pairformer` (timed here at the workload's own shapes and gloo processes, then one
+real block at N = 64 sets `efficiency`, the ratio of a block's time to the kernel model's) or from a cluster TOML's
 `flops`, `softmax_rate`, `elementwise_rate` and link figures (efficiency 1).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -44,6 +52,12 @@ class PairformerRates:
     bandwidth: float  # bytes/s between two ranks
     cores: int  # devices that run ranks at full speed (more ranks share them)
     efficiency: float = 1.0  # measured / kernel-model time of a whole block at a small N (1: trust the kernels)
+    # DAP's CPU cost besides the kernels (what a DAP rank's CPU time adds to one rank's share), from
+    # `measure_dap_cpu`; the defaults are its figures on the 2-core dev machine (2026-12-01, gloo, 2 processes)
+    message_cpu: float = 2.5e-4  # CPU s per gloo call per peer (process time: the caller and gloo's threads)
+    byte_cpu: float = 6.7e-10  # CPU s per byte a rank sends (and receives) through gloo (socket copies)
+    alloc_cpu: float = 3.8e-10  # CPU s per byte of a freshly allocated buffer (page faults and zeroing)
+    copy_rate: float = 8e9  # bytes/s (read + write) of the strided pack/unpack copies around an all-to-all
 
 
 @dataclass
@@ -61,6 +75,7 @@ class PairformerPrediction:
     elementwise_s: float
     comm_s: float
     overhead_s: float
+    dap_cpu_s: float  # DAP's CPU cost besides the kernels: gloo calls, bytes through gloo, packing, fresh buffers
     oversubscription: float
     efficiency: float
     fits: bool | None = None  # within the per-rank budget (None: no budget given)
@@ -69,7 +84,8 @@ class PairformerPrediction:
     def compute_s(self) -> float:
         """One rank's busy time (what its CPU time measures): the kernels and the per-op overhead, scaled by
         the rates' block efficiency."""
-        return (self.gemm_s + self.bmm_s + self.softmax_s + self.elementwise_s + self.overhead_s) * self.efficiency
+        kernels = self.gemm_s + self.bmm_s + self.softmax_s + self.elementwise_s + self.overhead_s
+        return kernels * self.efficiency + self.dap_cpu_s
 
     @property
     def block_s(self) -> float:
@@ -81,7 +97,36 @@ class PairformerPrediction:
 # each triangle update 22 (LN_in twice, gates, mask, the a/b copies, cat, LN_out, adds), each triangle attention
 # 11 (LN, q scale, q/k/v/o transposes, gate, add), the transition 16 (LN, SiLU, two muls, add), the copy of z 1.
 ELEMENT_PASSES = 2 * 22 + 2 * 11 + 16 + 1
-DAP_ELEMENT_PASSES = 4 * 2  # four transposes: pack and unpack
+
+
+def dap_cpu_terms(cfg: PairformerConfig, n: int, world: int, overlap: bool = True, channel_chunks: int = 16,
+                  elem: int = 4) -> dict[str, float]:
+    """What one DAP block adds to a rank's CPU work besides the kernels, in the units the rates price:
+
+    - messages: gloo peer messages: 4 transposes x k all-to-alls of (P-1) peers, the 2 triangle updates' k
+      ring steps x (P-1) (or k all-gathers of (P-1) peers without overlap), 2 bias gathers and the s gather;
+    - sent_bytes: what the rank sends (and as much it receives), `block_comm_bytes`;
+    - packing_bytes: the permute + contiguous before and the strided copy after each all-to-all chunk, each
+      reading and writing the chunk: 4 transposes x 2 copies x 2 (read + write) x the shard;
+    - fresh_bytes: buffers allocated per block that one rank does not need (page-faulted and zeroed by the
+      kernel): per transpose the send, receive and output shards, per ring step the next block, per gather
+      the parts and the concatenation. Zero for P = 1."""
+    from scratchlm.fold.dap import block_comm_bytes
+
+    if world == 1:
+        return {"messages": 0.0, "sent_bytes": 0.0, "packing_bytes": 0.0, "fresh_bytes": 0.0}
+    rows = -(-n // world)
+    n_pad = rows * world
+    shard = rows * n_pad * cfg.c_z * elem
+    k = channel_chunks
+    messages = (world - 1) * (4 * k + 2 * k + 3)
+    sent = float(sum(block_comm_bytes(cfg, n, world, overlap, elem=elem).values()))
+    bias = cfg.pair_heads * rows * n_pad * elem
+    fresh = 4 * 3 * shard + 2 * (world - 1) * shard + 2 * 2 * world * bias
+    if not overlap:
+        fresh += 2 * 2 * world * shard  # the gathered operand's parts and their concatenation
+    return {"messages": float(messages), "sent_bytes": sent, "packing_bytes": 4.0 * 2 * 2 * shard,
+            "fresh_bytes": float(fresh)}
 
 
 # Tensor ops per row chunk of one block (attention 2 x 15, triangle updates 2 x (8 + 2k) project and
@@ -99,6 +144,90 @@ def _time(fn, repeats: int = 5) -> float:
         fn()
         ts.append(time.thread_time() - t)
     return sorted(ts)[len(ts) // 2]
+
+
+def _gloo_cpu_worker(rank: int, world: int, sizes: list[int], calls: int) -> dict[int, float]:
+    """Process CPU seconds per `all_to_all_single` (async + wait, as DAP runs it) of each total size in bytes,
+    with a little work between calls so the ranks arrive apart as in a block (the work's own CPU subtracted)."""
+    import torch.distributed as dist
+
+    out = {}
+    a, m = torch.randn(64, 128), torch.randn(128, 512)
+
+    def work() -> None:
+        for _ in range(4):
+            a @ m
+    for size in sizes:
+        send = torch.randn(world * max(1, size // (4 * world)))
+        recv = torch.empty_like(send)
+        for _ in range(3):
+            dist.all_to_all_single(recv, send)
+        dist.barrier()
+        c0 = time.process_time()
+        for _ in range(calls):
+            work()
+        base = time.process_time() - c0
+        dist.barrier()
+        c0 = time.process_time()
+        for _ in range(calls):
+            work()
+            dist.all_to_all_single(recv, send, async_op=True).wait()
+        out[size] = (time.process_time() - c0 - base) / calls
+    return out
+
+
+def measure_dap_cpu(cfg: PairformerConfig, n: int = 192, world: int = 2, network: bool = True) -> dict[str, float]:
+    """The rates of `dap_cpu_terms` on this machine (1 thread): `message_cpu` and `byte_cpu` from gloo
+    all-to-alls of 64 B and 4 MiB between `world` processes (process CPU time, so gloo's threads count as
+    they do in a DAP rank's CPU time); `alloc_cpu` from filling fresh 2.5 MB buffers against a reused one
+    (page faults under the benchmark's MALLOC_MMAP_THRESHOLD_, which makes every large buffer fresh);
+    `copy_rate` from one transpose's pack and unpack copies at N = `n`, P = `world`, 16 channel chunks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nbytes = 2_500_000
+        buf = torch.empty(nbytes // 4)
+
+        def fresh() -> None:  # an anonymous mapping per buffer, as glibc gives a large allocation
+            for _ in range(10):
+                with mmap.mmap(-1, nbytes) as mm:
+                    t = torch.frombuffer(mm, dtype=torch.float32)
+                    t.fill_(1.0)
+                    del t
+
+        def reuse() -> None:
+            for _ in range(10):
+                buf.fill_(1.0)
+        clock = time.process_time
+        t0 = clock()
+        fresh()
+        t1 = clock()
+        reuse()
+        t2 = clock()
+        alloc = max(0.0, ((t1 - t0) - (t2 - t1)) / (10 * nbytes))
+        r, c, k = n // world, cfg.c_z, 16
+        x = torch.randn(1, r, r * world, c)
+        out = torch.empty_like(x)
+
+        def pack_unpack() -> None:
+            for i in range(k):
+                cs = slice(c * i // k, c * (i + 1) // k)
+                send = x[..., cs].reshape(1, r, world, r, -1).permute(2, 0, 1, 3, 4).contiguous()  # (P, B, Ri, Rj, cc)
+                out[..., cs].view(1, r, world, r, -1).copy_(send.permute(1, 3, 0, 2, 4))
+        copy_rate = 4 * x.numel() * x.element_size() / _time(pack_unpack)
+    finally:
+        torch.set_num_threads(threads)
+    message, per_byte = PairformerRates.message_cpu, PairformerRates.byte_cpu
+    if network:
+        from scratchlm.parallel.sequence import spawn_gloo
+
+        small, large = 64, 4 * 2**20
+        res = spawn_gloo(_gloo_cpu_worker, world, [small, large], 30)
+        cpu_small = statistics.median(r[small] for r in res)
+        cpu_large = statistics.median(r[large] for r in res)
+        message = cpu_small / (world - 1)
+        per_byte = max(0.0, cpu_large - cpu_small) / (large * (world - 1) / world)
+    return {"message_cpu": message, "byte_cpu": per_byte, "alloc_cpu": alloc, "copy_rate": copy_rate}
 
 
 def calibrate_pairformer(cfg: PairformerConfig, n: int = 96, network: bool = True) -> PairformerRates:
@@ -128,7 +257,8 @@ def calibrate_pairformer(cfg: PairformerConfig, n: int = 96, network: bool = Tru
         from scratchlm.plan.calibrate import measure_allreduce
 
         lat, bw = measure_allreduce()[:2]
-    rates = PairformerRates(gemm, bmm, sm, ew, op, lat, bw, len(os.sched_getaffinity(0)))
+    rates = PairformerRates(gemm, bmm, sm, ew, op, lat, bw, len(os.sched_getaffinity(0)),
+                            **measure_dap_cpu(cfg, network=network))
     return replace(rates, efficiency=block_efficiency(cfg, rates))
 
 
@@ -153,10 +283,12 @@ def block_efficiency(cfg: PairformerConfig, rates: PairformerRates, n: int = 64)
 
 
 def rates_from_cluster(cluster) -> PairformerRates:
-    """Rates from a `ClusterSpec` (flops for both GEMM kinds, its softmax/elementwise rates, the intra-node link)."""
+    """Rates from a `ClusterSpec` (flops for both GEMM kinds, its softmax/elementwise rates, the intra-node link,
+    its `comm_cpu` per call as the per-message CPU cost; the other DAP CPU rates keep their measured defaults)."""
     return PairformerRates(cluster.flops, cluster.flops, cluster.softmax_rate, cluster.elementwise_rate,
                            cluster.layer_overhead / 20 if cluster.layer_overhead else 1e-5,  # ~20 ops per layer
-                           cluster.intra_latency, cluster.intra_bw, cluster.devices_per_node)
+                           cluster.intra_latency, cluster.intra_bw, cluster.devices_per_node,
+                           message_cpu=cluster.comm_cpu or PairformerRates.message_cpu)
 
 
 def weights_bytes(cfg: PairformerConfig, elem: int = 4) -> int:
@@ -183,7 +315,10 @@ def predict_block(cfg: PairformerConfig, n: int, world: int, rates: PairformerRa
     contraction = 2 * pairs * n_pad * 2 * c  # two triangle updates
     attention = 2 * pairs * n_pad * 4 * hd  # two triangle attentions: q k^T and attn v
     softmax = 2 * pairs * h * n_pad
-    elementwise = pairs * (ELEMENT_PASSES + (DAP_ELEMENT_PASSES if world > 1 else 0)) * c
+    elementwise = pairs * ELEMENT_PASSES * c
+    terms = dap_cpu_terms(cfg, n, world, overlap, channel_chunks or 16, elem)
+    dap_cpu = (terms["messages"] * rates.message_cpu + terms["sent_bytes"] * rates.byte_cpu
+               + terms["packing_bytes"] / rates.copy_rate + terms["fresh_bytes"] * rates.alloc_cpu)
     comm = 0.0
     if world > 1:
         k = channel_chunks or 16
@@ -203,7 +338,7 @@ def predict_block(cfg: PairformerConfig, n: int, world: int, rates: PairformerRa
         n=n, world=world, chunk_rows=chunk_rows, memory_bytes=memory, activation_bytes=act,
         gemm_s=gemm / rates.gemm_flops, bmm_s=(contraction + attention) / rates.bmm_flops,
         softmax_s=softmax / rates.softmax_rate, elementwise_s=elementwise / rates.elementwise_rate,
-        comm_s=comm, overhead_s=overhead, efficiency=rates.efficiency,
+        comm_s=comm, overhead_s=overhead, dap_cpu_s=dap_cpu, efficiency=rates.efficiency,
         oversubscription=max(1.0, world / max(1, rates.cores)))
 
 
