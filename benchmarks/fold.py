@@ -251,7 +251,7 @@ def section_plan(report: Report, raw: dict) -> None:
     anchor = min((r for r in unique if r["world"] == 1 and not r["chunk_rows"]), key=lambda r: r["n"])
     rates = replace(rates, efficiency=1.0)
     rates = replace(rates, efficiency=anchor["block_cpu_s"] / predict_block(CFG, anchor["n"], 1, rates).compute_s)
-    rows, mem_ok, time_ok, wall_ok = [], 0, 0, 0
+    rows, mem_ok, time_ok, wall_ok, dap_ok, dap_n = [], 0, 0, 0, 0, 0
     for r in sorted(unique, key=lambda r: (r["n"], r["world"], r["chunk_rows"] or 0)):
         p = predict_block(CFG, r["n"], r["world"], rates, r["chunk_rows"], r["overlap"])
         m_ratio, c_ratio = r["peak_bytes"] / p.activation_bytes, r["block_cpu_s"] / p.compute_s
@@ -259,6 +259,8 @@ def section_plan(report: Report, raw: dict) -> None:
         mem_ok += abs(m_ratio - 1) <= 0.3
         time_ok += abs(c_ratio - 1) <= 0.3
         wall_ok += abs(w_ratio - 1) <= 0.3
+        dap_n += r["world"] > 1
+        dap_ok += r["world"] > 1 and abs(c_ratio - 1) <= 0.3
         rows.append([r["n"], r["world"], r["chunk_rows"] or "none", "on" if r["overlap"] else "off",
                      f"{p.activation_bytes / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}", f"{m_ratio:.2f}",
                      f"{p.compute_s:.2f}", f"{r['block_cpu_s']:.2f}", f"{c_ratio:.2f}",
@@ -268,11 +270,15 @@ def section_plan(report: Report, raw: dict) -> None:
                f"{rates.elementwise_rate / 1e6:.0f} M/s, gloo link {rates.latency * 1e6:.0f} us + "
                f"{rates.bandwidth / 1e9:.2f} GB/s, {rates.cores} cores; block efficiency {rates.efficiency:.2f}, "
                f"from the measured CPU time of the N = {anchor['n']}, P = 1 unchunked run (the anchor: every other "
-               "row is a prediction).")
+               "row is a prediction). DAP CPU rates (`measure_dap_cpu`, gloo between 2 processes, process CPU time): "
+               f"{rates.message_cpu * 1e3:.2f} ms per call per peer, {rates.byte_cpu * 1e9:.2f} ns per byte sent, "
+               f"{rates.alloc_cpu * 1e9:.2f} ns per freshly allocated byte, pack/unpack copies "
+               f"{rates.copy_rate / 1e9:.1f} GB/s.")
     report.table(["N", "P", "chunk", "overlap", "predicted act MiB", "measured MiB", "ratio",
                   "predicted compute s", "measured CPU s", "ratio", "predicted wall s", "measured wall s", "ratio"],
                  rows, caption=f"`scratchlm plan --pairformer-tokens` against measurement (target +-30 %): memory "
-                 f"within on {mem_ok}/{len(rows)} runs, compute time (CPU) on {time_ok}/{len(rows)}, wall time on "
+                 f"within on {mem_ok}/{len(rows)} runs, compute time (CPU) on {time_ok}/{len(rows)} (DAP ranks, P > 1: "
+                 f"{dap_ok}/{dap_n}), wall time on "
                  f"{wall_ok}/{len(rows)} (wall time on this shared machine includes waiting for a core: load "
                  f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores now)")
 
