@@ -369,7 +369,7 @@ def part_speed(report: Report, args) -> None:
                   "received per rank", "comm wait (rank 0)", "max abs(latent - one rank)"], rows,
                  caption=f"Speed-ups at a {s}x{s} latent ({n} tokens), the trained architecture, CFG on, "
                          f"{steps} DDIM steps, 1 thread per rank, {args.repeats} interleaved repeats (medians); "
-                         f"machine shared with other jobs")
+                         f"load average at the end {os.getloadavg()[0]:.1f}")
     # P = 4 correctness and volume
     p4 = {}
     for mode, warm in (("exact", 0), ("displaced", 1)):
