@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.loading.checkpoint import _strip  # torch.compile / DDP prefixes, as scratchlm checkpoints
 from scratchlm.model.loading.common import CheckpointError, build_model
 from scratchlm.model.transformer import TransformerLM
 
@@ -55,7 +56,6 @@ CS336_KEY_MAP: tuple[tuple[str, str], ...] = (
     ("lm_head.weight", "lm_head.weight"),
 )
 
-_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -68,16 +68,6 @@ _BLOCK = "layers.{i}."
 _BLOCK_MAP = [(c[len(_BLOCK):], s[len(_BLOCK):]) for c, s in CS336_KEY_MAP if c.startswith(_BLOCK)]
 _FROM_CS336 = [(_compile(c), s) for c, s in [*CS336_KEY_MAP, *_BLOCK_MAP]]
 _TO_CS336 = [(_compile(s), c) for c, s in [*CS336_KEY_MAP, *_BLOCK_MAP]]
-
-
-def _strip(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
-    return name
 
 
 def _rename(name: str, table: list[tuple[re.Pattern[str], str]], known: list[str], what: str) -> str:
