@@ -48,23 +48,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_data_parallel(args: argparse.Namespace, data_parallel_size: int, router_config) -> int:
     from scratchlm.defaults import default_model_path
-    from scratchlm.inference import EngineConfig
     from scratchlm.parallel.router import serve_data_parallel
-    from scratchlm.server.app import api_key_from_env
-    from scratchlm.server.config import ServerConfig
     from scratchlm.threads import apply_threads
 
     try:
-        server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
-        engine_config = dataclass_from_args(EngineConfig, args)
+        server_config, engine_config = server_cli.configs_from_args(args)
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if not router_config.replica_urls:  # the engines run here: D replicas x their ranks share the cores
-            ranks = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
-            ranks *= engine_config.context_parallel_size
+            ranks = server_cli.engine_ranks(engine_config)
             choice = apply_threads(args.threads, world_size=data_parallel_size * ranks, logger=log)
             args.threads = choice.threads  # handed down to the replicas, which must not each take every core
             if args.model is not None and not Path(args.model).exists():

@@ -100,25 +100,34 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
     return create_app(engine, server_config, model_name=name, model_root=str(path))
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def configs_from_args(args: argparse.Namespace):
+    """(ServerConfig, EngineConfig) from the parsed flags (API key from the environment), logging set up.
 
+    Raises ValueError naming the bad flag; shared by this server and the data-parallel `scratchlm.serve`.
+    """
     from scratchlm.inference import EngineConfig
     from scratchlm.server.app import api_key_from_env
 
-    try:
-        server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
-        engine_config = dataclass_from_args(EngineConfig, args)
-    except ValueError as e:
-        print(f"scratchlm serve: {e}", file=sys.stderr)
-        return 2
+    server_config = api_key_from_env(dataclass_from_args(ServerConfig, args))
+    engine_config = dataclass_from_args(EngineConfig, args)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return server_config, engine_config
+
+
+def engine_ranks(engine_config) -> int:
+    """Processes one engine runs as (tensor x pipeline x context parallel), which share this host's cores."""
+    c = engine_config
+    return c.tensor_parallel_size * c.pipeline_parallel_size * c.context_parallel_size
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
     from scratchlm.threads import apply_threads
 
     try:
-        ranks = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
-        ranks *= engine_config.context_parallel_size
-        choice = apply_threads(args.threads, world_size=ranks, logger=log)
+        server_config, engine_config = configs_from_args(args)
+        choice = apply_threads(args.threads, world_size=engine_ranks(engine_config), logger=log)
     except ValueError as e:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
