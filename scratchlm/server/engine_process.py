@@ -11,6 +11,13 @@ turns on one GIL. Here the engine runs in a child process (``spawn``) that owns 
 :class:`EngineProcessLoop` has the same interface as :class:`EngineLoop` (``start``, ``stop``,
 ``alive``, ``submit``, ``abort``, ``stats``), and an ``engine`` stand-in (tokenizer, configs, chat
 template) for the handlers' validation, sent over by the child once the model is loaded.
+
+Back-pressure on the child's side: request outputs, acceptances and stats are never dropped (the HTTP
+process needs every one). The inspector's step events are *bounded*: at most ``events_in_flight`` of
+them are in the outbox unread (a semaphore the child takes per event and the reader thread gives back per
+event received); beyond that the child keeps the newest ``events_in_flight`` in a local ring and drops the
+oldest, counting them (``outbox_dropped`` on every event it sends, shown by the inspector page). So a
+stalled HTTP process costs the child a bounded amount of memory, never a blocked step.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +54,43 @@ class EngineInfo:
         return render_chat(self.tokenizer, messages, add_generation_prompt)
 
 
+EVENTS_IN_FLIGHT = 64  # inspector events unread in the outbox before the child holds them back
+
+
+class EventOutbox:
+    """The child's bounded sender of inspector events (see the module docstring).
+
+    ``credits`` is a semaphore of ``limit`` (shared with the reader thread, which releases one per event it
+    takes off the outbox); ``offer`` queues an event locally (a ring of ``limit``: the oldest is dropped and
+    counted when it is full) and sends what the credits allow. ``flush`` sends more as credits come back."""
+
+    def __init__(self, outbox: Any, credits: Any, limit: int):
+        self.outbox, self.credits = outbox, credits
+        self.pending: deque[dict] = deque()
+        self.limit = limit
+        self.dropped = 0  # events never sent (the oldest of a full ring)
+        self.sent = 0
+
+    def offer(self, event: dict) -> None:
+        if len(self.pending) >= self.limit:
+            self.pending.popleft()
+            self.dropped += 1
+        self.pending.append(event)
+        self.flush()
+
+    def flush(self) -> None:
+        while self.pending and self.credits.acquire(False):
+            event = self.pending.popleft()
+            event["outbox_dropped"] = self.dropped
+            self.outbox.put(("event", event, None))
+            self.sent += 1
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
 def _engine_main(model: str | None, engine_config: Any, threads: int | None, inbox: Any, outbox: Any,
-                 idle_poll_s: float) -> None:
+                 idle_poll_s: float, credits: Any = None, events_in_flight: int = EVENTS_IN_FLIGHT) -> None:
     """The child process: load the engine, then drain requests and step until told to stop."""
     import torch
 
@@ -66,7 +109,10 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
         return
     live: set[str] = set()
     watching: list = []  # the inspector's listener while it watches (server/inspector.py)
+    events = EventOutbox(outbox, credits if credits is not None else threading.Semaphore(events_in_flight),
+                         events_in_flight)
     while True:
+        events.flush()  # credits the reader gave back since the last step
         busy = engine.has_unfinished_requests()
         messages = []
         try:
@@ -92,7 +138,7 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
                 live.add(rid)
                 outbox.put(("accepted", rid, None))
             elif kind == "inspect":
-                _inspect(engine, outbox, payload[0], watching)
+                _inspect(engine, events, payload[0], watching)
             elif kind == "abort" and payload[0] in live:
                 live.discard(payload[0])
                 engine.abort_request(payload[0])
@@ -118,12 +164,13 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
         outbox.put(("outputs", (outputs, time.monotonic()), engine.stats()))
 
 
-def _inspect(engine: Any, outbox: Any, on: bool, watching: list) -> None:
+def _inspect(engine: Any, events: EventOutbox, on: bool, watching: list) -> None:
     """Start or stop sending the engine's step events to the HTTP process (as dicts, for the inspector)."""
     while watching:
         engine.events.unsubscribe(watching.pop())
+    events.clear()
     if on:
-        watching.append(lambda event: outbox.put(("event", event.to_dict(), None)))
+        watching.append(lambda event: events.offer(event.to_dict()))
         engine.events.subscribe(watching[0])
 
 
@@ -131,13 +178,17 @@ class EngineProcessLoop:
     """Runs the engine of `model` in a child process; same interface as :class:`EngineLoop`."""
 
     def __init__(self, model: str | Path | None, engine_config: Any, threads: int | None = None,
-                 startup_timeout_s: float = 1800.0, idle_poll_s: float = 0.05):
+                 startup_timeout_s: float = 1800.0, idle_poll_s: float = 0.05,
+                 events_in_flight: int = EVENTS_IN_FLIGHT):
+        if events_in_flight < 1:
+            raise ValueError(f"events_in_flight must be >= 1, got {events_in_flight}")
         ctx = mp.get_context("spawn")
         self._inbox = ctx.Queue()
         self._outbox = ctx.Queue()
+        self._credits = ctx.Semaphore(events_in_flight)  # inspector events the child may have unread in the outbox
         self._proc = ctx.Process(target=_engine_main, name="scratchlm-engine",
                                  args=(None if model is None else str(model), engine_config, threads, self._inbox,
-                                       self._outbox, idle_poll_s), daemon=True)
+                                       self._outbox, idle_poll_s, self._credits, events_in_flight), daemon=True)
         self._proc.start()
         kind, payload, stats = self._get_ready(startup_timeout_s)
         if kind != "ready":
@@ -151,6 +202,8 @@ class EngineProcessLoop:
         self._stopped = False
         self.steps = 0
         self.on_event: Any = None  # called in the reader thread with each step event (dict) while inspecting
+        self.events_received = 0  # inspector events taken off the outbox
+        self.events_dropped = 0  # the child's count of events it dropped for want of credits (latest seen)
 
     def _get_ready(self, timeout_s: float) -> tuple[str, Any, Any]:
         deadline = time.monotonic() + timeout_s
@@ -226,6 +279,9 @@ class EngineProcessLoop:
             if kind == "stopped":
                 return
             if kind == "event":
+                self._credits.release()  # the child may send one more
+                self.events_received += 1
+                self.events_dropped = payload.get("outbox_dropped", 0)
                 if self.on_event is not None:
                     self.on_event(payload)
             elif kind == "stats":
