@@ -34,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from scratchlm.inference.quantization.reference import pack_nibbles
-from scratchlm.inference.quantization.scheme import CHUNK, LayerFormat
+from scratchlm.inference.quantization.scheme import LayerFormat
 
-SEARCHES = ("mse", "rtn", "gptq")
+SEARCHES = ("mse", "rtn", "gptq")  # GPTQ itself lives in gptq.py
 HEAD = "output_head"  # same key as modules.HEAD (kept here so this module does not import the layers)
 STAT_FLOOR = 0.01  # h_k = E[x_k^2] + STAT_FLOOR * mean_k E[x_k^2]
 _CHUNK_ELEMS = 1 << 17  # rows are searched in chunks of about this many weights (bounded memory)
@@ -296,68 +296,3 @@ def weighted_error(w: Tensor, w_hat: Tensor, weights: Tensor | None = None) -> f
     if weights is not None:
         e = e * weights.float().to(e.device)
     return float(e.sum())
-
-
-# ---------------------------------------------------------------------------------------------
-# GPTQ (error feedback through the inverse Hessian)
-# ---------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def gptq_int4(w: Tensor, hessian: Tensor, group_size: int = 32, symmetric: bool = False, damp: float = 0.01,
-              block: int = 128) -> tuple[Tensor, Tensor, Tensor | None]:
-    """GPTQ (Frantar et al. 2022) into the ordinary int4 format -> (packed (N, K/2), d (N, G), m (N, G) or None).
-
-    Columns are quantized left to right; each column's rounding error is spread over the columns
-    not yet quantized through the Cholesky factor of the damped inverse of `hessian` = E[x x^T]
-    (d_in, d_in), so the layer's output error on the calibration activations, not the weight error,
-    is minimized. A group's (d, m) are chosen when its first column is reached, by the weighted
-    search above (h = diag(H)) on the already-updated weights. `damp` * mean(diag H) is added to
-    the diagonal (a few hundred tokens leave H rank-deficient).
-    """
-    n, k = w.shape
-    LayerFormat(bits=4, group_size=group_size, symmetric=symmetric).check(k, "gptq_int4")
-    if hessian.shape != (k, k):
-        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({k}, {k})")
-    dev = w.device
-    W = w.float().clone()
-    H = hessian.to(dev, torch.float64).clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype, device=dev)
-    diag = torch.diag(H).float()
-    L = torch.linalg.cholesky(H)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()  # (K, K) upper
-    G = -(-k // group_size)
-    d_all = torch.empty(n, G, dtype=torch.float16, device=dev)
-    m_all = None if symmetric else torch.empty(n, G, dtype=torch.float16, device=dev)
-    codes = torch.empty(n, k, dtype=torch.uint8, device=dev)
-    block = max(block - block % group_size, group_size)  # groups never straddle blocks
-    zero_h = torch.zeros(1, 1, 1, device=dev)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        W1 = W[:, i1:i2].clone()  # (N, b) working copy, updated column by column
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        d = m = None
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col % group_size == 0:
-                gi, ge = col // group_size, min(col + group_size, k)
-                dg, mg = search_int4_params(W1[:, i:i + ge - col], ge - col, symmetric, diag[col:ge], rounds=1) \
-                    if (ge - col) % CHUNK == 0 else _rtn(W1[:, i:i + ge - col].unsqueeze(1), symmetric)
-                d_all[:, gi] = dg.view(n)
-                d = dg.view(n, 1, 1)
-                if not symmetric:
-                    m_all[:, gi] = mg.view(n)
-                    m = mg.view(n, 1, 1)
-            x = W1[:, i].view(n, 1, 1)
-            q, _ = _assign(x, d.view(n, 1), None if m is None else m.view(n, 1), zero_h)
-            q = q.view(n)
-            codes[:, col] = q.to(torch.uint8)
-            rec = (q - 8.0) * d.view(n).float() if symmetric else q * d.view(n).float() + m.view(n).float()
-            err = (W1[:, i] - rec) / Hinv1[i, i]  # (N,)
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return pack_nibbles(codes), d_all.contiguous(), None if m_all is None else m_all.contiguous()

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 CHUNK = 32  # int4 nibble packing unit (GGUF block size)
+SEARCHES = ("auto", "mse", "rtn", "gptq")
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,14 @@ class QuantScheme:
 
     quantize_head: also quantize the output head (for tied models a quantized copy of the
     embedding is made for the head; the lookup table stays float unless quantize_embedding).
-    search: ``mse`` (default) picks each int4 group's scale and min by an error-minimizing search,
-    weighted by activation statistics when calibration tokens are given (`calibrate.py`); ``rtn`` is
-    plain round-to-nearest on the group's min/max (Q4_1) or absmax (Q4_0); ``gptq`` feeds each
-    column's rounding error forward through the inverse Hessian (needs calibration tokens). The
-    stored format is the same for all three.
+    head: the head's format when it differs from `linear`. int4 schemes keep the head at
+    per-channel int8 by default (as llama.cpp keeps output.weight at 6-8 bits: 4-bit logits cost
+    SmolLM2 +2.5 % perplexity for 11 MiB; docs/quantization.md "int4 quality"); ``+head4`` stores it
+    in the linears' int4 format. search: how int4 codes / scales / mins are chosen (`calibrate.py`,
+    `gptq.py`): ``auto`` (the default) = sequential GPTQ when calibration tokens are given, else the
+    weight-only error-minimizing search; ``mse`` = that search (activation-weighted when calibrated);
+    ``rtn`` = plain round-to-nearest on the group's min/max (Q4_1) or absmax (Q4_0); ``gptq`` = GPTQ
+    (needs calibration tokens). The stored format is the same for all.
     """
 
     name: str
@@ -94,7 +98,7 @@ class QuantScheme:
     quantize_head: bool = True
     quantize_embedding: bool = False
     head: LayerFormat | None = None  # the head's format when it differs from `linear` (+head8)
-    search: Literal["mse", "rtn", "gptq"] = "mse"  # how int4 codes / scales / mins are chosen (calibrate.py)
+    search: Literal["auto", "mse", "rtn", "gptq"] = "auto"  # how int4 codes / scales / mins are chosen
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "linear": self.linear.to_dict(), "quantize_head": self.quantize_head,
@@ -113,16 +117,24 @@ class QuantScheme:
             raise ValueError(f"invalid quantization scheme {data!r}: {e}") from None
 
     def __post_init__(self) -> None:
-        if self.search not in ("mse", "rtn", "gptq"):
-            raise ValueError(f"quantization search {self.search!r} must be 'mse', 'rtn' or 'gptq'")
+        if self.search not in SEARCHES:
+            raise ValueError(f"quantization search {self.search!r} must be one of {', '.join(SEARCHES)}")
+
+    def resolved_search(self, calibrated: bool) -> str:
+        """The search actually run: ``auto`` -> ``gptq`` with calibration tokens, else ``mse``."""
+        if self.search == "auto":
+            return "gptq" if calibrated else "mse"
+        return self.search
 
 
 SCHEME_HELP = ("int8 (per output channel) | int4[-gN][-sym|-asym] (default g32, asym), e.g. int4-g128-sym; "
-               "append +emb to quantize the token embedding too, +nohead to keep the output head float, "
-               "+head8 to store the head as per-channel int8 (llama.cpp keeps heads at 8 bits); int4 scales and "
-               "mins are chosen by an error-minimizing search (activation-weighted with calibration text), "
-               "+rtn for plain round-to-nearest min/max, +gptq for GPTQ (needs calibration text)")
-_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:emb|nohead|head8|rtn|gptq))*)$")
+               "int4 keeps the output head at per-channel int8 (as llama.cpp keeps it at 6-8 bits; +head4 stores "
+               "it in int4 too, +nohead keeps it float); append +emb to quantize the token embedding too; int4 "
+               "parameters come from sequential GPTQ with calibration text, else from an error-minimizing "
+               "weight-only search; +mse forces that search (activation-weighted with calibration text), +rtn "
+               "plain round-to-nearest min/max, +gptq GPTQ (needs calibration text)")
+_FLAGS = ("emb", "nohead", "head8", "head4", "rtn", "mse", "gptq")
+_PATTERN = re.compile(r"^(int8|int4)(?:-g(\d+))?(?:-(sym|asym))?((?:\+(?:" + "|".join(_FLAGS) + r"))*)$")
 
 
 def parse_scheme(name: str) -> QuantScheme:
@@ -147,17 +159,19 @@ def parse_scheme(name: str) -> QuantScheme:
         fmt = LayerFormat(bits=4, group_size=g, symmetric=(sym == "sym"))
     canonical = kind if kind == "int8" and not group else (
         f"int8-g{group}" if kind == "int8" else f"int4-g{fmt.group_size}-{'sym' if fmt.symmetric else 'asym'}")
-    if "+head8" in flags and "+nohead" in flags:
-        raise ValueError(f"{name!r}: +head8 and +nohead exclude each other")
-    for flag in ("+rtn", "+gptq"):
+    heads = [f for f in ("+head8", "+head4", "+nohead") if f in flags]
+    if len(heads) > 1:
+        raise ValueError(f"{name!r}: {' and '.join(heads)} exclude each other")
+    for flag in ("+rtn", "+mse", "+gptq", "+head4"):
         if flag in flags and kind == "int8":
             raise ValueError(f"{name!r}: {flag} applies to int4 only (int8 rounds to nearest on the absmax scale)")
-    if "+rtn" in flags and "+gptq" in flags:
-        raise ValueError(f"{name!r}: +rtn and +gptq exclude each other")
+    searches = [f for f in ("+rtn", "+mse", "+gptq") if f in flags]
+    if len(searches) > 1:
+        raise ValueError(f"{name!r}: {' and '.join(searches)} exclude each other")
+    head = None if kind == "int8" or "+head4" in flags or "+nohead" in flags else LayerFormat(bits=8)
     return QuantScheme(name=canonical + flags, linear=fmt, quantize_head="+nohead" not in flags,
-                       quantize_embedding="+emb" in flags,
-                       head=LayerFormat(bits=8) if "+head8" in flags else None,
-                       search="rtn" if "+rtn" in flags or kind == "int8" else "gptq" if "+gptq" in flags else "mse")
+                       quantize_embedding="+emb" in flags, head=head,
+                       search="rtn" if kind == "int8" else searches[0][1:] if searches else "auto")
 
 
 SCHEMES = ("int8", "int4-g32-sym", "int4-g32-asym", "int4-g128-sym", "int4-g128-asym")

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from scratchlm import atomic
-from scratchlm.inference.quantization import calibrate
+from scratchlm.inference.quantization import calibrate, gptq
 from scratchlm.inference.quantization.modules import (
     EMBEDDING,
     HEAD,
@@ -61,7 +61,7 @@ def _quantize(w: Tensor, fmt: LayerFormat, search: str, stats: Tensor | None) ->
     if fmt.bits != 4 or search == "rtn":
         return quantize_weight(w, fmt)
     if search == "gptq" and stats is not None and stats.dim() == 2:
-        q, d, m = calibrate.gptq_int4(w, stats, fmt.group_size, fmt.symmetric)
+        q, d, m = gptq.gptq_int4(w, stats, fmt.group_size, fmt.symmetric)
     else:
         if stats is not None and stats.dim() == 2:
             stats = torch.diagonal(stats)  # E[x x^T] -> E[x^2]
@@ -72,22 +72,26 @@ def _quantize(w: Tensor, fmt: LayerFormat, search: str, stats: Tensor | None) ->
 
 @torch.no_grad()
 def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: dict[str, LayerFormat],
-                        search: str = "rtn", act_stats: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+                        search: str = "rtn", act_stats: dict[str, Tensor] | None = None,
+                        done: dict[str, dict[str, Tensor]] | None = None) -> dict[str, Tensor]:
     """A float `TransformerLM` state dict -> the state dict of `QuantizedTransformerLM(config, layout)`.
 
     search: "rtn" (round-to-nearest), "mse" (int4 parameters by `calibrate.search_int4_params`,
     weighted by `act_stats[module path]` = E[x^2] per input channel (or the diagonal of E[x x^T])
-    where given) or "gptq" (`calibrate.gptq_int4` with `act_stats[module path]` = E[x x^T]; modules
-    without a Hessian get "mse").
+    where given) or "gptq" (`gptq.gptq_int4` with `act_stats[module path]` = E[x x^T], one-shot
+    from the float model; modules without a Hessian get "mse"). `done`: module path -> buffers
+    already quantized (`gptq.quantize_sequential`), used as they are.
     """
     if search not in calibrate.SEARCHES:
         raise ValueError(f"search={search!r} must be one of {calibrate.SEARCHES}")
     stats = act_stats or {}
+    done = done or {}
     out = dict(state)
     for name in tqdm([n for n in layout if n not in (HEAD, EMBEDDING)], desc="quantizing", unit="layer",
                      leave=False, disable=None):
         w = out.pop(f"{name}.weight")
-        for key, t in _quantize(w, layout[name], search, stats.get(name)).items():
+        buffers = done.get(name) or _quantize(w, layout[name], search, stats.get(name))
+        for key, t in buffers.items():
             out[f"{name}.{key}"] = t
     emb = state["tok_embeddings.weight"]
     if HEAD in layout:
@@ -97,7 +101,7 @@ def quantize_state_dict(state: dict[str, Tensor], config: ModelConfig, layout: d
         # (int4-g32 on SmolLM2: +6.8 % ΔPPL against +2.4 % for round-to-nearest, results 2026-12-01), so an
         # uncalibrated head keeps round-to-nearest; the other layers gain from the weight-only search.
         head_search = "rtn" if search == "mse" and stats.get(HEAD) is None else search
-        head = _quantize(source, layout[HEAD], head_search, stats.get(HEAD))
+        head = done.get(HEAD) or _quantize(source, layout[HEAD], head_search, stats.get(HEAD))
         for key, t in head.items():
             out[f"{HEAD}.{key}"] = t
     if EMBEDDING in layout:
@@ -121,22 +125,29 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: Ten
     """Quantize a `TransformerLM` (weight-only) into a new `QuantizedTransformerLM` on the same device.
 
     `scheme`: a name (`parse_scheme`: int8, int4-g32-asym, ...) or a QuantScheme. `calibration`:
-    optional (batch, seq) token ids (`calibrate.calibration_tokens`); with the default int4 search
-    their activation statistics weight each input channel's error. Without them the search is
-    weight-only. Raises ValueError when a layer's shape does not fit the scheme (e.g. int4 with
-    d_in not a multiple of 32).
+    optional (batch, seq) token ids (`calibrate.calibration_tokens`). With them the default int4
+    search (``auto``) is sequential GPTQ (`gptq.quantize_sequential`: one forward, each layer
+    calibrated on the already-quantized prefix's activations); ``+mse`` weights the search by their
+    E[x^2]. Without them the search is weight-only. Raises ValueError when a layer's shape does not
+    fit the scheme (e.g. int4 with d_in not a multiple of 32).
     """
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     config = model.config
     layout = layout_for(config, scheme)
-    if scheme.search == "gptq" and calibration is None:
+    search = scheme.resolved_search(calibration is not None)
+    if search == "gptq" and calibration is None:
         raise ValueError(f"scheme {scheme.name!r}: +gptq needs calibration tokens (e.g. --quantization-calibration "
                          f"TEXT_FILE); without them use the default search")
-    stats = None
-    if calibration is not None and scheme.search != "rtn":
-        stats = calibrate.activation_stats(model, calibration, full=scheme.search == "gptq")
-        log.info("calibrated on %d tokens", calibration.numel())
-    state = quantize_state_dict(model.state_dict(), config, layout, search=scheme.search, act_stats=stats)
+    stats, done = None, None
+    if calibration is not None and search == "mse":
+        stats = calibrate.activation_stats(model, calibration)
+    elif search == "gptq":
+        int4 = {n: f for n, f in layout.items() if n not in (HEAD, EMBEDDING) and f.bits == 4}
+        head = layout.get(HEAD) if layout.get(HEAD) is not None and layout[HEAD].bits == 4 else None
+        done = gptq.quantize_sequential(model, calibration, int4, head=head)
+    if calibration is not None and search != "rtn":
+        log.info("int4 %s calibrated on %d tokens", search, calibration.numel())
+    state = quantize_state_dict(model.state_dict(), config, layout, search=search, act_stats=stats, done=done)
     dtype = _float_dtype(model)
     with torch.device("meta"):
         qmodel = QuantizedTransformerLM(config, layout, scheme_name=scheme.name, dtype=dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scratchlm.inference.quantization import calibrate, parse_scheme, quantize_model, quantize_state_dict
+from scratchlm.inference.quantization import calibrate, gptq, parse_scheme, quantize_model, quantize_state_dict
 from scratchlm.inference.quantization import reference as ref
 from scratchlm.inference.quantization.modules import HEAD, QuantLinear, linear_names
 from scratchlm.inference.quantization.scheme import LayerFormat, QuantScheme
@@ -104,7 +104,9 @@ def test_weighting_moves_error_to_cheap_channels():
 
 
 def test_scheme_names_and_defaults():
-    assert parse_scheme("int4").search == "mse" and parse_scheme("int4-g128-sym").search == "mse"
+    assert parse_scheme("int4").search == "auto" and parse_scheme("int4-g128-sym+mse").search == "mse"
+    assert parse_scheme("int4").resolved_search(False) == "mse" and parse_scheme("int4").resolved_search(True) == "gptq"
+    assert parse_scheme("int4").head == LayerFormat(8) and parse_scheme("int4+head4").head is None
     s = parse_scheme("int4-g32-asym+rtn+head8")
     assert s.search == "rtn" and s.name == "int4-g32-asym+rtn+head8" and s.head == LayerFormat(8)
     assert parse_scheme("int8").search == "rtn"
@@ -114,7 +116,7 @@ def test_scheme_names_and_defaults():
     assert parse_scheme("int4-g128+gptq").search == "gptq"
     with pytest.raises(ValueError, match="exclude each other"):
         parse_scheme("int4+rtn+gptq")
-    with pytest.raises(ValueError, match="must be 'mse', 'rtn' or 'gptq'"):
+    with pytest.raises(ValueError, match="must be one of auto, mse, rtn, gptq"):
         QuantScheme("x", LayerFormat(4, 32, False), search="awq")
     with pytest.raises(ValueError, match="search="):
         quantize_state_dict({}, ModelConfig(), {}, search="awq")
@@ -230,7 +232,7 @@ def test_gptq_beats_the_search_on_correlated_inputs(group, symmetric):
     x, x_test = _correlated(1024, k, seed=12)
     hess = x.t() @ x / x.shape[0]
     searched = calibrate.quantize_int4_searched(w, group, symmetric, calibrate.channel_weights(torch.diag(hess), k))
-    gq = calibrate.gptq_int4(w, hess, group, symmetric)
+    gq = gptq.gptq_int4(w, hess, group, symmetric)
     q0 = ref.quantize_int4(w, group, symmetric)
     assert [(t.dtype, t.shape) for t in gq if t is not None] == [(t.dtype, t.shape) for t in q0 if t is not None]
 
@@ -238,7 +240,7 @@ def test_gptq_beats_the_search_on_correlated_inputs(group, symmetric):
         return float((x_test @ (ref.dequantize_int4(*params, group) - w).t()).square().mean())
 
     assert out_err(gq) < 0.85 * out_err(searched) < out_err(q0)  # held-out activations, not the calibration ones
-    again = calibrate.gptq_int4(w, hess, group, symmetric)
+    again = gptq.gptq_int4(w, hess, group, symmetric)
     assert all(torch.equal(a, b) for a, b in zip(gq[:2], again[:2], strict=True))
 
 
@@ -246,7 +248,7 @@ def test_gptq_with_a_diagonal_hessian_is_the_weighted_search():
     """No correlations, no error to feed forward: GPTQ reduces to rounding with the searched parameters."""
     w = _weights("outliers", 16, 128, seed=4)
     h = torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.1
-    gq = ref.dequantize_int4(*calibrate.gptq_int4(w, torch.diag(h), 32, False), 32)
+    gq = ref.dequantize_int4(*gptq.gptq_int4(w, torch.diag(h), 32, False), 32)
     se = ref.dequantize_int4(*calibrate.quantize_int4_searched(w, 32, False, calibrate.channel_weights(h, 128),
                                                                rounds=1), 32)
     hw = calibrate.channel_weights(h, 128)
