@@ -29,6 +29,12 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes (chained block hashes)"}
     )
+    scheduling_policy: Literal["shortest-first", "fcfs"] = field(
+        default="shortest-first",
+        metadata={"help": "order of waiting requests: shortest-first (shortest remaining prompt first, aged by the "
+                          "tokens scheduled since arrival, so none starves; lowers the median time to first token "
+                          "of a wave of requests) | fcfs (arrival order); preempted requests always go first"},
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "weights and KV cache dtype (fp32 is fastest on most CPUs)"}
     )
@@ -116,6 +122,8 @@ class EngineConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             problems.append(f"tokenizer={self.tokenizer!r} not found (a folder with tokenizer.json, a tokenizer.json, "
                             "a .gguf, a llama2.c tok*.bin or a scratchlm .pt checkpoint)")
+        if self.scheduling_policy not in ("shortest-first", "fcfs"):
+            problems.append(f"scheduling_policy={self.scheduling_policy!r} must be shortest-first or fcfs")
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         try:

@@ -107,7 +107,7 @@ class LLMEngine:
             self.max_model_len = num_blocks * block
         self.executor = executor if executor is not None else UniProcExecutor(model, model_config, tokenizer, c)
         self.block_manager = BlockManager(num_blocks, block, c.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.scheduling_policy)
         self.runner = self.executor.start(num_blocks)  # allocates the KV cache (each rank its shard)
         self.cache = self.runner.cache
         self.sampler = Sampler()

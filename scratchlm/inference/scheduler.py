@@ -7,13 +7,26 @@ step feeds each scheduled sequence some of its uncomputed tokens, within a token
 1. Running sequences first, oldest first: a decode takes 1 token, an unfinished prefill takes the
    next chunk that fits the budget (chunked prefill, mixed with the decodes in the same step).
    When the pool has no block for one, the newest running sequence is *preempted by recompute*:
-   its blocks are freed and it returns to the front of the waiting queue; later it recomputes its
-   prompt + output (mostly from the prefix cache) and continues with the same tokens.
-2. Then waiting sequences, in arrival order, while budget, sequence slots and blocks last (a
-   sequence whose request has n > 1 samples takes n slots: its n - 1 forks join the running batch
-   without passing through the waiting queue, so their slots are reserved when it is admitted). A new
-   sequence first takes the cached blocks of its prefix; a fully cached prompt still computes its
-   last block, so that the last token has logits to sample (and cached blocks are never written).
+   its blocks are freed and it returns to the waiting queue, ahead of every new sequence; later it
+   recomputes its prompt + output (mostly from the prefix cache) and continues with the same tokens.
+2. Then waiting sequences, while budget, sequence slots and blocks last, in this order:
+   preempted ones first (oldest first), then new ones by `policy`:
+   - ``"shortest-first"`` (the default): shortest remaining prefill first, with aging. A new
+     sequence's priority is its uncomputed tokens + the scheduler's token clock when it arrived
+     (the clock counts every token scheduled so far); lowest first, ties by arrival. So among
+     sequences that arrive together (a wave of concurrent clients) the short prompts are prefilled
+     first and start streaming while the long ones are still being prefilled, which lowers the
+     median time to first token at the same total work; and a prompt of P tokens can be overtaken by
+     a later arrival only while the engine has scheduled fewer than P tokens since it arrived: no
+     sequence starves under any arrival pattern.
+   - ``"fcfs"``: arrival order.
+   The first sequence in that order that does not fit (slots or blocks) ends admission for the step:
+   later ones never jump a sequence that is only waiting for room. The last admitted one may take a
+   partial chunk of the remaining budget. A sequence whose request has n > 1 samples takes n slots:
+   its n - 1 forks join the running batch without passing through the waiting queue, so their slots
+   are reserved when it is admitted. A new sequence first takes the cached blocks of its prefix; a
+   fully cached prompt still computes its last block, so that the last token has logits to sample
+   (and cached blocks are never written). The priority counts uncomputed tokens, not cache hits.
 """
 
 from __future__ import annotations
@@ -54,27 +67,40 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
-    """Continuous batching with a token budget, chunked prefill and preemption by recompute."""
+POLICIES = ("shortest-first", "fcfs")
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+    `policy` orders the new waiting sequences (see the module docstring): "shortest-first" (aged) or "fcfs"."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "shortest-first"):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"scheduler needs max_num_seqs >= 1 and max_num_batched_tokens >= 1, "
                 f"got {max_num_seqs} and {max_num_batched_tokens}"
             )
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy: got {policy!r}, expected one of {', '.join(POLICIES)}")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.clock = 0  # tokens scheduled so far (the aging clock of "shortest-first")
+        self._priority: dict[int, int] = {}  # seq_id -> priority of a new waiting sequence (lower first)
+        self._preempted: set[int] = set()  # seq_ids waiting after a preemption (they go first)
 
     # --- queue management ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._priority[seq.seq_id] = seq.num_uncomputed_tokens + self.clock
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks (a fork of a running one)."""
@@ -87,6 +113,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._forget(seq)
         self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -101,13 +128,29 @@ class Scheduler:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def _forget(self, seq: Sequence) -> None:
+        self._priority.pop(seq.seq_id, None)
+        self._preempted.discard(seq.seq_id)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._preempted.add(seq.seq_id)
         self.num_preemptions += 1
         out.preempted.append(seq)
+
+    def admission_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they are admitted: preempted ones first (oldest first), then the
+        new ones by the policy (aged shortest-remaining-prefill first, or arrival order)."""
+        resumed = sorted((s for s in self.waiting if s.seq_id in self._preempted), key=lambda s: s.arrival)
+        new = [s for s in self.waiting if s.seq_id not in self._preempted]
+        if self.policy == "shortest-first":
+            new.sort(key=lambda s: (self._priority.get(s.seq_id, 0), s.arrival))
+        else:
+            new.sort(key=lambda s: s.arrival)
+        return resumed + new
 
     # --- the step plan ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -137,10 +180,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not out.preempted:
+        if not out.preempted and self.waiting and budget > 0:
             slots = len(self.running) + sum(s.pending_forks for s in self.running)  # forks to come count now
-            while self.waiting and budget > 0 and slots + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
-                seq = self.waiting[0]
+            for seq in self.admission_order():
+                if budget <= 0 or slots + 1 + seq.pending_forks > self.max_num_seqs:
+                    break
                 cached, hashes = [], []
                 if not seq.block_table:
                     max_cached = (len(seq) - 1) // self.blocks.block_size
@@ -150,7 +194,8 @@ class Scheduler:
                 need = self.blocks.blocks_needed(start + num_new) - len(cached) - len(seq.block_table)
                 if need > self.blocks.num_free_after_take(cached):
                     break
-                self.waiting.popleft()
+                self.waiting.remove(seq)
+                self._forget(seq)
                 if cached:
                     self.blocks.take(cached)
                     seq.block_table = list(cached)
@@ -165,6 +210,7 @@ class Scheduler:
                 budget -= num_new
 
         out.scheduled = decodes + prefills
+        self.clock += self.max_num_batched_tokens - budget
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
