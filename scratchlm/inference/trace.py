@@ -123,6 +123,12 @@ class StepTracer:
             ev["args"] = args
         return ev
 
+    def _comm_span(self, call: tuple, rank: int) -> dict:
+        """One `Comm.trace` call (kind, start, end, bytes) as a span on the rank's comm track, with the bytes
+        the rank sent (received, for a wait) as `Comm.bytes` counts them."""
+        kind, a, b, *rest = call
+        return self._span(kind, COMM_TRACK, a, b, pid=rank, args={"bytes": int(rest[0]) if rest else 0})
+
     # --- layer groups ----------------------------------------------------------------------------
     def _install_layer_hooks(self, engine: Any, groups: int) -> None:
         model = getattr(getattr(engine, "runner", None), "model", None)
@@ -195,7 +201,7 @@ class StepTracer:
                     "args": {"tokens": ev.num_batched_tokens, "seqs": len(ev.decodes) + len(ev.prefills)}})
         if self._comm is not None and self._comm.trace:
             calls, self._comm.trace = self._comm.trace, []
-            out.extend(self._span(kind, COMM_TRACK, a, b, pid=0) for kind, a, b in calls)
+            out.extend(self._comm_span(call, 0) for call in calls)
         self._emit(out)
 
     # --- other ranks -----------------------------------------------------------------------------
@@ -210,12 +216,11 @@ class StepTracer:
         if self.ranks <= 1 or not hasattr(runner, "trace_command"):
             return
         try:
-            per_rank = runner.trace_command(False)  # {rank: [(kind, start, end)]}
+            per_rank = runner.trace_command(False)  # {rank: [(kind, start, end, bytes)]}
         except Exception as e:  # a dead rank: the trace keeps what rank 0 saw
             log.warning("could not collect the other ranks' communication traces: %s", e)
             return
-        out = [self._span(kind, COMM_TRACK, a, b, pid=rank)
-               for rank, calls in sorted(per_rank.items()) for kind, a, b in calls]
+        out = [self._comm_span(call, rank) for rank, calls in sorted(per_rank.items()) for call in calls]
         self._emit(out)
 
     def close(self) -> None:

@@ -11,7 +11,12 @@
 - one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers.
 
 So a dead or hung peer turns any step collective into an error within the timeout, never a hang.
-Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks.
+Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks, and counts the
+bytes this rank *sends* for it (``Comm.bytes``, per kind): an all-reduce of n bytes over P ranks sends
+2 (P-1)/P x n (the ring algorithm's volume, the bandwidth-optimal one), an all-gather of a part of n bytes
+(P-1) x n, a send its tensor; a receive (``recv_wait``) records the bytes it received, which its peer counted as
+sent. Pickled commands (``broadcast``) are counted only while ``count_object_bytes`` is set (a pickle more per
+step). The step traces get the same spans and bytes (``Comm.trace``: (kind, start, end, bytes) per call).
 """
 
 from __future__ import annotations
@@ -79,18 +84,27 @@ class Comm:
                     self.tp_group = g
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self.trace: list[tuple[str, float, float]] | None = None  # (kind, start, end) of every call while tracing
+        self.bytes: dict[str, int] = defaultdict(int)  # bytes this rank sent (received, for recv_wait) per kind
+        self.count_object_bytes = False  # also count the pickled size of broadcast commands (benchmarks)
+        # (kind, start, end, bytes) of every call while tracing
+        self.trace: list[tuple[str, float, float, int]] | None = None
 
-    def _timed(self, kind: str, start: float) -> None:
+    def _timed(self, kind: str, start: float, nbytes: int = 0) -> None:
         end = time.perf_counter()
         self.seconds[kind] += end - start
         self.calls[kind] += 1
+        self.bytes[kind] += nbytes
         if self.trace is not None:  # step traces (scratchlm/inference/trace.py)
-            self.trace.append((kind, start, end))
+            self.trace.append((kind, start, end, nbytes))
 
     def reset_stats(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.bytes.clear()
+
+    def ring_all_reduce_bytes(self, x: torch.Tensor, world: int) -> int:
+        """Bytes one rank sends in a ring all-reduce of `x` over `world` ranks: 2 (world-1)/world x size."""
+        return 2 * (world - 1) * x.numel() * x.element_size() // world
 
     # --- commands (default group, long timeout) -------------------------------------------------
     def broadcast_command(self, obj: object, startup: bool = False) -> object:
@@ -100,7 +114,12 @@ class Comm:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.startup_group if startup else self.cmd_group,
                                    device=self.device if self.backend == "nccl" else None)
-        self._timed("broadcast", t)
+        sent = 0
+        if self.count_object_bytes and self.layout.rank == 0:  # rank 0 sends it to each other rank
+            import pickle
+
+            sent = len(pickle.dumps(obj)) * (self.layout.world_size - 1)
+        self._timed("broadcast", t, sent)
         return box[0]
 
     # --- tensor parallel (stage group) ----------------------------------------------------------
@@ -110,7 +129,7 @@ class Comm:
             return x
         t = time.perf_counter()
         dist.all_reduce(x, group=self.tp_group)
-        self._timed("all_reduce", t)
+        self._timed("all_reduce", t, self.ring_all_reduce_bytes(x, self.layout.tp))
         return x
 
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,21 +139,22 @@ class Comm:
         t = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.layout.tp)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        self._timed("all_gather", t)
+        self._timed("all_gather", t, (self.layout.tp - 1) * x.numel() * x.element_size())
         return torch.cat(parts, dim=1)
 
     # --- pipeline (step group, point to point) --------------------------------------------------
     def isend(self, x: torch.Tensor, dst: int, tag: int) -> dist.Work:
         t = time.perf_counter()
         work = dist.isend(x.contiguous(), dst=dst, group=self.step_group, tag=tag)
-        self._timed("send", t)
+        self._timed("send", t, x.numel() * x.element_size())
         return work
 
     def irecv(self, x: torch.Tensor, src: int, tag: int) -> dist.Work:
         return dist.irecv(x, src=src, group=self.step_group, tag=tag)
 
-    def wait(self, work: dist.Work, kind: str = "recv_wait") -> None:
-        """Wait for a p2p op; a dead peer raises within the step timeout."""
+    def wait(self, work: dist.Work, kind: str = "recv_wait", nbytes: int = 0) -> None:
+        """Wait for a p2p op; a dead peer raises within the step timeout. `nbytes`: what it received (recorded
+        under `kind`; a send's bytes are counted when it is posted)."""
         t = time.perf_counter()
         work.wait(timedelta(seconds=self.timeout_s)) if self.backend == "gloo" else work.wait()
-        self._timed(kind, t)
+        self._timed(kind, t, nbytes)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -216,7 +215,6 @@ class ContextParallelComm(Comm):
         ring = layout.cp_ranks()
         self.cp_next = ring[(layout.cp_rank + 1) % layout.cp]
         self.cp_prev = ring[(layout.cp_rank - 1) % layout.cp]
-        self.bytes: dict[str, int] = defaultdict(int)
 
     def cp_merge(self, o: Tensor, lse: Tensor) -> Tensor:
         """Partial attention (o (n, H, D), lse (n, H), float32) over this rank's KV shard -> attention over
@@ -225,8 +223,7 @@ class ContextParallelComm(Comm):
         packed = torch.cat((o.reshape(-1), lse.reshape(-1)))  # (n H D + n H,)
         parts = [torch.empty_like(packed) for _ in range(self.layout.cp)]
         dist.all_gather(parts, packed, group=self.cp_group)
-        self._timed("cp_all_gather", t)
-        self.bytes["cp_all_gather"] += packed.numel() * packed.element_size() * (self.layout.cp - 1)
+        self._timed("cp_all_gather", t, packed.numel() * packed.element_size() * (self.layout.cp - 1))
         n = o.numel()
         return merge_many([(p[:n].view_as(o), p[n:].view_as(lse)) for p in parts])[0]
 
@@ -234,7 +231,7 @@ class ContextParallelComm(Comm):
         """Sum `x` over the CP group in place."""
         t = time.perf_counter()
         dist.all_reduce(x, group=self.cp_group)
-        self._timed("cp_all_reduce", t)
+        self._timed("cp_all_reduce", t, self.ring_all_reduce_bytes(x, self.layout.cp))
         return x
 
     def ring_attention(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor) -> Tensor:
@@ -252,8 +249,7 @@ class ContextParallelComm(Comm):
                 t = time.perf_counter()
                 reqs = [dist.isend(block, self.cp_next, group=self.cp_group),
                         dist.irecv(incoming, self.cp_prev, group=self.cp_group)]
-                self._timed("cp_ring_post", t)
-                self.bytes["cp_ring"] += block.numel() * block.element_size()
+                self._timed("cp_ring", t, block.numel() * block.element_size())  # posted: isend + irecv
             kb = block[:n_kv].view_as(k)
             vb = block[n_kv:2 * n_kv].view_as(v)
             kp = block[2 * n_kv:].to(torch.long)

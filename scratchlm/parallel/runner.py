@@ -107,12 +107,12 @@ class ParallelRunner:
         """What ranks > 0 do with each command rank 0 broadcasts (anything else ends `serve_forever`)."""
         return {"step": self._step, "trace": self._trace}
 
-    def trace_command(self, on: bool) -> dict[int, list[tuple[str, float, float]]] | None:
+    def trace_command(self, on: bool) -> dict[int, list[tuple[str, float, float, int]]] | None:
         """Rank 0: every rank starts (`on`) or stops recording its communication calls (`Comm.trace`); stopping
-        returns {rank: [(kind, start, end)]} of the ranks > 0 (step traces, scratchlm/inference/trace.py)."""
+        returns {rank: [(kind, start, end, bytes)]} of the ranks > 0 (step traces, scratchlm/inference/trace.py)."""
         return self._guard(lambda: (self.comm.broadcast_command(("trace", on)), self._trace(on))[1])
 
-    def _trace(self, on: bool) -> dict[int, list[tuple[str, float, float]]] | None:
+    def _trace(self, on: bool) -> dict[int, list[tuple[str, float, float, int]]] | None:
         calls, self.comm.trace = self.comm.trace, ([] if on else None)
         if on:
             return None
@@ -207,7 +207,7 @@ class ParallelRunner:
                 x = model.embed_tokens(self._tensor(sub.token_ids)[None, :])  # (1, N, d)
             else:
                 x, work = recvs[m]
-                comm.wait(work)
+                comm.wait(work, nbytes=x.numel() * x.element_size())
             x = model.forward_layers(x, positions, attn)  # (1, N, d)
             if not lay.is_last_stage:
                 sends.append(comm.isend(x, lay.rank + lay.tp, m))
@@ -222,7 +222,7 @@ class ParallelRunner:
         if lay.rank != 0:
             return None
         for m, (buf, work) in logit_recvs.items():
-            comm.wait(work)
+            comm.wait(work, nbytes=buf.numel() * buf.element_size())
             results[m] = buf
         if len(mbs) == 1:
             return results.get(0, torch.empty(0, vocab, dtype=self.dtype, device=self.device))
@@ -235,3 +235,7 @@ class ParallelRunner:
     def comm_stats(self) -> dict[str, tuple[float, int]]:
         """{kind: (seconds, calls)} of this rank's communication since the last reset."""
         return {k: (self.comm.seconds[k], self.comm.calls[k]) for k in self.comm.seconds}
+
+    def comm_bytes(self) -> dict[str, int]:
+        """{kind: bytes this rank sent (received, for the waits)} since the last reset (`Comm.bytes`)."""
+        return dict(self.comm.bytes)

@@ -131,4 +131,14 @@ def test_tensor_parallel_trace_has_a_comm_track_per_rank(tmp_path, data_dir):
         if e["ph"] == "X" and e["tid"] == 10:
             comm[e["pid"]].add(e["name"])
     assert "all_reduce" in comm[0] and "all_reduce" in comm[1], comm
+    # the spans carry the bytes each rank sent, as Comm.bytes counts them: a ring all-reduce of (tokens, d) fp32
+    # over 2 ranks sends tokens * d * 4 bytes; there are 2 per layer + 1 (the vocabulary-parallel embedding)
+    cfg = llm.engine.model_config
+    tokens = [e["args"]["tokens"] for e in events if e["ph"] == "C" and e["name"] == "batch"]
+    want = sum(t * cfg.d_model * 4 * (2 * cfg.n_layers + 1) for t in tokens)
+    for rank in (0, 1):
+        spans = [e for e in events if e["ph"] == "X" and e["tid"] == 10 and e["pid"] == rank
+                 and e["name"] == "all_reduce"]
+        assert sum(e["args"]["bytes"] for e in spans) == want, rank
+    assert llm.engine.runner.comm_bytes()["all_reduce"] == want  # the counters the benchmarks read
     llm.engine.runner.shutdown()
