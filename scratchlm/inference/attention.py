@@ -11,10 +11,15 @@ queries (one token each), then the prefill chunks. The backend
 
 All metadata travels in `AttentionMetadata`; nothing global.
 
-Decode on a CPU float32 cache runs the C++ kernel `csrc/paged_attention.h`, which reads K/V rows in
-place through the block table instead of gathering them (the gather copied every context once per layer
-and step: about a third of a 32-sequence decode step). `PagedAttention(..., use_kernel=False)` and any
-other device/dtype take the torch-ops path above, which the tests compare the kernel against.
+The cache may store float32, bfloat16, float16 or int8 with per-token-head scales (`kv_cache.py`): writes
+round/quantize through `KVCache.write`, the torch-ops reads dequantize the gathered blocks (`KVCache.gather`)
+to the query's dtype, so prefill over a cached prefix and decode read the same stored values.
+
+Decode on a CPU cache (any of those dtypes) with float32 queries runs the C++ kernel
+`csrc/paged_attention.h`, which reads K/V rows in place through the block table instead of gathering them
+(the gather copied every context once per layer and step: about a third of a 32-sequence decode step) and
+converts bf16/fp16/int8 to float32 in registers. `PagedAttention(..., use_kernel=False)` and any other
+device/dtype (CUDA included) take the torch-ops path above, which the tests compare the kernel against.
 """
 
 from __future__ import annotations
@@ -60,42 +65,41 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self._decode_mask: torch.Tensor | None = None
-        k = cache.k
-        self._kernel = load_kernels() if use_kernel and k.device.type == "cpu" and k.dtype == torch.float32 else None
+        self._kernel = load_kernels() if use_kernel and cache.k.device.type == "cpu" else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1:
             raise ValueError(f"paged attention expects one flattened batch (B=1), got q of shape {tuple(q.shape)}")
         q, k, v = q[0], k[0], v[0]  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         meta = self.meta
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (num_blocks, bs, Hkv, D)
-        hkv, d = k_cache.shape[-2:]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        self.cache.write(layer, meta.slot_mapping, k, v)
 
         nd = meta.num_decode_tokens
         if nd == q.shape[0] and not meta.prefills:
-            return self._decode(q, k_cache, v_cache).unsqueeze(0)
+            return self._decode(layer, q).unsqueeze(0)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache)
+            out[:nd] = self._decode(layer, q[:nd])
         for p in meta.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], p)
         return out.unsqueeze(0)  # (1, N, H, D)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""
-        meta = self.meta
+        meta, cache = self.meta, self.cache
         if self._kernel is not None and q.dtype == torch.float32:
-            return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                       meta.decode_context_lens, 1.0 / math.sqrt(q.shape[-1]))
+            scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
+            return self._kernel.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_block_tables,
+                                                       meta.decode_context_lens, 1.0 / math.sqrt(q.shape[-1]),
+                                                       True, *scales)
         b, h, d = q.shape
-        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        bs, hkv = cache.k.shape[2], cache.k.shape[3]
         tables = meta.decode_block_tables
         length = tables.shape[1] * bs
-        keys = k_cache[tables].view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
-        values = v_cache[tables].view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
+        keys, values = cache.gather(layer, tables, q.dtype)  # (B, blocks, bs, Hkv, D) each
+        keys = keys.view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
+        values = values.view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
         qg = q.view(b, hkv, h // hkv, d).to(keys.dtype)  # (B, Hkv, G, D)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))  # (B, Hkv, G, L)
         if self._decode_mask is None:
@@ -105,20 +109,20 @@ class PagedAttention:
         probs = scores.softmax(dim=-1)
         return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # (B, H, D)
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 p: PrefillChunk) -> torch.Tensor:
-        """q (T, H, D), this chunk's k/v (T, Hkv, D); keys = cached prefix + chunk -> (T, H, D)."""
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
+        """q (T, H, D), this chunk's k/v (T, Hkv, D); keys = cached prefix + chunk -> (T, H, D).
+        A chunk without a cached prefix attends to its own K/V as computed; one with a prefix reads the prefix
+        and itself back from the cache (dequantized), as decode will."""
         t, h, d = q.shape
         hkv = k.shape[1]
         offset = p.context_len - t  # tokens before the chunk
         if offset == 0:
             keys, values = k, v  # (T, Hkv, D)
         else:
-            n_blocks = -(-p.context_len // k_cache.shape[1])
-            table = p.block_table[:n_blocks]
-            keys = k_cache[table].reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
-            values = v_cache[table].reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
+            n_blocks = -(-p.context_len // self.cache.block_size)
+            keys, values = self.cache.gather(layer, p.block_table[:n_blocks], q.dtype)  # (n_blocks, bs, Hkv, D)
+            keys = keys.reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
+            values = values.reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
         kh = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)
         vh = values.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)

@@ -90,7 +90,7 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         c = self.config
-        dtype = c.torch_dtype
+        dtype = c.kv_torch_dtype  # what the KV cache stores
         self.max_model_len = c.max_model_len or model_config.max_seq_len
         # Context parallelism: a logical block of C x block_size tokens is one block_size block on each of
         # the C ranks (token p on rank p % C), so num_blocks counts blocks per rank (docs/sequence_parallel.md).
@@ -128,9 +128,9 @@ class LLMEngine:
             from scratchlm.inference.speculative import Speculator
 
             self.speculator = Speculator(self, c.speculative, k_max=c.num_speculative_tokens)
-        log.info("engine: %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
-                 num_blocks, c.block_size, self.cache.k.numel() * 2 * self.cache.k.element_size() / 2**20,
-                 self.max_model_len, c.dtype, c.device)
+        log.info("engine: %d KV blocks of %d tokens (%.1f MiB, %s), max_model_len %d, dtype %s, device %s",
+                 num_blocks, c.block_size, self.cache.nbytes / 2**20, self.cache.dtype, self.max_model_len, c.dtype,
+                 c.device)
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None,

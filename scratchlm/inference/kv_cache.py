@@ -1,4 +1,26 @@
-"""The paged KV cache tensors, sized from a memory budget."""
+"""The paged KV cache tensors, sized from a memory budget, in float32, bfloat16, float16 or int8.
+
+Layout: k, v are (n_layers, num_blocks, block_size, n_kv_heads, head_dim); slot s = block * block_size + offset.
+
+Storage dtype policy (`EngineConfig.kv_cache_dtype`; "auto" = the model's dtype):
+
+- float32 / bfloat16 / float16: K and V are stored rounded to that dtype (round to nearest even) when
+  written; readers convert back to the compute dtype (the C++ kernel in registers).
+- int8: symmetric int8 with one float32 scale per (token, KV head): each head's D values of one token are
+  one quantization block, scale = max|x| / 127, q = round(x / scale) (half to even), x ~ q * scale. The
+  scales live in k_scale / v_scale, (n_layers, num_blocks, block_size, n_kv_heads), laid out like the
+  cache, so every operation on whole cache blocks (prefix-cache reuse, copy-on-write of a forked block)
+  carries them along. Why per token rather than one scale per block of block_size tokens: a decode step
+  appends one token to a partly filled block, and a block-wide scale would have to grow (re-rounding the
+  block's earlier tokens) whenever the new token is larger; and the first token of a sequence (the
+  "attention sink") often has K/V many times larger than the rest, which would crush the resolution of
+  its whole block. The cost is 4 bytes of scale per head_dim bytes: 68 of fp32's 256 bytes per head
+  and token at head_dim 64 (26.6 %).
+
+Writes quantize (`write`); the torch-ops readers dequantize whole gathered blocks (`gather`); the C++
+paged-attention kernel (csrc/paged_attention.h) and the fused decode step (csrc/decoder.h) read the stored
+dtype directly and apply the same rounding when they write, so both paths store identical bytes.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
+KV_STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+INT8_SCALE_DTYPE = torch.float32
+
+
+def bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one K (or V) vector of one head and token, scales included."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    scale = torch.empty((), dtype=INT8_SCALE_DTYPE).element_size() if dtype == torch.int8 else 0
+    return head_dim * itemsize + scale
+
 
 def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block in every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * n_layers * block_size * n_kv_heads * head_dim * itemsize
+    """Bytes of K and V (and int8 scales) for one block in every layer."""
+    return 2 * n_layers * block_size * n_kv_heads * bytes_per_token_head(head_dim, dtype)
 
 
 def num_blocks_for_budget(memory_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
@@ -21,23 +52,43 @@ def num_blocks_for_budget(memory_bytes: int, n_layers: int, n_kv_heads: int, hea
     if n < 1:
         raise ValueError(
             f"kv_cache_memory={memory_bytes} bytes holds no KV block: one block of {block_size} tokens "
-            f"needs {per_block} bytes ({n_layers} layers x {n_kv_heads} kv heads x {head_dim} dims x K,V)"
+            f"needs {per_block} bytes ({n_layers} layers x {n_kv_heads} kv heads x {head_dim} dims x K,V, "
+            f"{dtype})"
         )
     return int(n)
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> int8 q (..., D) and float32 scales (...,): scale = max|x| / 127, q = round(x / scale)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127.0  # (...,)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
 @dataclass
 class KVCache:
-    """k, v: (n_layers, num_blocks, block_size, n_kv_heads, head_dim). Slot s = block * block_size + offset."""
+    """k, v: (n_layers, num_blocks, block_size, n_kv_heads, head_dim). Slot s = block * block_size + offset.
+    k_scale, v_scale: (n_layers, num_blocks, block_size, n_kv_heads) float32 for an int8 cache, else None."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        """A zeroed cache storing `dtype` (float32, bfloat16, float16, or int8 with per-token-head scales)."""
+        if dtype not in KV_STORAGE_DTYPES:
+            raise ValueError(f"KV cache dtype {dtype} is not one of {[str(d) for d in KV_STORAGE_DTYPES]}")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        if dtype != torch.int8:
+            return cls(k, v)
+        scales = [torch.zeros(shape[:-1], dtype=INT8_SCALE_DTYPE, device=device) for _ in range(2)]
+        return cls(k, v, *scales)
 
     @property
     def num_blocks(self) -> int:
@@ -47,11 +98,49 @@ class KVCache:
     def block_size(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype of K and V."""
+        return self.k.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are int8 with scales."""
+        return self.k_scale is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool: K, V and their scales."""
+        ts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (N, Hkv, D) of N tokens at cache slots (N,) of `layer`, rounded or quantized."""
+        hkv, d = self.k.shape[-2:]
+        kc, vc = self.k[layer].view(-1, hkv, d), self.v[layer].view(-1, hkv, d)  # (slots, Hkv, D)
+        if not self.quantized:
+            kc.index_copy_(0, slots, k.to(kc.dtype))
+            vc.index_copy_(0, slots, v.to(vc.dtype))
+            return
+        for cache, scales, x in ((kc, self.k_scale, k), (vc, self.v_scale, v)):
+            q, s = quantize_int8(x)  # (N, Hkv, D), (N, Hkv)
+            cache.index_copy_(0, slots, q)
+            scales[layer].view(-1, hkv).index_copy_(0, slots, s)
+
+    def gather(self, layer: int, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks `table` (any shape S of block ids) of `layer`, in `dtype`:
+        (*S, block_size, Hkv, D) each, dequantized for an int8 cache."""
+        k, v = self.k[layer][table], self.v[layer][table]  # (*S, bs, Hkv, D)
+        if not self.quantized:
+            return k.to(dtype), v.to(dtype)
+        ks, vs = self.k_scale[layer][table], self.v_scale[layer][table]  # (*S, bs, Hkv)
+        return (k.to(dtype) * ks.to(dtype)[..., None]), (v.to(dtype) * vs.to(dtype)[..., None])
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of a forked partial block)."""
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a forked partial block), scales too."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.k.device)
         dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
+            t[:, dst] = t[:, src]

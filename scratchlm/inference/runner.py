@@ -137,8 +137,9 @@ class ModelRunner:
             x = self.model.tok_embeddings(tokens[0])  # (N, d)
             cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
             tables, lens = self._row_tables(inp, meta)
-            h = self.fused_decoder.forward(x, self.cache.k, self.cache.v, meta.slot_mapping, cos[:, 0], sin[:, 0],
-                                           tables, lens)  # (N, d)
+            c = self.cache
+            h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos[:, 0], sin[:, 0], tables, lens,
+                                           c.k_scale, c.v_scale)  # (N, d)
             return self._logits(self.model.norm(h.index_select(0, index)))
         attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
@@ -178,10 +179,9 @@ def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
     """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
     where it does not apply: a model that is not a plain or quantized `TransformerLM`, layers the kernels do
-    not take, a non-float32 cache, a non-CPU device, no built kernels."""
+    not take, a non-CPU device, no built kernels. The cache may be float32, bf16, fp16 or int8 (kv_cache.py)."""
     plain = type(model) is TransformerLM
-    if (not plain and type(model).__name__ != "QuantizedTransformerLM") or cache.k.device.type != "cpu" \
-            or cache.k.dtype != torch.float32:
+    if (not plain and type(model).__name__ != "QuantizedTransformerLM") or cache.k.device.type != "cpu":
         return None
     layers, linears, group_sizes = [], [], []
     for block in model.layers:

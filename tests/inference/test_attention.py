@@ -89,7 +89,7 @@ def test_decode_kernel_matches_torch_ops(d: int, use_simd: bool) -> None:
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lens),
                              decode_block_tables=tables, decode_context_lens=torch.tensor(lens))
     q = torch.randn(len(lens), h, d)
-    want = PagedAttention(cache, meta, use_kernel=False)._decode(q, cache.k[0], cache.v[0])
+    want = PagedAttention(cache, meta, use_kernel=False)._decode(0, q)
     got = kernels.paged_decode_attention(q, cache.k[0], cache.v[0], tables, torch.tensor(lens), d ** -0.5, use_simd)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

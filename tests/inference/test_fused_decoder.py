@@ -107,8 +107,11 @@ def test_fused_step_rejects_bad_input(kernels) -> None:
 def test_fused_decoder_only_for_plain_float32_models() -> None:
     model = _model("half", False)
     c = model.config
+    # a compact KV cache is fine (tests/inference/test_kv_dtype.py), bfloat16 weights are not
     assert fused_decoder_for(model, KVCache.allocate(c.n_layers, 4, 4, c.n_kv_heads, c.head_dim, torch.bfloat16,
-                                                     "cpu")) is None
+                                                     "cpu")) is not None
+    assert fused_decoder_for(_model("half", False).to(torch.bfloat16), KVCache.allocate(
+        c.n_layers, 4, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")) is None
     raw = TransformerLM(c).eval()  # Linear layers not swapped (e.g. quantized or custom): no fused path
     assert fused_decoder_for(raw, KVCache.allocate(c.n_layers, 4, 4, c.n_kv_heads, c.head_dim, torch.float32,
                                                    "cpu")) is None

@@ -105,10 +105,13 @@ class FusedDecoder {
     }
   }
 
-  // x (B, d) embedded tokens; caches (L, num_blocks, block_size, Hkv, D); slots (B,); cos/sin (B, D/2) at each
-  // token's position; tables (B, max_blocks); lens (B,) context lengths including the new token. Returns x.
+  // x (B, d) embedded tokens; caches (L, num_blocks, block_size, Hkv, D) float32, bfloat16, float16 or int8 (then
+  // with scales k/v_scale (L, num_blocks, block_size, Hkv) float32; kv_cache.py); slots (B,); cos/sin (B, D/2) at
+  // each token's position; tables (B, max_blocks); lens (B,) context lengths including the new token. Returns x.
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                        torch::Tensor cos, torch::Tensor sin, torch::Tensor tables, torch::Tensor lens) {
+                        torch::Tensor cos, torch::Tensor sin, torch::Tensor tables, torch::Tensor lens,
+                        c10::optional<torch::Tensor> k_scale = c10::nullopt,
+                        c10::optional<torch::Tensor> v_scale = c10::nullopt) {
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(x.dim() == 2 && x.size(1) == d_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "x must be contiguous float32 (B, ", d_, "), got ", x.sizes());
@@ -116,8 +119,22 @@ class FusedDecoder {
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && k_cache.size(3) == Hkv_ && k_cache.size(4) == D_ &&
                 v_cache.sizes() == k_cache.sizes(), "caches must be (", L, ", blocks, block_size, ", Hkv_, ", ",
                 D_, "), got ", k_cache.sizes(), " and ", v_cache.sizes());
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous float32");
+    TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "caches must be contiguous and of one dtype");
+    using scratchlm_attn::KV;
+    const KV kv = k_cache.scalar_type() == at::kFloat ? KV::F32 : k_cache.scalar_type() == at::kBFloat16 ? KV::BF16
+                : k_cache.scalar_type() == at::kHalf ? KV::F16 : KV::I8;
+    TORCH_CHECK(kv != KV::I8 || k_cache.scalar_type() == at::kChar, "KV cache dtype ", k_cache.scalar_type(),
+                " is not float32, bfloat16, float16 or int8");
+    float* ksc = nullptr;
+    float* vsc = nullptr;
+    if (kv == KV::I8) {
+      TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 KV cache needs k_scale and v_scale");
+      for (const auto* t : {&*k_scale, &*v_scale})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == k_cache.sizes().slice(0, 4),
+                    "int8 KV scales must be contiguous float32 ", k_cache.sizes().slice(0, 4), ", got ", t->sizes());
+      ksc = k_scale->data_ptr<float>(), vsc = v_scale->data_ptr<float>();
+    }
     TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
                 lens.scalar_type() == at::kLong, "slots, block tables and lengths must be int64");
     slots = slots.contiguous(), tables = tables.contiguous(), lens = lens.contiguous();
@@ -142,9 +159,10 @@ class FusedDecoder {
     auto q = torch::empty({B, H_ * D_}, opt), att = torch::empty({B, H_ * D_}, opt);
     auto k = torch::empty({B, Hkv_ * D_}, opt), v = torch::empty({B, Hkv_ * D_}, opt);
     auto g = torch::empty({B, ff_}, opt), u = torch::empty({B, ff_}, opt), s = torch::empty({B, ff_}, opt);
-    const int64_t row = Hkv_ * D_, layer_stride = nb * bs * row;
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
+    const int64_t row = Hkv_ * D_, layer_stride = nb * bs * row;  // elements of one token, of one layer
+    const int64_t item = scratchlm_attn::kv_itemsize(kv);
+    char* kc = static_cast<char*>(k_cache.data_ptr());
+    char* vc = static_cast<char*>(v_cache.data_ptr());
     QAct hq;  // h quantized for the integer kernels, shared by the matmuls that read it
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
@@ -155,13 +173,16 @@ class FusedDecoder {
       linear(h, w.wv, w.bv, v, &hq);
       rope(q, H_, cos, sin);
       rope(k, Hkv_, cos, sin);
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(kc + l * layer_stride + sp[b] * row, k.data_ptr<float>() + b * row, row * sizeof(float));
-        std::memcpy(vc + l * layer_stride + sp[b] * row, v.data_ptr<float>() + b * row, row * sizeof(float));
+      char* kl = kc + l * layer_stride * item;  // this layer's caches and scales
+      char* vl = vc + l * layer_stride * item;
+      float* ksl = ksc ? ksc + l * nb * bs * Hkv_ : nullptr;
+      float* vsl = vsc ? vsc + l * nb * bs * Hkv_ : nullptr;
+      for (int64_t b = 0; b < B; ++b) {  // rounded / quantized as kv_cache.py does
+        scratchlm_attn::store_rows(kv, kl, ksl, sp[b] * Hkv_, k.data_ptr<float>() + b * row, Hkv_, D_);
+        scratchlm_attn::store_rows(kv, vl, vsl, sp[b] * Hkv_, v.data_ptr<float>() + b * row, Hkv_, D_);
       }
-      scratchlm_attn::Args a{q.data_ptr<float>(), kc + l * layer_stride, vc + l * layer_stride, tp, lp,
-                             att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
-                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_)))};
+      scratchlm_attn::Args a{q.data_ptr<float>(), kl, vl, tp, lp, att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
+                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_))), kv, ksl, vsl};
       scratchlm_attn::paged_decode(a, simd_);
       linear(att, w.wo, torch::Tensor(), o, nullptr);
       x.add_(o);

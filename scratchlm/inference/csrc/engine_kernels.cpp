@@ -1,6 +1,7 @@
 // The engine's CPU kernels in one extension module (scratchlm.inference.kernels):
 //   skinny_linear          decode-sized matmuls            (skinny_gemm.h)
 //   paged_decode_attention decode attention, paged cache   (paged_attention.h)
+//   kv_store               K/V rows into a cache of any KV dtype (paged_attention.h)
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
 // Every entry point releases the GIL.
@@ -26,17 +27,42 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, bool use_simd) {
   return y;
 }
 
+// The KV element type of a cache tensor (kv_cache.py's storage dtypes).
+scratchlm_attn::KV kv_type(const torch::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return scratchlm_attn::KV::F32;
+    case at::kBFloat16: return scratchlm_attn::KV::BF16;
+    case at::kHalf: return scratchlm_attn::KV::F16;
+    case at::kChar: return scratchlm_attn::KV::I8;
+    default: TORCH_CHECK(false, "KV cache dtype ", cache.scalar_type(), " is not float32, bfloat16, float16 or int8");
+  }
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     bool use_simd) {
+                                     bool use_simd, c10::optional<torch::Tensor> k_scale,
+                                     c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3, "q must be (B, H, D), got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k/v caches must be (num_blocks, block_size, Hkv, D) and equal in shape");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode_attention takes float32 tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention takes float32 queries");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches differ in dtype");
+  const auto kv = kv_type(k_cache);
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention runs on the CPU");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block tables and context lengths must be int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (kv == scratchlm_attn::KV::I8) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 KV cache needs k_scale and v_scale");
+    for (const auto* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                  t->sizes() == k_cache.sizes().slice(0, 3), "int8 KV scales must be contiguous float32 ",
+                  k_cache.sizes().slice(0, 3), ", got ", t->sizes());
+    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
+  }
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
@@ -45,15 +71,45 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(H % Hkv == 0, H, " query heads is not a multiple of ", Hkv, " kv heads");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "one block table and length per query");
   auto out = torch::empty_like(q);
-  scratchlm_attn::Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  scratchlm_attn::Args a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                         B, H, Hkv, D, k_cache.size(1), block_tables.size(1), static_cast<float>(scale)};
+                         B, H, Hkv, D, k_cache.size(1), block_tables.size(1), static_cast<float>(scale), kv, ks, vs};
+  const int64_t nb = k_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = a.lens[b];
     TORCH_CHECK(len >= 1 && len <= a.max_blocks * a.bs, "context length ", len, " out of range for its block table");
   }
+  const int64_t* tp = a.tables;
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < nb, "block ", tp[i], " outside the cache of ", nb, " blocks");
   scratchlm_attn::paged_decode(a, use_simd);
   return out;
+}
+
+// Writes k (N, Hkv, D) float32 into one layer's cache (num_blocks, block_size, Hkv, D) at slots (N,), rounded or
+// quantized (paged_attention.h's store_rows, what the fused step writes with); scales (num_blocks, block_size, Hkv)
+// for an int8 cache.
+void kv_store(torch::Tensor cache, c10::optional<torch::Tensor> scales, torch::Tensor slots, torch::Tensor k) {
+  const auto kv = kv_type(cache);
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.device().is_cpu(),
+              "cache must be a contiguous CPU (num_blocks, block_size, Hkv, D) tensor");
+  const int64_t Hkv = cache.size(2), D = cache.size(3), n_slots = cache.size(0) * cache.size(1);
+  TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D,
+              "k must be float32 (N, ", Hkv, ", ", D, "), got ", k.sizes());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "one int64 slot per row of k");
+  float* sp = nullptr;
+  if (kv == scratchlm_attn::KV::I8) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                scales->sizes() == cache.sizes().slice(0, 3), "an int8 cache needs float32 scales ",
+                cache.sizes().slice(0, 3));
+    sp = scales->data_ptr<float>();
+  }
+  k = k.contiguous(), slots = slots.contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k.size(0); ++i) {
+    TORCH_CHECK(s[i] >= 0 && s[i] < n_slots, "slot ", s[i], " outside the cache of ", n_slots, " slots");
+    scratchlm_attn::store_rows(kv, cache.data_ptr(), sp, s[i] * Hkv, k.data_ptr<float>() + i * Hkv * D, Hkv, D);
+  }
 }
 
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
@@ -86,7 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("use_simd") = true, py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("kv_store", &kv_store, "write float32 K or V rows into a paged cache of any KV dtype (as the fused step does)",
+        py::arg("cache"), py::arg("scales"), py::arg("slots"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool,
                     const std::vector<std::vector<std::vector<torch::Tensor>>>&,
@@ -97,7 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("group_sizes") = std::vector<std::vector<int64_t>>{})
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
   m.def("quant_linear", &quant_linear, "y = x @ W^T, W float32 / int8 / int4 tensors (qlinear.h)", py::arg("x"),
         py::arg("weight"), py::arg("group_size"), py::arg("path") = -1, py::call_guard<py::gil_scoped_release>());

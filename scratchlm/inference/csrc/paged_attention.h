@@ -2,7 +2,9 @@
 // attends to its context in the block-table KV cache, read in place (no gather copy).
 //
 //   q            (B, H, D)  float32
-//   k/v_cache    (num_blocks, block_size, Hkv, D)  float32, slot s = block * block_size + offset
+//   k/v_cache    (num_blocks, block_size, Hkv, D)  float32, bfloat16, float16 or int8; slot s = block * block_size
+//                + offset
+//   k/v_scale    (num_blocks, block_size, Hkv) float32, int8 caches only: x = q * scale per (token, KV head)
 //   block_tables (B, max_blocks) int64;  context_lens (B,) int64
 //   out          (B, H, D)  float32
 //
@@ -10,11 +12,19 @@
 // attention without repeating K/V; K and V come from memory once and from L2 for the other heads). Per query
 // head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. Items are split across threads
 // with at::parallel_for.
-// An AVX2+FMA path (function target attributes, chosen at run time) and a portable scalar path.
+// Compact caches are converted to float32 in registers as they are read (bf16: shift into the high half;
+// fp16: F16C vcvtph2ps; int8: sign-extend and convert, the row's scale folded into its score for K and into
+// its probability for V), so attention reads 2 or ~3.8 times fewer bytes and never writes a float copy.
+// `store_rows` is the matching writer (the fused decode step's), rounding as torch does (bf16/fp16: to nearest
+// even; int8: scale = max|x| / 127, q = round-half-even(x / scale)), so the C++ and torch paths store identical
+// bytes (kv_cache.py).
+// An AVX2+FMA(+F16C) path (function target attributes, chosen at run time) and a portable scalar path.
 
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,19 +37,72 @@ namespace scratchlm_attn {
 
 using scratchlm_simd::cpu_has_avx2;
 
+// The element type of a KV cache.
+enum class KV : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
+
+inline int64_t kv_itemsize(KV t) { return t == KV::F32 ? 4 : t == KV::I8 ? 1 : 2; }
+
+// k, v point at element 0 of one layer's cache, of type `kv`; k_scale / v_scale at its scales (int8 only).
 struct Args {
-  const float* q; const float* k; const float* v;
+  const float* q; const void* k; const void* v;
   const int64_t* tables; const int64_t* lens;
   float* out;
   int64_t B, H, Hkv, D, bs, max_blocks;
   float scale;
+  KV kv = KV::F32;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 using ItemFn = void (*)(const Args&, int64_t, int64_t, float*);
 
-inline const float* row(const float* cache, const Args& a, const int64_t* table, int64_t t, int64_t h) {
-  const int64_t block = table[t / a.bs];
-  return cache + ((block * a.bs + t % a.bs) * a.Hkv + h) * a.D;
+// Element i of a cache of type T as float.
+template <KV T> inline float elem(const void* p, int64_t i) {
+  if constexpr (T == KV::F32) return static_cast<const float*>(p)[i];
+  if constexpr (T == KV::BF16) return static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
+  if constexpr (T == KV::F16) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  if constexpr (T == KV::I8) return static_cast<float>(static_cast<const int8_t*>(p)[i]);
+}
+
+// Index of (token t, head h) of a sequence with block table `table`: its row of D elements starts at index * D,
+// its int8 scale is scale[index].
+inline int64_t row_index(const Args& a, const int64_t* table, int64_t t, int64_t h) {
+  return (table[t / a.bs] * a.bs + t % a.bs) * a.Hkv + h;
+}
+
+// Writes the rows src (n, D) float32 as cache rows `index` .. index + n - 1 (n = Hkv: one token's heads), rounded
+// or quantized as torch does (see the header).
+inline void store_rows(KV kv, void* cache, float* scales, int64_t index, const float* src, int64_t n, int64_t D) {
+  const int64_t base = index * D;
+  switch (kv) {
+    case KV::F32: std::copy(src, src + n * D, static_cast<float*>(cache) + base); break;
+    case KV::BF16: {
+      auto* dst = static_cast<c10::BFloat16*>(cache) + base;
+      for (int64_t i = 0; i < n * D; ++i) dst[i] = c10::BFloat16(src[i]);
+      break;
+    }
+    case KV::F16: {
+      auto* dst = static_cast<c10::Half*>(cache) + base;
+      for (int64_t i = 0; i < n * D; ++i) dst[i] = c10::Half(src[i]);
+      break;
+    }
+    case KV::I8: {
+      auto* dst = static_cast<int8_t*>(cache) + base;
+      for (int64_t r = 0; r < n; ++r) {
+        const float* x = src + r * D;
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float s = amax / 127.f;
+        const float div = s > 0.f ? s : 1.f;
+        for (int64_t i = 0; i < D; ++i) {
+          const float qv = std::nearbyint(x[i] / div);  // round half to even, as torch.round
+          dst[r * D + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
+        }
+        scales[index + r] = s;
+      }
+      break;
+    }
+  }
 }
 
 // Softmax over t of scores[t * G + g] for each g, in place.
@@ -58,27 +121,39 @@ inline void softmax_columns(float* scores, int64_t T, int64_t G) {
   }
 }
 
-inline void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
-  const int64_t G = a.H / a.Hkv, D = a.D, T = a.lens[b];
+template <KV T>
+void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
+  const int64_t G = a.H / a.Hkv, D = a.D, T_len = a.lens[b];
   const int64_t* table = a.tables + b * a.max_blocks;
   const float* q = a.q + (b * a.H + h * G) * D;  // (G, D)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* kr = row(a.k, a, table, t, h);
+  for (int64_t t = 0; t < T_len; ++t) {
+    const int64_t r = row_index(a, table, t, h);
+    const float ks = T == KV::I8 ? a.k_scale[r] : 1.f;
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * kr[d];
-      scores[t * G + g] = acc * a.scale;
+      for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * elem<T>(a.k, r * D + d);
+      scores[t * G + g] = acc * ks * a.scale;
     }
   }
-  softmax_columns(scores, T, G);
+  softmax_columns(scores, T_len, G);
   float* o = a.out + (b * a.H + h * G) * D;  // (G, D)
   std::fill(o, o + G * D, 0.f);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* vr = row(a.v, a, table, t, h);
+  for (int64_t t = 0; t < T_len; ++t) {
+    const int64_t r = row_index(a, table, t, h);
+    const float vs = T == KV::I8 ? a.v_scale[r] : 1.f;
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[t * G + g];
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * vr[d];
+      const float p = scores[t * G + g] * vs;
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * elem<T>(a.v, r * D + d);
     }
+  }
+}
+
+inline ItemFn scalar_item_for(KV kv) {
+  switch (kv) {
+    case KV::BF16: return item_scalar<KV::BF16>;
+    case KV::F16: return item_scalar<KV::F16>;
+    case KV::I8: return item_scalar<KV::I8>;
+    default: return item_scalar<KV::F32>;
   }
 }
 
@@ -87,17 +162,37 @@ using scratchlm_simd::exp256;
 using scratchlm_simd::hmax256;
 using scratchlm_simd::hsum256;
 
-// Head dim D = 8 * NC. Walks the block table block by block (no division per token), one query head g at a
-// time (K and V of one sequence and KV head stay in L2 across the G passes):
+#define KV_FN __attribute__((target("avx2,fma,f16c")))
+
+// 8 consecutive cache elements of type T from element index i, as float32 (int8: unscaled).
+template <KV T>
+KV_FN inline __m256 load8(const void* p, int64_t i) {
+  if constexpr (T == KV::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (T == KV::BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (T == KV::F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+// Head dim D = 8 * NC, cache element type T. Walks the block table block by block (no division per token), one
+// query head g at a time (K and V of one sequence and KV head stay in L2 across the G passes):
 //   scores: q_g * scale held in registers (D <= 64), four K rows at a time, the four dot products reduced
-//     together by horizontal adds (no per-score horizontal sum); stored contiguously per head;
+//     together by horizontal adds (no per-score horizontal sum); stored contiguously per head; an int8 row's
+//     scale multiplies its score;
 //   softmax: vectorised max, exp (exp256) and sum; the 1/sum is applied to the output at the end;
-//   values: the head's D outputs held in NC registers while V streams by.
-template <int NC>
-AVX2_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
+//   values: the head's D outputs held in NC registers while V streams by (an int8 row's scale folded into p).
+template <int NC, KV T>
+KV_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
   constexpr int64_t D = 8 * NC;
   constexpr bool q_in_registers = NC <= 8;
-  const int64_t G = a.H / a.Hkv, T = a.lens[b], stride = a.Hkv * D;
+  constexpr bool scaled = T == KV::I8;
+  const int64_t G = a.H / a.Hkv, T_len = a.lens[b], stride = a.Hkv * D;
   const int64_t* table = a.tables + b * a.max_blocks;
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -110,64 +205,71 @@ AVX2_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores
       _mm256_store_ps(qs + 8 * c, v);
       if constexpr (q_in_registers) qv[c] = v;
     }
-    float* sg = scores + g * T;  // (T,) this head's scores, then its unnormalised probabilities
-    for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
-      const float* base = a.k + (table[blk] * a.bs * a.Hkv + h) * D;
-      const int64_t n = std::min(a.bs, T - t0);
+    float* sg = scores + g * T_len;  // (T,) this head's scores, then its unnormalised probabilities
+    for (int64_t t0 = 0, blk = 0; t0 < T_len; t0 += a.bs, ++blk) {
+      const int64_t r0 = table[blk] * a.bs * a.Hkv + h;  // row index of the block's first token
+      const int64_t base = r0 * D;                       // its element index
+      const int64_t n = std::min(a.bs, T_len - t0);
       int64_t i = 0;
       for (; i + 4 <= n; i += 4) {
-        const float* k0 = base + i * stride;
+        const int64_t k0 = base + i * stride;
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) {
           __m256 qc;
           if constexpr (q_in_registers) qc = qv[c]; else qc = _mm256_load_ps(qs + 8 * c);
-          s0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), s0);
-          s1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + stride + 8 * c), s1);
-          s2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 2 * stride + 8 * c), s2);
-          s3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 3 * stride + 8 * c), s3);
+          s0 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 8 * c), s0);
+          s1 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + stride + 8 * c), s1);
+          s2 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 2 * stride + 8 * c), s2);
+          s3 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 3 * stride + 8 * c), s3);
         }
         // hadd(hadd(s0, s1), hadd(s2, s3)) = [s0 s1 s2 s3 partial sums of lanes 0-3 | of lanes 4-7]
         const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-        _mm_storeu_ps(sg + t0 + i, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1));
+        if constexpr (scaled) {
+          const float* ks = a.k_scale + r0 + i * a.Hkv;
+          s4 = _mm_mul_ps(s4, _mm_setr_ps(ks[0], ks[a.Hkv], ks[2 * a.Hkv], ks[3 * a.Hkv]));
+        }
+        _mm_storeu_ps(sg + t0 + i, s4);
       }
       for (; i < n; ++i) {
-        const float* kr = base + i * stride;
+        const int64_t kr = base + i * stride;
         __m256 s0 = _mm256_setzero_ps();
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * c), _mm256_loadu_ps(kr + 8 * c), s0);
-        sg[t0 + i] = hsum256(s0);
+        for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * c), load8<T>(a.k, kr + 8 * c), s0);
+        sg[t0 + i] = hsum256(s0) * (scaled ? a.k_scale[r0 + i * a.Hkv] : 1.f);
       }
     }
     // softmax numerator in place; the normaliser is applied to the output
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
-    for (; t + 8 <= T; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+    for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
     float mx = hmax256(mv);
-    for (; t < T; ++t) mx = std::max(mx, sg[t]);
+    for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
     mv = _mm256_set1_ps(mx);
     __m256 sv = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= T; t += 8) {
+    for (t = 0; t + 8 <= T_len; t += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
       _mm256_storeu_ps(sg + t, e);
       sv = _mm256_add_ps(sv, e);
     }
     float sum = hsum256(sv);
-    for (; t < T; ++t) {
+    for (; t < T_len; ++t) {
       sg[t] = std::exp(sg[t] - mx);
       sum += sg[t];
     }
     __m256 o[NC];
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) o[c] = _mm256_setzero_ps();
-    for (int64_t t0 = 0, blk = 0; t0 < T; t0 += a.bs, ++blk) {
-      const float* base = a.v + (table[blk] * a.bs * a.Hkv + h) * D;
-      const int64_t n = std::min(a.bs, T - t0);
+    for (int64_t t0 = 0, blk = 0; t0 < T_len; t0 += a.bs, ++blk) {
+      const int64_t r0 = table[blk] * a.bs * a.Hkv + h;
+      const int64_t base = r0 * D;
+      const int64_t n = std::min(a.bs, T_len - t0);
       for (int64_t i = 0; i < n; ++i) {
-        const float* vr = base + i * stride;
-        const __m256 p = _mm256_set1_ps(sg[t0 + i]);
+        const int64_t vr = base + i * stride;
+        const __m256 p = _mm256_set1_ps(sg[t0 + i] * (scaled ? a.v_scale[r0 + i * a.Hkv] : 1.f));
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
+        for (int c = 0; c < NC; ++c) o[c] = _mm256_fmadd_ps(p, load8<T>(a.v, vr + 8 * c), o[c]);
       }
     }
     const __m256 inv = _mm256_set1_ps(1.f / sum);
@@ -177,15 +279,30 @@ AVX2_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores
   }
 }
 
-inline ItemFn avx2_item_for(int64_t D) {
+template <KV T>
+inline ItemFn avx2_item_for_type(int64_t D) {
   switch (D) {
-    case 32: return item_avx2<4>;
-    case 64: return item_avx2<8>;
-    case 80: return item_avx2<10>;
-    case 96: return item_avx2<12>;
-    case 128: return item_avx2<16>;
+    case 32: return item_avx2<4, T>;
+    case 64: return item_avx2<8, T>;
+    case 80: return item_avx2<10, T>;
+    case 96: return item_avx2<12, T>;
+    case 128: return item_avx2<16, T>;
     default: return nullptr;
   }
+}
+
+inline ItemFn avx2_item_for(int64_t D, KV kv) {
+  switch (kv) {
+    case KV::BF16: return avx2_item_for_type<KV::BF16>(D);
+    case KV::F16: return avx2_item_for_type<KV::F16>(D);
+    case KV::I8: return avx2_item_for_type<KV::I8>(D);
+    default: return avx2_item_for_type<KV::F32>(D);
+  }
+}
+
+inline bool cpu_has_f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
 }
 
 #endif
@@ -195,9 +312,10 @@ inline void paged_decode(const Args& a, bool use_simd) {
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max(max_len, a.lens[b]);
   const int64_t G = a.H / a.Hkv;
-  ItemFn item = item_scalar;
+  ItemFn item = scalar_item_for(a.kv);
 #ifdef SCRATCHLM_X86
-  if (use_simd && cpu_has_avx2() && avx2_item_for(a.D) != nullptr) item = avx2_item_for(a.D);
+  static const bool simd_ok = cpu_has_avx2() && cpu_has_f16c();
+  if (use_simd && simd_ok && avx2_item_for(a.D, a.kv) != nullptr) item = avx2_item_for(a.D, a.kv);
 #else
   (void)use_simd;
 #endif

@@ -63,7 +63,7 @@ def build_attention_kernel(verbose: bool) -> int:
     tables, lens = torch.tensor([[3, 1, 6], [2, 0, 0]]), torch.tensor([10, 3])
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, tables, lens)
     q = torch.randn(2, 4, 16)
-    want = PagedAttention(cache, meta, use_kernel=False)._decode(q, cache.k[0], cache.v[0])
+    want = PagedAttention(cache, meta, use_kernel=False)._decode(0, q)
     err = (ext.paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, 0.25) - want).abs().max().item()
     if err > 1e-4:
         print(f"paged-attention smoke test failed: max |kernel - torch| = {err:.3g}", file=sys.stderr)
