@@ -70,6 +70,13 @@ class RunResult:
     name: str
     duration: float
     requests: list[RequestResult]
+    cpu_s: float = math.nan  # CPU seconds (user + system) of the contender's processes during the run
+
+    @property
+    def output_tok_per_cpu_s(self) -> float:
+        """Output tokens per CPU second of the contender: its efficiency, far less sensitive to the machine's load
+        than tokens per wall second (a loaded core gives every contender fewer CPU seconds per second)."""
+        return self.output_tokens / self.cpu_s if self.cpu_s > 0 else math.nan
 
     @property
     def completed(self) -> int:
@@ -198,6 +205,34 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s")
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (Linux /proc; nan elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    try:
+        for p in _descendants(pid):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return total
+
+
 def pinned(cmd: list[str], cores: str) -> list[str]:
     """`cmd` under `taskset -c cores` (no pinning when cores is empty)."""
     return ["taskset", "-c", cores, *cmd] if cores else cmd
@@ -221,7 +256,7 @@ def start_llama_server(binary: Path, gguf: str, threads: int, parallel: int, ctx
 
 def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path,
                            engine_process: bool = False, quantization: str | None = None,
-                           cores: str = "") -> tuple[subprocess.Popen, str]:
+                           cores: str = "", extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO_ROOT))
@@ -231,6 +266,7 @@ def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path
            "--engine-process" if engine_process else "--no-engine-process"]
     if quantization:
         cmd += ["--quantization", quantization]
+    cmd += extra or []
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(pinned(cmd, cores), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -297,11 +333,12 @@ def run_offline(llm, jobs: list[Job]) -> RunResult:
     from scratchlm.inference import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([j.prompt_ids for j in jobs], params, use_tqdm=False)
     duration = time.perf_counter() - start
     return RunResult("offline LLM.generate", duration,
-                     [RequestResult(True, output_tokens=len(o.outputs[0].token_ids)) for o in outs])
+                     [RequestResult(True, output_tokens=len(o.outputs[0].token_ids)) for o in outs],
+                     cpu_s=time.process_time() - cpu)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -353,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-offline", action="store_true", help="leave out the offline LLM.generate contender")
     parser.add_argument("--bind-core", type=int, default=-1,
                         help="pin the servers to cores bind_core .. bind_core + threads - 1 (-1: no pinning)")
+    parser.add_argument("--serve-args", default="",
+                        help="more flags for `scratchlm serve`, e.g. '--max-num-batched-tokens 1024' (in the report)")
     parser.add_argument("--inspector-overhead", action="store_true",
                         help="instead: the engine's step-event cost with a listener / an inspector viewer, interleaved")
     args = parser.parse_args(argv)
@@ -396,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})  # the offline engine too
     notes = []
     servers: dict[str, str] = {}
+    pids: dict[str, int] = {}  # contender -> server process (its CPU time, with its children's, is measured)
     procs: list[subprocess.Popen] = []
     runs: dict[str, list[RunResult]] = {"offline LLM.generate": []}
     try:
@@ -403,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
                                                                   tmp / "scratchlm-bench-serve.log",
                                                                   engine_process=args.engine_process,
-                                                                  quantization=args.quantization, cores=cores)
+                                                                  quantization=args.quantization, cores=cores,
+                                                                  extra=args.serve_args.split())
+        pids["scratchlm serve"] = proc.pid
         notes.append("`scratchlm serve` ran its engine in " + ("its own process (--engine-process)."
                                                                if args.engine_process else "a thread of the server."))
         procs.append(proc)
@@ -423,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"starting `vllm serve` on {hf_dir} (log: {tmp / 'vllm-bench-serve.log'}) ...", file=sys.stderr)
                 proc, servers["vllm serve"] = start_vllm_server(vllm, hf_dir, args.threads, args.max_concurrency,
                                                                 tmp / "vllm-bench-serve.log")
+                pids["vllm serve"] = proc.pid
                 procs.append(proc)
                 notes.append(f"`vllm serve` from {vllm.parent.parent} on an HF export of the same weights (fp32).")
             except Exception as e:  # a peer that cannot start is reported, not fatal
@@ -441,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc, servers["llama-server"] = start_llama_server(LLAMA_SERVER, model, args.threads,
                                                                    args.max_concurrency, ctx, cores,
                                                                    tmp / "llama-server-bench.log")
+                pids["llama-server"] = proc.pid
                 procs.append(proc)
                 notes.append(f"llama-server ({LLAMA_SERVER.relative_to(REPO_ROOT)}) on the same GGUF: --parallel "
                              f"{args.max_concurrency} --cont-batching, -c {args.max_concurrency * ctx}, "
@@ -457,15 +501,18 @@ def main(argv: list[str] | None = None) -> int:
             jobs = workload(args.seed + r)  # fresh prompts each repeat, the same for every contender
             off = run_offline(llm, jobs)
             runs["offline LLM.generate"].append(off)
-            line = [f"offline {off.output_tok_s:.1f} tok/s"]
+            line = [f"offline {off.output_tok_s:.1f} tok/s ({off.output_tok_per_cpu_s:.1f} per CPU s)"]
             for name, url in servers.items():
+                cpu = process_cpu_seconds(pids[name]) if name in pids else math.nan
                 duration, results = asyncio.run(drive(url, "bench", jobs, args.max_concurrency, args.request_rate,
                                                       args.seed))
-                run = RunResult(name, duration, results)
+                cpu = process_cpu_seconds(pids[name]) - cpu if name in pids else math.nan
+                run = RunResult(name, duration, results, cpu_s=cpu)
                 runs[name].append(run)
                 failed = [x.error for x in results if not x.ok]
                 ttft = statistics.median([x.ttft for x in results if x.ok] or [math.nan])
-                line.append(f"{name} {run.output_tok_s:.1f} tok/s, TTFT {1e3 * ttft:.0f} ms ({run.completed}/"
+                line.append(f"{name} {run.output_tok_s:.1f} tok/s ({run.output_tok_per_cpu_s:.1f} per CPU s), TTFT "
+                            f"{1e3 * ttft:.0f} ms ({run.completed}/"
                             f"{len(jobs)} ok{', ' + failed[0] if failed else ''})")
             print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(line) + f"; load {os.getloadavg()[0]:.2f}",
                   file=sys.stderr)
@@ -491,10 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, rs in runs.items():
         toks = [r.output_tok_s for r in rs]
         reqs = [r.request_s for r in rs]
+        per_cpu = [r.output_tok_per_cpu_s for r in rs]
+        cpu_text = f"{statistics.median(per_cpu):.1f}" if not any(math.isnan(x) for x in per_cpu) else "-"
         rows.append([name, f"{sum(r.completed for r in rs)}/{len(jobs) * len(rs)}", f"{statistics.median(toks):.1f}",
-                     f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}", f"{statistics.median(toks) / base:.3f}"])
+                     f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}", f"{statistics.median(toks) / base:.3f}",
+                     cpu_text, f"{statistics.median(r.cpu_s / r.duration for r in rs):.2f}"])
     report.table(["contender", "completed", "output tok/s (median)", "output tok/s (best)", "req/s (median)",
-                  "ratio to offline (median)"], rows, caption="Throughput")
+                  "ratio to offline (median)", "output tok per CPU s (median)", "CPU s per wall s"], rows,
+                 caption="Throughput (CPU s: user + system of the contender's processes during the run; the client "
+                         "is not counted)")
     latency = []
     for name in servers:
         rs = runs[name]
@@ -520,9 +572,13 @@ def main(argv: list[str] | None = None) -> int:
         def ttft(rs):
             return statistics.median(statistics.median(x.ttft for x in r.requests if x.ok)
                                      for r in rs)
+        per_cpu = [a.output_tok_per_cpu_s / b.output_tok_per_cpu_s for a, b in zip(ours, theirs)]
         report.add(f"**scratchlm serve / llama-server output throughput: {o_tok / t_tok:.2f}x** (per repeat: "
                    f"{', '.join(f'{x:.2f}x' for x in per)}; target >= 2.0x); median TTFT {1e3 * ttft(ours):.0f} ms "
-                   f"against {1e3 * ttft(theirs):.0f} ms (target <=).")
+                   f"against {1e3 * ttft(theirs):.0f} ms (target <=; per repeat: "
+                   f"{', '.join(f'{1e3 * ttft([a]):.0f} vs {1e3 * ttft([b]):.0f}' for a, b in zip(ours, theirs))} ms). "
+                   f"Output tokens per CPU second: {statistics.median(per_cpu):.2f}x (per repeat: "
+                   f"{', '.join(f'{x:.2f}x' for x in per_cpu)}).")
     if "vllm serve" in runs and runs["vllm serve"]:
         ours = statistics.median(r.output_tok_s for r in runs["scratchlm serve"])
         theirs = statistics.median(r.output_tok_s for r in runs["vllm serve"])
