@@ -51,12 +51,26 @@ def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-async def _load(url: str, n: int, headers: dict) -> list[dict]:
+PREFIX = "Once upon a time, there was a little girl named Lily. She loved to play"
+
+
+def fork_prompt(tokenizer) -> list[int]:
+    """The n=2 request's prompt: exactly 2 blocks of 16 tokens, the second unique to it. Its samples fork with
+    both blocks shared and no partial block to copy (so the fork never waits for a free block), and the second
+    block is held by this request alone: the fork-shared block the inspector must show on the fork's step. (A
+    text prompt of 22 tokens shared only block 0, which the other requests' prefix hits also hold, so whether
+    a step showed a fork-only block depended on timing: the rare failure of the fork assertion under load.)"""
+    head = tokenizer.encode(PREFIX)[:16]
+    tail = tokenizer.encode(" and a big red dog who ran to the park every day with a ball")[:16]
+    assert len(head) == len(tail) == 16
+    return head + tail
+
+
+async def _load(url: str, n: int, headers: dict, first: list[int] | None = None) -> list[dict]:
     async with httpx.AsyncClient(timeout=120, headers=headers) as client:
-        prefix = "Once upon a time, there was a little girl named Lily. She loved to play"
         jobs = [client.post(url + "/v1/completions", json={
-            "model": "stories260K", "prompt": f"{prefix} {i}", "max_tokens": 40 + 2 * i, "temperature": 0,
-            "ignore_eos": True, "n": 2 if i == 0 else 1}) for i in range(8)]
+            "model": "stories260K", "prompt": first if i == 0 and first else f"{PREFIX} {i}", "max_tokens": 40 + 2 * i,
+            "temperature": 0, "ignore_eos": True, "n": 2 if i == 0 else 1}) for i in range(n)]
         return [r.json() for r in await asyncio.gather(*jobs)]
 
 
@@ -96,7 +110,7 @@ def test_events_follow_the_engine_and_agree_with_metrics(engine):
         wait_for(lambda: engine.events.num_listeners == 1 or errors, "the inspector to subscribe")
         assert not errors and engine.events.num_listeners == 1 and hub.num_clients == 1
         steps_before = engine.events.steps
-        answers = asyncio.run(_load(srv.url, 8, AUTH))
+        answers = asyncio.run(_load(srv.url, 8, AUTH, fork_prompt(engine.tokenizer)))
         assert all(len(a["choices"]) >= 1 for a in answers)
         # the engine's own step count is final (the load is over): wait until the page's stream has that step
         wait_for(lambda: errors or [g.get("step") for g in got if g["type"] == "step"][-1:] == [engine.events.steps],
@@ -123,7 +137,9 @@ def test_events_follow_the_engine_and_agree_with_metrics(engine):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the load exercised both
     assert sum(s["generated_tokens"] for s in steps) == sum(a["usage"]["completion_tokens"] for a in answers)
     assert sum(len(s["preempted"]) for s in steps) == stats.num_preemptions
-    assert any(s["pool"]["shared_fork"] for s in steps if s["pool"]["map"] is not None)  # the n=2 request
+    # the n=2 request: on the step its samples forked, its second block is held by both samples and nobody else
+    assert all(s["pool"]["map"] is not None for s in steps)  # detail_interval_s = 0: every step has the map
+    assert any(s["pool"]["shared_fork"] for s in steps)
     assert snap["event"]["step"] == engine.events.steps and snap["stats"]["num_preemptions"] == stats.num_preemptions
 
 
@@ -161,7 +177,7 @@ def test_engine_process_carries_events(data_dir):
         # the hello comes after the hub put "inspect" on the child's inbox, which is FIFO: the child watches
         # before it sees the first request below
         wait_for(lambda: got or errors, "the stream's hello")
-        answers = asyncio.run(_load(srv.url, 8, {}))
+        answers = asyncio.run(_load(srv.url, 8, {}, fork_prompt(loop.engine.tokenizer)))
         want = sum(a["usage"]["completion_tokens"] for a in answers)
         # the child's counters in its newest event (the newest is never the one dropped: the outbox keeps them)
         wait_for(lambda: errors or [g["totals"]["generation_tokens"] for g in got if g["type"] == "step"][-1:]
