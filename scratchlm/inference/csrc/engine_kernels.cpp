@@ -134,6 +134,20 @@ torch::Tensor quant_dequantize(const std::vector<torch::Tensor>& weight, int64_t
   return scratchlm_qgemm::QLinear::from(weight, group_size, weight[0].size(0), K, "quant_dequantize").dequantized();
 }
 
+// The code path quant_linear runs for M rows of x with these weight tensors (path -1: the default here).
+int64_t quant_resolved_path(const std::vector<torch::Tensor>& weight, int64_t group_size, int64_t K, int64_t M,
+                            int64_t path) {
+  TORCH_CHECK(!weight.empty(), "quant_resolved_path: no weight tensors");
+  return scratchlm_qgemm::QLinear::from(weight, group_size, weight[0].size(0), K, "quant_resolved_path")
+      .resolve_path(M, static_cast<int>(path));
+}
+
+// Whether the default quantized paths keep x in float32 (see qlinear.h); `set` 0 / 1 changes it, -1 only reads.
+bool quant_float_activations(int64_t set) {
+  if (set >= 0) scratchlm_qgemm::float_activations_flag().store(set != 0);
+  return scratchlm_qgemm::float_activations();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -163,4 +177,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "the float32 (N, K) weight of int8 / int4 tensors",
         py::arg("weight"), py::arg("group_size"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_best_path", &scratchlm_qgemm::best_path, "quant_linear's code path here: 0 scalar, 1 AVX2, 2 VNNI");
+  m.def("quant_resolved_path", &quant_resolved_path, "the code path quant_linear runs for M rows (qlinear.h)",
+        py::arg("weight"), py::arg("group_size"), py::arg("K"), py::arg("M"), py::arg("path") = -1);
+  m.def("quant_float_activations", &quant_float_activations,
+        "whether the default quantized paths keep x in float32; set = 0 / 1 changes it, -1 reads",
+        py::arg("set") = -1);
 }

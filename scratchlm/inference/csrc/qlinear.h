@@ -4,12 +4,26 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 #include "quant_gemm.h"
 #include "skinny_gemm.h"
 
 namespace scratchlm_qgemm {
+
+// Whether the default path keeps x in float32 (exact up to the summation order, slower) instead of the integer
+// kernels that round x to int8 per 32-block. Starts from $SCRATCHLM_QUANT_FLOAT_ACTIVATIONS (1: float); tests
+// and benchmarks switch it at run time (quant_float_activations in engine_kernels.cpp).
+inline std::atomic<bool>& float_activations_flag() {
+  static std::atomic<bool> v{[] {
+    const char* e = std::getenv("SCRATCHLM_QUANT_FLOAT_ACTIVATIONS");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }()};
+  return v;
+}
+inline bool float_activations() { return float_activations_flag().load(std::memory_order_relaxed); }
 
 struct QLinear {
   QMat mat;
@@ -67,6 +81,27 @@ struct QLinear {
     return w;
   }
 
+  // The code path forward() runs for M rows of x when asked for `path` (-1: the default for this CPU and M).
+  int resolve_path(int64_t M, int path) const {
+    if (M > kMaxRows || !quantized()) return 0;
+    const int best = best_path();
+    // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): on AVX512-VNNI CPUs the 8-row
+    // integer kernels (path 6: x quantized to int8 per 32-block, as llama.cpp) are the fastest at every M <= 64 for
+    // int4 (2x the float kernels at 1 row, 1.9x the FMA tiles at 32) and for int8 from 2 rows (at 1 row int8 is
+    // memory-bound and all paths tie). Default there: path 6; with SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1, and on
+    // AVX2-only CPUs, the float kernels that do not round x: codes to floats in registers (path 4) up to 2 rows,
+    // the FMA tiles (path 3) above. Without AVX2 the weight is dequantized and ATen multiplies (portable, exact).
+    // Paths 1, 2 (integer, AVX2 / VNNI, 4 rows per tile) and 5 (integer, scalar) are there to be measured and tested.
+    int p = path;
+    if (p < 0 && best == 2 && !float_activations() && (mat.kind == Kind::kInt4 || mat.K % kBlock == 0)) p = 6;
+    if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
+    if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
+    if ((p == 4 || p == 1) && best == 0) p = 0;
+    if (p == 6 && (best < 2 || (mat.kind == Kind::kInt8 && mat.K % kBlock))) p = best;
+    if (p == 2 && best < 2) p = best;
+    return p;
+  }
+
   // y (M, N) = x (M, K) W^T. `xq`: a cache of x quantized, shared by the matmuls of one input (q/k/v, gate/up):
   // used when valid, else filled; the caller clears `valid` when x changes. nullptr: no cache.
   // path: quant_gemm's code path (-1: the measured best for M on this CPU; 0: portable, also for float32 weights).
@@ -80,17 +115,7 @@ struct QLinear {
       scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), mat.w, y.data_ptr<float>(), M, mat.K, mat.N, path != 0);
       return;
     }
-    const int best = best_path();
-    // Measured (benchmarks/quant_gemv.py, one core): at 1-2 rows turning the codes into floats in registers (path
-    // 4) is as fast as the integer kernels and does not round x; from 3 rows the FMA tiles (path 3) are faster
-    // than both (1.8x the integer kernels at 32 rows). Default: 4 up to 2 rows, 3 above, on AVX2 CPUs; elsewhere
-    // the weight is dequantized and ATen multiplies (portable, exact). Paths 1, 2 (integer, AVX2 / VNNI) and 5
-    // (integer, scalar) are there to be measured and tested.
-    int p = path;
-    if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
-    if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
-    if ((p == 4 || p == 1) && best == 0) p = 0;
-    if (p == 2 && best < 2) p = best;
+    int p = resolve_path(M, path);
     if (p == 0) {
       at::mm_out(y, x, dequantized().t());
       return;

@@ -418,6 +418,192 @@ QAVX2_FN inline void tile_fma(const float* x, const QMat& w, float* y, int64_t M
 }
 SCRATCHLM_QTILE(tile_vnni, QVNNI_FN, micro_vnni)
 
+// ------------------------------------------------------------------ 8-row interleaved integer kernel (int4)
+// The batch-1 kernel of the packed 4-bit formats (path 6, AVX512-VNNI on 256-bit registers). Eight weight rows
+// are read block by block and transposed in registers so that each 32-bit lane holds one row: lane r of chunk c
+// has bytes 4c .. 4c + 3 of row r's 16 packed bytes (weights 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the
+// high ones). One vpdpbusd against x's 4 bytes broadcast then adds 4 products to each of the 8 rows, so a block
+// costs 8 dot instructions for 8 rows and no horizontal sums: the per-row-block float work (int32 -> float,
+// times d dx, the min term) happens once per 8 rows instead of once per row. High nibbles are masked (0xF0, i.e.
+// 16 q) rather than shifted and their sum divided by 16 exactly. Arithmetic per block, as the other integer
+// paths: y_n = sum_g d_ng sum_{b in g} dx_b sum_k q_k xq_k + sum_g m_ng sum_{b in g} dx_b sum(xq_b); the integer
+// sums are exact, so only the float order differs from paths 1 and 2.
+// The scales of a tile (8 rows x G fp16) are transposed the same way (8 x 8 epi16 transposes) into float
+// (G, 8) buffers. Up to 8 rows of x share each transposed block (the unpacking is paid once per x chunk).
+QVNNI_FN inline void scales_t8(const uint16_t* s, int64_t G, int64_t n, float* out) {
+  int64_t g0 = 0;
+  for (; g0 + 8 <= G; g0 += 8) {
+    __m128i a[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (n + r) * G + g0));
+    __m128i t[8], u[8];
+    for (int p = 0; p < 4; ++p) {
+      t[2 * p] = _mm_unpacklo_epi16(a[2 * p], a[2 * p + 1]);
+      t[2 * p + 1] = _mm_unpackhi_epi16(a[2 * p], a[2 * p + 1]);
+    }
+    // t0: rows 0,1 groups 0-3; t1: rows 0,1 groups 4-7; t2, t3: rows 2,3; t4, t5: rows 4,5; t6, t7: rows 6,7
+    u[0] = _mm_unpacklo_epi32(t[0], t[2]), u[1] = _mm_unpackhi_epi32(t[0], t[2]);  // rows 0-3, groups 0,1 / 2,3
+    u[2] = _mm_unpacklo_epi32(t[1], t[3]), u[3] = _mm_unpackhi_epi32(t[1], t[3]);  // groups 4,5 / 6,7
+    u[4] = _mm_unpacklo_epi32(t[4], t[6]), u[5] = _mm_unpackhi_epi32(t[4], t[6]);  // rows 4-7
+    u[6] = _mm_unpacklo_epi32(t[5], t[7]), u[7] = _mm_unpackhi_epi32(t[5], t[7]);
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_ps(out + (g0 + 2 * j) * 8, _mm256_cvtph_ps(_mm_unpacklo_epi64(u[j], u[4 + j])));
+      _mm256_storeu_ps(out + (g0 + 2 * j + 1) * 8, _mm256_cvtph_ps(_mm_unpackhi_epi64(u[j], u[4 + j])));
+    }
+  }
+  for (; g0 < G; ++g0)
+    for (int r = 0; r < 8; ++r) out[g0 * 8 + r] = _cvtsh_ss(s[(n + r) * G + g0]);
+}
+
+// MR rows of x (r0 .. r0 + MR - 1) against weight rows n .. n + 7, into y. dT, mT: the tile's scales and mins
+// (or -8 d) as (G, 8) floats; sxg: (M, G) per-group sums dx_b sum(xq_b).
+template <int MR>
+QVNNI_FN inline void t8_int4_rows(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r0, const float* dT,
+                                  const float* mT, const float* sxg, const char* pf) {
+  const int64_t K = w.K, nb = K / kBlock, Kp = a.nb * kBlock, bpg = w.gs / kBlock, G = w.G, rb = K / 2;
+  const uint8_t* q = w.q4 + n * rb;
+  const __m256i lo_mask = _mm256_set1_epi8(0x0F), hi_mask = _mm256_set1_epi8(static_cast<char>(0xF0));
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    __m256 accg[MR];
+    for (int r = 0; r < MR; ++r) accg[r] = _mm256_setzero_ps();
+    for (int64_t b1 = std::min(nb, b + bpg); b < b1; ++b) {
+      _mm_prefetch(pf + 128 * b, _MM_HINT_T0);
+      _mm_prefetch(pf + 128 * b + 64, _MM_HINT_T0);
+      __m256i Y[4];
+      for (int r = 0; r < 4; ++r)
+        Y[r] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * rb + b * 16))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r + 4) * rb + b * 16)), 1);
+      const __m256i p0 = _mm256_unpacklo_epi32(Y[0], Y[1]), p1 = _mm256_unpackhi_epi32(Y[0], Y[1]);
+      const __m256i p2 = _mm256_unpacklo_epi32(Y[2], Y[3]), p3 = _mm256_unpackhi_epi32(Y[2], Y[3]);
+      const __m256i C[4] = {_mm256_unpacklo_epi64(p0, p2), _mm256_unpackhi_epi64(p0, p2),
+                            _mm256_unpacklo_epi64(p1, p3), _mm256_unpackhi_epi64(p1, p3)};  // chunk c, rows 0..7
+      __m256i L[4], H[4];
+      for (int c = 0; c < 4; ++c) L[c] = _mm256_and_si256(C[c], lo_mask), H[c] = _mm256_and_si256(C[c], hi_mask);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xb = a.q.data() + (r0 + r) * Kp + b * kBlock;
+        __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xb + 4 * c, 4);
+          std::memcpy(&xh, xb + 16 + 4 * c, 4);
+          il = _mm256_dpbusd_epi32(il, L[c], _mm256_set1_epi32(xl));
+          ih = _mm256_dpbusd_epi32(ih, H[c], _mm256_set1_epi32(xh));
+        }
+        const __m256i is = _mm256_add_epi32(il, _mm256_srai_epi32(ih, 4));  // ih = 16 * sum(hi q x): exact
+        accg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcast_ss(a.dx.data() + (r0 + r) * a.nb + b),
+                                  accg[r]);
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(dT + g * 8), mv = _mm256_loadu_ps(mT + g * 8);
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(accg[r], dv, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sxg + (r0 + r) * G + g), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * w.N + n, acc[r]);
+}
+
+// Weight rows n0 .. n1 (n1 - n0 a multiple of 8) against every row of x.
+QVNNI_FN inline void tile_t8_int4(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {
+  const int64_t G = w.G, bpg = w.gs / kBlock, rb = w.K / 2;
+  std::vector<float> dT(G * 8), mT(G * 8), sxg(a.M * G, 0.f);
+  for (int64_t r = 0; r < a.M; ++r)
+    for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + b / bpg] += a.sx[r * a.nb + b];
+  for (int64_t n = n0; n < n1; n += 8) {
+    scales_t8(w.d, G, n, dT.data());
+    if (w.m) {
+      scales_t8(w.m, G, n, mT.data());
+    } else {
+      for (int64_t i = 0; i < G * 8; ++i) mT[i] = -8.f * dT[i];
+    }
+    // prefetch the tile two ahead (8 rows = K / 16 lines, two per block; a prefetch past the end cannot fault)
+    const char* pf = reinterpret_cast<const char*>(w.q4) + (n + 16) * rb;
+    int64_t r = 0;
+    for (; r + 8 <= a.M; r += 8) t8_int4_rows<8>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);
+    if (a.M - r >= 4) t8_int4_rows<4>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf), r += 4;
+    if (a.M - r >= 2) t8_int4_rows<2>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf), r += 2;
+    if (a.M - r >= 1) t8_int4_rows<1>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);
+  }
+}
+
+// ------------------------------------------------------------------ 8-row integer kernel (int8)
+// The batch-1 kernel of the 8-bit formats (path 6 for int8): eight weight rows per tile, each block's 8 rows
+// meet x's block with the sign trick (|w| unsigned times x with w's sign, vpdpbusd) and the 8 int32 vectors are
+// reduced to one vector of 8 row sums (hadds and a lane swap), so the int32 -> float conversion and the scale
+// multiply-adds run once per 8 row-blocks, not once per row-block. The scales of a tile are transposed to
+// (G, 8) floats. The integer sums are exact: only the float order differs from paths 1 and 2.
+QVNNI_FN inline void fscales_t8(const float* s, int64_t G, int64_t n, float* out) {
+  int64_t g0 = 0;
+  for (; g0 + 8 <= G; g0 += 8) {  // 8 x 8 float transpose
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + (n + i) * G + g0);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    __m256 u[8];
+    u[0] = _mm256_shuffle_ps(t[0], t[2], 0x44), u[1] = _mm256_shuffle_ps(t[0], t[2], 0xEE);
+    u[2] = _mm256_shuffle_ps(t[1], t[3], 0x44), u[3] = _mm256_shuffle_ps(t[1], t[3], 0xEE);
+    u[4] = _mm256_shuffle_ps(t[4], t[6], 0x44), u[5] = _mm256_shuffle_ps(t[4], t[6], 0xEE);
+    u[6] = _mm256_shuffle_ps(t[5], t[7], 0x44), u[7] = _mm256_shuffle_ps(t[5], t[7], 0xEE);
+    for (int j = 0; j < 4; ++j) {  // u[j]: rows 0-3 (lanes 0/1: groups j, j + 4); u[j + 4]: rows 4-7
+      _mm256_storeu_ps(out + (g0 + j) * 8, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+      _mm256_storeu_ps(out + (g0 + j + 4) * 8, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+    }
+  }
+  for (; g0 < G; ++g0)
+    for (int r = 0; r < 8; ++r) out[g0 * 8 + r] = s[(n + r) * G + g0];
+}
+
+template <int MR>
+QVNNI_FN inline void t8_int8_rows(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r0, const float* sT,
+                                  const char* pf) {
+  const int64_t K = w.K, nb = K / kBlock, Kp = a.nb * kBlock, bpg = std::max<int64_t>(1, w.gs / kBlock), G = w.G;
+  const int8_t* q = w.q8 + n * K;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    __m256 accg[MR];
+    for (int r = 0; r < MR; ++r) accg[r] = _mm256_setzero_ps();
+    for (int64_t b1 = std::min(nb, b + bpg); b < b1; ++b) {
+      for (int l = 0; l < 4; ++l) _mm_prefetch(pf + 256 * b + 64 * l, _MM_HINT_T0);
+      __m256i W[8], A[8];
+      for (int i = 0; i < 8; ++i) {
+        W[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + b * kBlock));
+        A[i] = _mm256_abs_epi8(W[i]);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256i X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * Kp + b * kBlock));
+        __m256i P[8];
+        for (int i = 0; i < 8; ++i) P[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), A[i], _mm256_sign_epi8(X, W[i]));
+        const __m256i h01 = _mm256_hadd_epi32(P[0], P[1]), h23 = _mm256_hadd_epi32(P[2], P[3]);
+        const __m256i h45 = _mm256_hadd_epi32(P[4], P[5]), h67 = _mm256_hadd_epi32(P[6], P[7]);
+        const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+        const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+        accg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_broadcast_ss(a.dx.data() + (r0 + r) * a.nb + b), accg[r]);
+      }
+    }
+    const __m256 sv = _mm256_loadu_ps(sT + g * 8);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(accg[r], sv, acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * w.N + n, acc[r]);
+}
+
+// Weight rows n0 .. n1 (n1 - n0 a multiple of 8; K a multiple of 32) against every row of x.
+QVNNI_FN inline void tile_t8_int8(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {
+  std::vector<float> sT(w.G * 8);
+  for (int64_t n = n0; n < n1; n += 8) {
+    fscales_t8(w.s, w.G, n, sT.data());
+    const char* pf = reinterpret_cast<const char*>(w.q8) + (n + 16) * w.K;  // the tile two ahead (cannot fault)
+    int64_t r = 0;
+    for (; r + 4 <= a.M; r += 4) t8_int8_rows<4>(a, w, y, n, r, sT.data(), pf);
+    if (a.M - r >= 2) t8_int8_rows<2>(a, w, y, n, r, sT.data(), pf), r += 2;
+    if (a.M - r >= 1) t8_int8_rows<1>(a, w, y, n, r, sT.data(), pf);
+  }
+}
+
 inline bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -427,7 +613,7 @@ inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2() && __bui
 #endif  // SCRATCHLM_X86
 
 // Code paths: 0 scalar, 1 AVX2, 2 AVX512-VNNI (256-bit) integer kernels, 3 dequantize + FMA tiles (AVX2), 4 codes
-// to floats in registers + FMA (AVX2). `best_path` is what
+// to floats in registers + FMA (AVX2), 6 the 8-row interleaved VNNI kernel (int4; int8 takes path 2). `best_path` is what
 // the CPU runs; tests force each.
 inline int best_path() {
 #ifdef SCRATCHLM_X86
@@ -460,10 +646,18 @@ inline void qgemm_fma(const float* x, int64_t M, const QMat& w, float* y, int pa
 
 // y (M, N) = dequant(W) applied to the quantized rows in `a`; path <= best_path().
 inline void qgemm(const QAct& a, const QMat& w, float* y, int path) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M) / kTile);
-  at::parallel_for(0, (w.N + kTile - 1) / kTile, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kTile, n1 = std::min(w.N, t1 * kTile);
+  const int64_t tile = path == 6 ? 8 : kTile;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M) / tile);
+  at::parallel_for(0, (w.N + tile - 1) / tile, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * tile, n1 = std::min(w.N, t1 * tile);
 #ifdef SCRATCHLM_X86
+    if (path == 6) {  // whole 8-row tiles through the 8-row kernels, a ragged end through path 2
+      const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+      if (w.kind == Kind::kInt4) tile_t8_int4(a, w, y, n0, n8);
+      else tile_t8_int8(a, w, y, n0, n8);
+      if (n8 < n1) tile_vnni(a, w, y, n8, n1);
+      return;
+    }
     if (path == 2) return tile_vnni(a, w, y, n0, n1);
     if (path == 1) return tile_avx2(a, w, y, n0, n1);
 #endif

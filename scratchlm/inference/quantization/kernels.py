@@ -4,10 +4,10 @@
 warning and the pure-torch reference path when the build fails: nothing crashes).
 
 `int8_linear` / `int4_linear` are what the quantized modules call. For up to `GEMM_ROWS` CPU rows they run
-the engine extension's `quant_linear` (`inference/csrc/quant_gemm.h`: activations quantized to int8 per
-32-block and integer dot products for few rows, dequantize-to-L1 + FMA tiles from 8 rows), the very kernels
-of the fused decode step, so the Python path and the fused step give the same logits. Layouts those
-kernels do not take (int8 groups that are not multiples of 32) use this module's own older extension
+the engine extension's `quant_linear` (`inference/csrc/quant_gemm.h`: on AVX512-VNNI CPUs activations quantized
+to int8 per 32-block and 8-row integer dot-product kernels; elsewhere, or with `float_activations(True)`, float
+kernels), the very kernels of the fused decode step, so the Python path and the fused step give the same logits.
+Layouts those kernels do not take (int8 groups that are not multiples of 32) use this module's own older extension
 (`csrc/quant_kernels.cpp`: dequantize in registers + FMA). Above `GEMM_ROWS` rows (prefill chunks) and on
 other devices (CUDA: no kernel yet) the weight is dequantized and torch's GEMM does the compute-bound work.
 """
@@ -51,6 +51,17 @@ def _engine_kernels(x: Tensor, use_simd: bool) -> Any | None:
     if not use_simd or x.device.type != "cpu" or x.numel() > GEMM_ROWS * x.shape[-1] or x.numel() == 0:
         return None
     return cpp_extensions.load_engine_kernels()
+
+
+def float_activations(enabled: bool | None = None) -> bool:
+    """Whether the CPU kernels keep activations in float32 (exact up to the summation order) instead of rounding
+    them to int8 per 32-block for the faster integer dot products (the default on AVX512-VNNI CPUs, as
+    llama.cpp; see docs/quantization.md "Kernels"). `enabled` switches it for the process (also the fused step);
+    ``$SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1`` sets it at start. True without the engine extension (the reference)."""
+    eng = cpp_extensions.load_engine_kernels()
+    if eng is None:
+        return True
+    return bool(eng.quant_float_activations(-1 if enabled is None else int(enabled)))
 
 
 def int8_takes(k: int, group_size: int) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from scratchlm.inference.quantization import kernels
 from scratchlm.inference.quantization import reference as ref
+from tests.inference.quantization.helpers import assert_within_integer_bound, integer_bound
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,9 @@ def test_int8_kernel_matches_reference(ext, use_simd, m_rows, k, group):
     w = torch.randn(40, k, generator=gen)
     x = torch.randn(m_rows, k, generator=gen)
     q, s = ref.quantize_int8(w, group)
-    want = ref.reference_linear(x, ref.dequantize_int8(q, s))
     got = kernels.int8_linear(x, q, s, group or k, use_simd=use_simd)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # float kernels match to float32 rounding; the integer ones (AVX512-VNNI default) within their x-rounding bound
+    assert_within_integer_bound(got, x, ref.dequantize_int8(q, s), "int8_linear")
 
 
 @pytest.mark.parametrize("use_simd", PATHS)
@@ -44,9 +45,8 @@ def test_int4_kernel_matches_reference(ext, use_simd, m_rows, k, group, symmetri
     w = torch.randn(33, k, generator=gen)
     x = torch.randn(m_rows, k, generator=gen)
     q, d, m = ref.quantize_int4(w, group, symmetric)
-    want = ref.reference_linear(x, ref.dequantize_int4(q, d, m, group))
     got = kernels.int4_linear(x, q, d, m, group, use_simd=use_simd)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4)
+    assert_within_integer_bound(got, x, ref.dequantize_int4(q, d, m, group), "int4_linear")
 
 
 def test_kernels_keep_batch_dims_and_dtype(ext):
@@ -55,7 +55,10 @@ def test_kernels_keep_batch_dims_and_dtype(ext):
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     y = kernels.int4_linear(x, q, d, m, 32)
     assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, ref.reference_linear(x, ref.dequantize_int4(q, d, m, 32)), rtol=2e-2, atol=2e-2)
+    wd = ref.dequantize_int4(q, d, m, 32)
+    x2 = x.float().reshape(-1, 64)
+    err = (y.double().reshape(-1, 16) - x2.double() @ wd.double().t()).abs()
+    assert (err <= integer_bound(x2, wd, rtol=1e-2)).all()  # bfloat16 in and out: 1 % of |x| |w|
 
 
 def test_kernel_rejects_bad_input(ext):
@@ -87,4 +90,5 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
     w = torch.randn(8, 64)
     q, d, m = ref.quantize_int4(w, 32)
     x = torch.randn(1, 64)
-    torch.testing.assert_close(kernels.int4_linear(x, q, d, m, 32), x @ ref.dequantize_int4(q, d, m, 32).T)
+    # the engine's kernels (when an earlier test built them) or the reference: either within the int8-x bound
+    assert_within_integer_bound(kernels.int4_linear(x, q, d, m, 32), x, ref.dequantize_int4(q, d, m, 32), "fallback")

@@ -9,6 +9,7 @@ import torch
 from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 from scratchlm.inference.quantization import (
     QuantizedTransformerLM,
+    kernels,
     load_quantized,
     quantize_model,
     save_quantized,
@@ -18,6 +19,7 @@ from scratchlm.inference.quantization.modules import QuantLinear
 from scratchlm.inference.quantization.reference import dequantize_int4, dequantize_int8
 from scratchlm.model import ModelConfig, TransformerLM, load
 from scratchlm.model.loading.common import CheckpointError
+from tests.inference.quantization.helpers import assert_within_integer_bound
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,14 @@ def test_random_model_logits_close(scheme, bound):
     for mod in ref_path.modules():
         if isinstance(mod, QuantLinear):
             mod.use_extension = False
-    torch.testing.assert_close(q(tokens), ref_path(tokens), rtol=1e-4, atol=1e-4)
+    want_ref = ref_path(tokens)
+    assert rel_err(q(tokens), want_ref) < 0.02  # default kernels: x rounded to int8 per block on VNNI CPUs
+    previous = kernels.float_activations()
+    try:
+        kernels.float_activations(True)  # float activations: the reference's values up to the summation order
+        torch.testing.assert_close(q(tokens), want_ref, rtol=1e-4, atol=1e-4)
+    finally:
+        kernels.float_activations(previous)
 
 
 def test_head8_layout():
@@ -159,7 +168,7 @@ def test_gguf_blocks_matmul_equals_dequantized_matmul(type_name):
     lin = QuantLinear(96, 24, PACKED_TYPES[type_name][1])
     lin._buffers.update(planes)
     x = torch.randn(3, 96)
-    torch.testing.assert_close(lin(x), x @ oracle.T, rtol=1e-4, atol=1e-4)
+    assert_within_integer_bound(lin(x), x, oracle, type_name)  # x may be rounded to int8 per block (VNNI CPUs)
 
 
 def test_gguf_bad_block_size():
@@ -176,7 +185,16 @@ def test_smollm2_gguf_packed_equals_dequantized(default_model_path):
     ref = load(default_model_path)
     packed = load_gguf_packed(default_model_path)
     tokens = torch.tensor([ref.tokenizer.encode("The capital of France is Paris. The capital of Italy is")])
-    torch.testing.assert_close(packed.model(tokens), ref.model(tokens), rtol=1e-4, atol=2e-4)
+    want = ref.model(tokens)
+    previous = kernels.float_activations()
+    try:
+        kernels.float_activations(True)  # float activations: only the summation order differs
+        torch.testing.assert_close(packed.model(tokens), want, rtol=1e-4, atol=2e-4)
+    finally:
+        kernels.float_activations(previous)
+    got = packed.model(tokens)  # the default kernels (int8-rounded activations on VNNI CPUs, as llama.cpp)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() < 0.25 * want.std()
     assert packed.model.layers[0].ffn.w1.fmt.bits == 4 and packed.model.output_head.fmt.bits == 8
 
 

@@ -6,19 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.quantization import reference as ref
 from scratchlm.inference.quantization.gguf_packed import unpack_gguf_blocks
+from tests.inference.quantization.helpers import assert_within_integer_bound, engine_kernels_or_fail, integer_bound
 
 
 @pytest.fixture(scope="module")
 def ext():
-    module = load_engine_kernels()
-    if module is None:
-        pytest.skip("the engine's C++ kernels could not be built here (the reference path is used instead)")
-    return module
+    return engine_kernels_or_fail()
 
 
 def _weight(fmt: str, n: int, k: int, group: int | None, seed: int):
@@ -32,8 +28,8 @@ def _weight(fmt: str, n: int, k: int, group: int | None, seed: int):
 
 FORMATS = [("int8", 37, 576, None), ("int8", 20, 172, None), ("int8", 33, 96, 32), ("int4-sym", 21, 576, 32),
            ("int4-asym", 19, 576, 32), ("int4-asym", 18, 576, 128), ("int4-sym", 9, 64, 64)]
-EXACT_PATHS = [-1, 0, 3, 4]  # auto, portable (dequantize + ATen), FMA tiles, codes to floats in registers + FMA
-INTEGER_PATHS = [1, 2, 5]  # x quantized to int8 per 32-block: AVX2 maddubs, AVX512-VNNI, scalar
+EXACT_PATHS = [0, 3, 4]  # portable (dequantize + ATen), FMA tiles, codes to floats in registers + FMA
+INTEGER_PATHS = [1, 2, 5, 6]  # x quantized to int8 per 32-block: AVX2 maddubs, AVX512-VNNI, scalar, 8-row VNNI
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
@@ -45,15 +41,16 @@ def test_quant_linear_paths_match_dequantized_matmul(ext, fmt, n, k, group, rows
     for path in EXACT_PATHS:  # the same float32 weights: only the summation order differs
         got = ext.quant_linear(x, tensors, g, path)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4, msg=f"path {path}")
-    # Integer paths round x to int8 per 32-block (|error| <= amax / 254 per element): bounded by that.
-    xb = F.pad(x.abs(), (0, (-k) % 32)).view(rows, -1, 32).amax(-1).double()  # (rows, blocks)
-    wb = F.pad(wd.abs(), (0, (-k) % 32)).view(n, -1, 32).sum(-1).double()  # (n, blocks)
-    bound = xb @ wb.t() / 254 + 1e-4 * (x.abs().double() @ wd.abs().double().t()) + 1e-5
-    outs = [ext.quant_linear(x, tensors, g, p) for p in INTEGER_PATHS]
-    for path, got in zip(INTEGER_PATHS, outs):
+    # Integer paths round x to int8 per 32-block (|error| <= amax / 254 per element): bounded by that. The default
+    # (-1) is one of the two kinds, by CPU.
+    bound = integer_bound(x, wd)
+    outs = [ext.quant_linear(x, tensors, g, p) for p in INTEGER_PATHS + [-1]]
+    for path, got in zip(INTEGER_PATHS + [-1], outs):
         if rows <= 64:
             assert ((got.double() - want).abs() <= bound).all(), f"integer path {path}"
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # AVX2 and VNNI: same integer sums, same order
+    # the 8-row kernel: the same integer sums, its float sums in another order
+    torch.testing.assert_close(outs[3], outs[1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
@@ -74,7 +71,8 @@ def test_gguf_blocks_dequantize_bit_equal_to_gguf_quants(ext, type_name):
     tensors = [planes["qweight"], planes["scales"]] + ([planes["mins"]] if "mins" in planes else [])
     assert torch.equal(ext.quant_dequantize(tensors, 32, 96), oracle)
     x = torch.randn(3, 96)
-    torch.testing.assert_close(ext.quant_linear(x, tensors, 32), x @ oracle.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ext.quant_linear(x, tensors, 32, 4), x @ oracle.T, rtol=1e-5, atol=1e-5)  # float x
+    assert_within_integer_bound(ext.quant_linear(x, tensors, 32), x, oracle, "default path")
 
 
 def test_quant_linear_rejects_bad_input(ext):
