@@ -85,7 +85,8 @@ BENCHES: dict[str, Bench] = {
     "threads": Bench(why="measures torch threads against deliberately spinning neighbour processes"),
 }
 # benchmarks/serve.py runs twice: its throughput figures, then the inspector's overhead (full, quick arguments)
-SERVE_INSPECTOR = ("serve", ("--inspector-overhead", "--repeats", "3", "--num-requests", "16"),
+SERVE_INSPECTOR = ("serve", ("--inspector-overhead", "--repeats", "12", "--num-requests", "8", "--output-len", "16",
+                             "64"),
                    ("--inspector-overhead", "--model", STORIES, "--repeats", "1", "--num-requests", "4",
                     "--max-concurrency", "4", "--output-len", "4", "8", "--prompt-len", "8", "16"))
 
@@ -131,7 +132,9 @@ FIGURES: dict[str, Figure] = {
     "walls-roofline": Figure("walls", "Operating points", png="walls", page="walls.md"),
     "walls-peaks": Figure("walls", "Machine peaks", page="walls.md"),
     "walls-techniques": Figure("walls", "What each technique moves", page="walls.md"),
-    "walls-comm": Figure("parallel", "Communication per engine step", page="walls.md"),
+    "walls-link": Figure("walls", "The link", page="walls.md"),
+    "walls-comm": Figure("walls", "Communication per step", page="walls.md"),
+    "walls-io-techniques": Figure("walls", "What moves the I/O wall", page="walls.md"),
 }
 
 
