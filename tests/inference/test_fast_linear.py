@@ -61,3 +61,32 @@ def test_swap_keeps_weights_and_outputs() -> None:
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights  # shared, not copied
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    """The tests above skip without the extension; on an x86-64 Linux box with a C++ compiler it must build
+    (a silent fallback to torch would make them prove nothing about the kernels)."""
+    import platform
+    import shutil
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None:
+        pytest.skip("no x86-64 C++ toolchain here")
+    assert fast_linear.load_kernels() is not None
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 31, 64])
+@pytest.mark.parametrize("n,k", [(7, 16), (9, 48), (33, 1536), (6, 24)])
+def test_kernel_tiles_and_remainders(kernels, m: int, n: int, k: int) -> None:
+    """Every row/column remainder of the 4 x 4 (AVX-512, K % 16 == 0) and 4 x 2 / 4 x 3 (AVX2) tiles."""
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    torch.testing.assert_close(kernels.skinny_linear(x, w), x @ w.T, atol=1e-4 * (k / 64) ** 0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [65, 130, 512])
+def test_large_rows_gemm_matches_matmul(kernels, m: int) -> None:
+    """More than 64 rows (prefill): oneDNN's matmul where torch has it (csrc/skinny_gemm.h large_gemm), the same
+    product as torch's to float32 rounding."""
+    torch.manual_seed(m)
+    x, w = torch.randn(m, 576), torch.randn(200, 576)
+    torch.testing.assert_close(kernels.quant_linear(x, [w], 0), x @ w.T, atol=2e-4, rtol=1e-4)

@@ -114,6 +114,12 @@ void kv_store(torch::Tensor cache, c10::optional<torch::Tensor> scales, torch::T
 
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
+// The fp32 kernel choice of skinny_gemm.h (for benchmarks interleaving them); returns the previous one.
+std::vector<bool> set_fp32_kernels(bool avx512, bool onednn) {
+  auto& c = scratchlm_gemm::kernel_choice();
+  return {c.avx512.exchange(avx512), c.onednn.exchange(onednn)};
+}
+
 // y = x @ W^T for a quantized (or float32) W given as its tensors (qlinear.h); path -1: the best this CPU runs.
 torch::Tensor quant_linear(torch::Tensor x, const std::vector<torch::Tensor>& weight, int64_t group_size,
                            int64_t path) {
@@ -172,6 +178,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
+  m.def("set_fp32_kernels", &set_fp32_kernels, "AVX-512 skinny tiles / oneDNN for many rows on or off; the old choice",
+        py::arg("avx512"), py::arg("onednn"));
   m.def("quant_linear", &quant_linear, "y = x @ W^T, W float32 / int8 / int4 tensors (qlinear.h)", py::arg("x"),
         py::arg("weight"), py::arg("group_size"), py::arg("path") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("quant_dequantize", &quant_dequantize, "the float32 (N, K) weight of int8 / int4 tensors",

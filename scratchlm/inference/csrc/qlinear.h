@@ -108,7 +108,7 @@ struct QLinear {
   void forward(const torch::Tensor& x, torch::Tensor& y, QAct* xq, int path = -1) const {
     const int64_t M = x.size(0);
     if (M > kMaxRows) {
-      at::mm_out(y, x, dequantized().t());
+      scratchlm_gemm::large_gemm(x, dequantized(), y);  // oneDNN where torch has it (skinny_gemm.h)
       return;
     }
     if (!quantized()) {
