@@ -66,6 +66,7 @@ BENCHES: dict[str, Bench] = {
     "walls": Bench(quick=("--quick",)),
     "engine_throughput": Bench(quick=("--model", STORIES, "--num-requests", "4", "--repeats", "1", "--skip", "vllm",
                                       "hf", "batch1", "--parts", "throughput")),
+    "engine_phases": Bench(why="the 32-request workload per phase against the vLLM-CPU peer (.peers/vllm), minutes"),
     "speculative": Bench(why="loads SmolLM2-135M into three engines and decodes 80 tokens per prompt (minutes)"),
     "quant_speed": Bench(why="quantizes SmolLM2-135M six ways (minutes)"),
     "quant_fidelity": Bench(why="perplexity windows of SmolLM2-135M per variant (minutes)"),
@@ -135,6 +136,19 @@ FIGURES: dict[str, Figure] = {
     "walls-link": Figure("walls", "The link", page="walls.md"),
     "walls-comm": Figure("walls", "Communication per step", page="walls.md"),
     "walls-io-techniques": Figure("walls", "What moves the I/O wall", page="walls.md"),
+    # tables the topic pages quote from a result file, marked so that --report rebuilds them too
+    "plan-validation-t1": Figure("plan_validation", 1, page="planning.md"),
+    "plan-validation-t2": Figure("plan_validation", 2, page="planning.md"),
+    "plan-validation-t3": Figure("plan_validation", 3, page="planning.md"),
+    "plan-validation-t4": Figure("plan_validation", 4, page="planning.md"),
+    "sequence-parallel-t1": Figure("sequence_parallel", 1, page="sequence_parallel.md"),
+    "sequence-parallel-t2": Figure("sequence_parallel", 2, page="sequence_parallel.md"),
+    "sequence-parallel-ulysses-t1": Figure("sequence_parallel-ulysses", 1, page="sequence_parallel.md"),
+    "sequence-parallel-ulysses-t2": Figure("sequence_parallel-ulysses", 2, page="sequence_parallel.md"),
+    "speculative-t1": Figure("speculative", 1, page="speculative.md"),
+    "speculative-t2": Figure("speculative", 2, page="speculative.md"),
+    "speculative-t3": Figure("speculative", 3, page="speculative.md"),
+    "speculative-t4": Figure("speculative", 4, page="speculative.md"),
 }
 
 
