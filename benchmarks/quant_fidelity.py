@@ -8,9 +8,11 @@ token windows: the WikiText-2 test text, tokenized once, cut into fixed non-over
 512 tokens, the first `--windows` of them. Per window each position t predicts token t+1.
 
 Variant names are scheme names (`parse_scheme`): ``int4-g32-asym`` is the default int4 scheme
-(error-minimizing weight-only scale search), ``+rtn`` the plain round-to-nearest min/max rule, and a
-trailing ``@cal`` means "calibrated": the search is weighted by the activation statistics of the
-first `--calib-tokens` tokens of `--calib-text` (default: WikiText-2 *valid*, disjoint from test).
+(int4 linears, per-channel int8 head; without calibration the error-minimizing weight-only search),
+``+head4`` stores the head in int4 too, ``+rtn`` is the plain round-to-nearest min/max rule, ``+mse``
+the search, and a trailing ``@cal`` means "calibrated" with the first `--calib-tokens` tokens of
+`--calib-text` (default: WikiText-2 *valid*, disjoint from test): the default scheme then runs
+sequential GPTQ, ``+mse`` weights the search by E[x^2].
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from tqdm import tqdm
 
 from benchmarks.common import Report, set_threads, shared_data_dir
 
-VARIANTS = ("int4-g32-sym+rtn", "int4-g32-asym+rtn", "int4-g32-asym", "int4-g32-asym@cal",
-            "int4-g128-asym+rtn", "int4-g128-asym", "int4-g128-asym@cal", "int4-g128-asym+head8@cal")
+VARIANTS = ("int4-g32-asym+rtn+head4", "int4-g32-asym+head4@cal", "int4-g32-asym+rtn", "int4-g32-asym",
+            "int4-g32-asym@cal", "int4-g128-asym+rtn+head4", "int4-g128-asym+head4@cal", "int4-g128-asym+rtn",
+            "int4-g128-asym", "int4-g128-asym+mse@cal", "int4-g128-asym@cal")
 TARGETS = {"int8": 0.5, "int4-g32": 2.0, "int4-g128": 5.0}  # max ΔPPL in %, by name prefix (issue 20)
 
 
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gguf", action="store_true", help="leave out the GGUF-packed variant")
     parser.add_argument("--calib-text", default=None,
                         help="calibration text for @cal variants (default: shared wikitext2/valid.txt)")
-    parser.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens (default 512)")
+    parser.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    parser.add_argument("--calib-seq", type=int, default=512, help="calibration tokens per row (default 512)")
     parser.add_argument("--kernels", action="store_true",
                         help="run quantized layers through the C++ kernels (default: the pure-torch reference, "
                              "dequantize + matmul: fidelity is a property of the stored weights, and the kernels "
@@ -90,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         if tag not in ("", "cal"):
             parser.error(f"variant {name!r}: the only suffix is @cal (calibrated), got @{tag}")
         if tag and calib is None:
-            calib = calibration_tokens_from_file(ref.tokenizer, calib_path, args.calib_tokens)
-        t = time.perf_counter()
+            calib = calibration_tokens_from_file(ref.tokenizer, calib_path, args.calib_tokens, args.calib_seq)
+        t = time.process_time()  # CPU seconds: the machine is shared, wall time would measure the neighbours
         models[name] = quantize_model(ref.model, scheme, calibration=calib if tag else None)
-        quant_s[name] = time.perf_counter() - t
+        quant_s[name] = time.process_time() - t
         print(f"{name}: quantized in {quant_s[name]:.1f}s", flush=True)
     if not args.no_gguf:
         models["gguf-packed"] = load_gguf_packed(path).model
@@ -129,22 +133,24 @@ def main(argv: list[str] | None = None) -> int:
         mib = (model.weight_bytes() if hasattr(model, "weight_bytes") else
                sum(p.numel() * p.element_size() for p in model.parameters())) / 2**20
         rows.append([name, f"{mib:.0f}", f"{ppl:.3f}", f"{dppl:+.2f}%", verdict, f"{s['kl'] / s['n']:.5f}",
-                     f"{100 * s['top1'] / s['n']:.2f}%", f"{quant_s[name]:.1f}" if name in quant_s else ""])
+                     f"{100 * s['top1'] / s['n']:.2f}%", f"{quant_s[name]:.0f}" if name in quant_s else ""])
     report = Report(args.name, "Quantization fidelity on SmolLM2-135M (WikiText-2 test)", argv or sys.argv[1:])
     report.add(f"{args.windows} non-overlapping windows of {args.window} tokens from the start of "
                f"wikitext2/test.txt ({stats['fp32']['n']} predicted tokens), same windows for every variant; "
                f"reference = the default GGUF ({path.name}) dequantized to fp32. Evaluation took {elapsed:.0f}s; "
                f"quantized layers ran {'through the C++ kernels' if args.kernels else 'the pure-torch reference'}. "
                + (f"Calibration (@cal): the first {calib.numel()} tokens of {Path(calib_path).name} "
-                  f"({Path(calib_path).parent.name}), one float forward." if calib is not None else ""))
+                  f"({Path(calib_path).parent.name}) in rows of {calib.shape[1]}." if calib is not None else ""))
     report.table(["variant", "weights MiB", "PPL", "ΔPPL", "target", "KL(fp32 ‖ q) / token", "top-1 = fp32",
-                  f"quantize s ({args.threads} thr)"], rows)
+                  f"quantize CPU s ({args.threads} thr)"], rows)
     report.add("`int8` = per-output-channel symmetric int8 for every linear and the (tied) output head; "
-               "`int4-gN-sym|asym` = group-wise int4 (llama.cpp Q4_0 / Q4_1 formats) for every linear and the head, "
-               "parameters chosen by the error-minimizing search (`calibrate.py`); `+rtn` = plain round-to-nearest "
-               "min/max (Q4_1) or absmax (Q4_0) parameters; `@cal` = the search weighted by E[x^2] per input "
-               "channel from the calibration tokens; "
-               "`+head8` keeps the head at per-channel int8; "
+               "`int4-gN-sym|asym` = group-wise int4 (llama.cpp Q4_0 / Q4_1 formats) for every linear, the head at "
+               "per-channel int8 (the default; `+head4`: the head in the same int4 format); parameters: without "
+               "calibration the weight-only error-minimizing search (`calibrate.py`; an int4 head keeps "
+               "round-to-nearest), with `@cal` sequential GPTQ (`gptq.py`: one forward, each linear's Hessian from "
+               "the already-quantized prefix, group parameters fit on the updated weights); `+rtn` = plain "
+               "round-to-nearest min/max (Q4_1) or absmax (Q4_0) parameters; `+mse@cal` = the search weighted by "
+               "E[x^2] per input channel from the calibration tokens (float model, one pass); "
                "`+emb` also stores the token embedding quantized (shared with the tied head); `gguf-packed` = the "
                "file's own Q4_1 / Q8_0 blocks kept packed, i.e. the same values as the reference, so its KL "
                "measures only kernel rounding. SmolLM2's d_model 576 is not a multiple of 128: g128 rows end "

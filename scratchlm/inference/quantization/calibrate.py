@@ -38,6 +38,7 @@ from scratchlm.inference.quantization.scheme import LayerFormat
 
 SEARCHES = ("mse", "rtn", "gptq")  # GPTQ itself lives in gptq.py
 HEAD = "output_head"  # same key as modules.HEAD (kept here so this module does not import the layers)
+CALIBRATION_TOKENS = 16384  # default calibration size: GPTQ's Hessians (d_in up to 1,536) overfit 2k tokens
 STAT_FLOOR = 0.01  # h_k = E[x_k^2] + STAT_FLOOR * mean_k E[x_k^2]
 _CHUNK_ELEMS = 1 << 17  # rows are searched in chunks of about this many weights (bounded memory)
 
@@ -46,7 +47,7 @@ _CHUNK_ELEMS = 1 << 17  # rows are searched in chunks of about this many weights
 # calibration statistics
 # ---------------------------------------------------------------------------------------------
 
-def calibration_tokens(tokenizer, text: str, n_tokens: int = 512, seq_len: int = 256) -> Tensor:
+def calibration_tokens(tokenizer, text: str, n_tokens: int = CALIBRATION_TOKENS, seq_len: int = 512) -> Tensor:
     """The first `n_tokens` tokens of `text`, as (n_tokens // seq_len, seq_len) int64 rows (deterministic).
 
     Raises ValueError when the text is too short, naming how many tokens it had.
@@ -61,11 +62,13 @@ def calibration_tokens(tokenizer, text: str, n_tokens: int = 512, seq_len: int =
         ids += tokenizer.encode(text[pos:pos + 20_000])
         pos += 20_000
     if len(ids) < n_tokens:
-        raise ValueError(f"calibration text has only {len(ids)} tokens, need {n_tokens}")
+        raise ValueError(f"calibration text has only {len(ids)} tokens, need {n_tokens} (give a longer text or fewer "
+                         f"tokens: --quantization-calibration-tokens)")
     return torch.tensor(ids[:n_tokens], dtype=torch.long).view(-1, seq_len)  # (B, T)
 
 
-def calibration_tokens_from_file(tokenizer, path: str | Path, n_tokens: int = 512, seq_len: int = 256) -> Tensor:
+def calibration_tokens_from_file(tokenizer, path: str | Path, n_tokens: int = CALIBRATION_TOKENS, seq_len: int = 512
+                                 ) -> Tensor:
     """`calibration_tokens` of a UTF-8 text file; errors name the file."""
     path = Path(path)
     if not path.is_file():

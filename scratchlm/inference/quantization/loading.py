@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from scratchlm.inference.quantization.calibrate import calibration_tokens_from_file
+from scratchlm.inference.quantization.calibrate import CALIBRATION_TOKENS, calibration_tokens_from_file
 from scratchlm.inference.quantization.gguf_packed import load_gguf_packed
 from scratchlm.inference.quantization.scheme import SCHEME_HELP, parse_scheme
 from scratchlm.inference.quantization.transform import FORMAT, load_quantized, quantize_model
@@ -36,7 +36,7 @@ def _is_quantized_checkpoint(path: Path) -> bool:
 
 def load_model_quantized(path: str | Path, quantization: str | None = None, dtype: torch.dtype = torch.float32,
                          device: str | torch.device = "cpu", calibration: str | Path | None = None,
-                         calibration_tokens: int = 512) -> LoadedModel:
+                         calibration_tokens: int = CALIBRATION_TOKENS) -> LoadedModel:
     """Load `path` (anything `scratchlm.model.load` reads, or a quantized checkpoint) and apply `quantization`.
 
     `calibration`: a UTF-8 text file whose first `calibration_tokens` tokens calibrate the int4
