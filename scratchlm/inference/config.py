@@ -51,16 +51,18 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata={"help": "weight quantization: none | gguf (keep a .gguf's Q8_0/Q4_0/Q4_1 blocks packed) | "
-                          "int8 | int4[-gN][-sym|-asym][+head8][+rtn|+gptq] (see docs/quantization.md)"},
+                          "int8 | int4[-gN][-sym|-asym][+head4|+nohead][+rtn|+mse|+gptq] (int4 keeps the head at int8; "
+                          "see docs/quantization.md)"},
     )
     quantization_calibration: str | None = field(
         default=None,
         metadata={"help": "UTF-8 text file whose first quantization_calibration_tokens tokens calibrate int4: the "
-                          "scale search weighs each input channel by its E[x^2] (+gptq needs it); None = "
-                          "weight-only search"},
+                          "default int4 scheme then runs sequential GPTQ (+mse: the scale search weighs each input "
+                          "channel by its E[x^2]); None = weight-only search"},
     )
     quantization_calibration_tokens: int = field(
-        default=512, metadata={"help": "tokens of quantization_calibration used (fixed: the file's first ones)"}
+        default=16384, metadata={"help": "tokens of quantization_calibration used (fixed: the file's first ones; "
+                                         "GPTQ overfits a few thousand)"}
     )
     speculative: str | None = field(
         default=None,
