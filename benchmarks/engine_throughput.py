@@ -163,48 +163,78 @@ def run_hf(hf, prompts, outputs, batch_size: int) -> float:
 
 
 class StepLog:
-    """What every step of an engine computes (rows, sampled rows, decode context tokens), hooked on its runner."""
+    """What every step of an engine computes (rows, sampled rows, decode context tokens, whether it has a prompt
+    chunk) and its thread CPU seconds, hooked on its runner."""
 
     def __init__(self, engine):
-        self.steps: list[tuple[int, int, int]] = []
+        self.steps: list[tuple[int, int, int, bool]] = []
+        self.seconds: list[float] = []
         execute = engine.runner.execute
 
         def logged(inp):
-            self.steps.append((len(inp.token_ids), len(inp.logits_indices), sum(inp.decode_context_lens)))
-            return execute(inp)
+            t0 = time.thread_time()
+            out = execute(inp)
+            self.seconds.append(time.thread_time() - t0)
+            self.steps.append((len(inp.token_ids), len(inp.logits_indices), sum(inp.decode_context_lens),
+                               len(inp.token_ids) > inp.num_decode_tokens))
+            return out
 
         engine.runner.execute = logged
 
+    def clear(self) -> None:
+        self.steps.clear()
+        self.seconds.clear()
+
 
 def gemm_rate(repeats: int = 10) -> float:
-    """MKL's best fp32 GFLOP/s over the shapes of a SmolLM2 prefill step (512 rows), in this process."""
+    """The best fp32 GFLOP/s of MKL's sgemm and of oneDNN's matmul (which scratchlm's prefill calls) over the shapes
+    of a SmolLM2 prefill step (512 rows), in this process."""
     import torch
 
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
     best = 0.0
     for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576)):
         x, w = torch.randn(512, k), torch.randn(n, k)
-        x @ w.t()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            x @ w.t()
-            best = max(best, 2 * 512 * k * n / (time.perf_counter() - t0) / 1e9)
+        fns = [lambda x=x, w=w: x @ w.t()] + (
+            [lambda x=x, w=w: onednn(x, w, None, "none", [], "")] if onednn is not None else [])
+        for fn in fns:
+            fn()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                best = max(best, 2 * 512 * k * n / (time.perf_counter() - t0) / 1e9)
     return best
 
 
-def schedule_bound(steps: list[tuple[int, int, int]], model, gflops: float, gbps: float) -> float:
-    """Seconds that `steps` need at least on this core: per step, the weights stream once from memory or the
-    GEMM FLOPs run at `gflops`, whichever is longer, plus the decode rows' K/V read at `gbps`. Attention FLOPs
-    and every other cost count as zero."""
+def step_bound(step: tuple, model, gflops: float, gbps: float) -> float:
+    """Seconds one step (rows, sampled rows, decode context tokens, ...) needs at least on this core: the fp32
+    weights stream once from memory or the GEMM FLOPs run at `gflops`, whichever is longer, plus the decode rows'
+    K/V read at `gbps`. Attention FLOPs and every other cost count as zero."""
     c = model.config
     head = model.output_weight.numel()
     body = sum(p.numel() for p in model.layers.parameters())
     weight_bytes = (body + head) * 4
     kv_bytes_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
-    total = 0.0
-    for rows, sampled, context in steps:
-        flops = 2 * rows * body + 2 * sampled * head
-        total += max(weight_bytes / (gbps * 1e9), flops / (gflops * 1e9)) + context * kv_bytes_per_token / (gbps * 1e9)
-    return total
+    rows, sampled, context = step[:3]
+    flops = 2 * rows * body + 2 * sampled * head
+    return max(weight_bytes / (gbps * 1e9), flops / (gflops * 1e9)) + context * kv_bytes_per_token / (gbps * 1e9)
+
+
+def schedule_bound(steps: list[tuple], model, gflops: float, gbps: float) -> float:
+    """Seconds that `steps` need at least on this core (the sum of `step_bound`)."""
+    return sum(step_bound(s, model, gflops, gbps) for s in steps)
+
+
+def phase_bounds(log: StepLog, model, gflops: float, gbps: float) -> dict[str, tuple[int, float, float, float]]:
+    """Per phase ("prefill": steps with a prompt chunk, "decode": the others): (steps, thread CPU seconds measured,
+    seconds of the roofline, seconds of its GEMM FLOPs alone at `gflops`)."""
+    out = {}
+    for name, want in (("prefill", True), ("decode", False)):
+        idx = [i for i, s in enumerate(log.steps) if s[3] == want]
+        bound = [step_bound(log.steps[i], model, gflops, gbps) for i in idx]
+        flops = [step_bound(log.steps[i], model, gflops, 1e12) for i in idx]  # memory free: the FLOP time
+        out[name] = (len(idx), sum(log.seconds[i] for i in idx), sum(bound), sum(flops))
+    return out
 
 
 def _read_bandwidth(read, repeats: int) -> float:
@@ -337,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         step_log = StepLog(engine)
 
         def scratchlm_run() -> float:
-            step_log.steps.clear()
+            step_log.clear()
             seconds, last_ids["scratchlm"] = run_scratchlm(engine, prompts, outputs)
             return seconds
 
@@ -399,10 +429,16 @@ def main(argv: list[str] | None = None) -> int:
         bound = schedule_bound(step_log.steps, engine.runner.model, gflops, gbps)
         notes.append(f"roofline of scratchlm's schedule ({len(step_log.steps)} steps; per step the fp32 weights "
                      f"stream once at the best of MKL's GEMV and a plain streaming read, {gbps:.1f} GB/s, or its "
-                     f"GEMM FLOPs run at MKL's best "
-                     f"rate, {gflops:.0f} GFLOP/s, whichever is longer, plus the decode K/V reads; both rates "
+                     f"GEMM FLOPs run at the best rate of MKL and oneDNN, {gflops:.0f} GFLOP/s, whichever is longer, "
+                     f"plus the decode K/V reads; both rates "
                      f"measured in this run): {bound:.1f} s, i.e. {n_out / bound:.0f} output tok/s at most. "
                      f"scratchlm's median is {bound / base:.0%} of it")
+        phases = phase_bounds(step_log, engine.runner.model, gflops, gbps)
+        for name, (n, cpu, roof, compute) in phases.items():
+            notes.append(f"{name} steps ({n} in the last repeat; their GEMM FLOPs alone at that rate would take "
+                         f"{compute:.1f} s): {cpu:.1f} s of thread CPU in the "
+                         f"runner against a roofline of {roof:.1f} s: **{roof / cpu if cpu else 0:.0%} of the "
+                         f"roofline**")
         for name, ts in times.items():
             if name.startswith("HF"):
                 need = statistics.median(ts) / 5
