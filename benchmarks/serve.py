@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-offline", action="store_true", help="leave out the offline LLM.generate contender")
     parser.add_argument("--bind-core", type=int, default=-1,
                         help="pin the servers to cores bind_core .. bind_core + threads - 1 (-1: no pinning)")
+    parser.add_argument("--results-name", default=None,
+                        help="name of the results file (results/<date>-<name>.md; default: serve[-model][-placement])")
     parser.add_argument("--serve-args", default="",
                         help="more flags for `scratchlm serve`, e.g. '--max-num-batched-tokens 1024' (in the report)")
     parser.add_argument("--inspector-overhead", action="store_true",
@@ -525,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     # one results file per model and engine placement
     report.name = ("serve" if args.model is None else f"serve-{Path(model).stem}") + \
         ("-engine-process" if args.engine_process else "-engine-thread" if args.engine_thread else "")
+    report.name = args.results_name or report.name
     report.add(f"Model `{Path(model).name}`; {len(jobs)} requests, prompt lengths U{tuple(args.prompt_len)} "
                f"(random token ids, seed {args.seed} + repeat: fresh prompts every repeat), output lengths "
                f"U{tuple(args.output_len)}, `ignore_eos`, "
