@@ -198,3 +198,11 @@ def test_random_workload_keeps_the_pool_consistent_under_both_policies():
         assert not todo, f"{policy}: {len(todo)} sequences never finished"
         assert sched.clock == total
         assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_engine_config_validates_the_policy():
+    from scratchlm.inference import EngineConfig
+
+    assert EngineConfig().scheduling_policy == "shortest-first"
+    with pytest.raises(ValueError, match="scheduling_policy='lifo' must be shortest-first or fcfs"):
+        EngineConfig(scheduling_policy="lifo")
