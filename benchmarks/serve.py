@@ -394,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="name of the results file (results/<date>-<name>.md; default: serve[-model][-placement])")
     parser.add_argument("--serve-args", default="",
                         help="more flags for `scratchlm serve`, e.g. '--max-num-batched-tokens 1024' (in the report)")
+    parser.add_argument("--scheduling-ab", default=None, metavar="POLICY:BUDGET,...",
+                        help="instead: offline engines with these scheduling policies and token budgets (e.g. "
+                             "fcfs:512,shortest-first:512), interleaved; tokens per engine CPU s and median TTFT")
     parser.add_argument("--inspector-overhead", action="store_true",
                         help="instead: the engine's step-event cost with a listener / an inspector viewer, interleaved")
     args = parser.parse_args(argv)
@@ -419,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(default_model_path())
     if args.inspector_overhead:
         return inspector_overhead(args, model)
+    if args.scheduling_ab:
+        return scheduling_ab(args, model)
     print(f"loading {model} for the offline engine ...", file=sys.stderr)
     llm = LLM(model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
     vocab = llm.engine.model_config.vocab_size
@@ -587,6 +592,93 @@ def main(argv: list[str] | None = None) -> int:
         theirs = statistics.median(r.output_tok_s for r in runs["vllm serve"])
         report.add(f"**scratchlm serve / vllm serve output throughput: {ours / theirs:.3f}x** (target >= 1.0x).")
     report.add("\n".join(f"- {n}" for n in notes))
+    if args.no_write:
+        print(report.render())
+    else:
+        report.write()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ scheduling A/B
+
+
+def scheduling_ab(args: argparse.Namespace, model: str) -> int:
+    """`--scheduling-ab`: the same workload through offline engines that differ only in scheduling policy and token
+    budget, interleaved (A B C, A B C, ...; fresh prompts every repeat). Measured on the engine thread's CPU clock
+    (`time.thread_time`, 1 thread: the work itself, not the machine's load): output tokens per CPU second, and each
+    request's TTFT as the engine CPU seconds spent from the start of the run until the step that sampled its first
+    token (all requests are submitted at once, as the benchmark's wave of 32 clients)."""
+    from scratchlm.inference import LLM, SamplingParams
+
+    configs = []
+    for item in args.scheduling_ab.split(","):
+        policy, _, budget = item.partition(":")
+        configs.append((policy, int(budget or 512)))
+    llms = {c: LLM(model, max_num_seqs=args.max_concurrency, quantization=args.quantization, scheduling_policy=c[0],
+                   max_num_batched_tokens=c[1]) for c in configs}
+    engine = next(iter(llms.values())).engine
+    vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+
+    def workload(seed: int) -> list[Job]:
+        jobs = make_workload(args.num_requests, vocab, seed, tuple(args.prompt_len), tuple(args.output_len))
+        return [Job(j.prompt_ids[: max_len - j.max_tokens - 1], j.max_tokens) for j in jobs]
+
+    def run(llm, jobs: list[Job]) -> tuple[float, float, float]:
+        eng = llm.engine
+        first: dict[str, float] = {}
+        spent = [0.0]
+        step = eng.step
+
+        def timed_step():
+            t = time.thread_time()
+            outs = step()
+            spent[0] += time.thread_time() - t
+            for o in outs:
+                if o.outputs and o.outputs[0].token_ids:
+                    first.setdefault(o.request_id, spent[0])
+            return outs
+
+        eng.step = timed_step
+        try:
+            params = [SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            outs = llm.generate([j.prompt_ids for j in jobs], params, use_tqdm=False)
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        finally:
+            del eng.step
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return tokens / cpu, statistics.median(first.values()), tokens / wall
+
+    warm = workload(args.seed + 10_000)[:4]
+    for llm in llms.values():
+        run(llm, warm)
+    res: dict[tuple[str, int], list[tuple[float, float, float]]] = {c: [] for c in configs}
+    for r in range(args.repeats):
+        jobs = workload(args.seed + r)
+        for c, llm in llms.items():
+            res[c].append(run(llm, jobs))
+        print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{p}:{b} {v[-1][0]:.1f} tok/CPU-s, TTFT {v[-1][1]:.2f} CPU-s" for (p, b), v in res.items())
+            + f"; load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+
+    report = Report("serve", "Scheduling policy and token budget, offline, interleaved", argv=sys.argv[1:])
+    report.name = args.results_name or "serve-scheduling-ab"
+    report.add(f"Model `{Path(model).name}`, weights {args.quantization or 'fp32'}; {args.num_requests} requests "
+               f"submitted at once, prompt lengths U{tuple(args.prompt_len)} (random ids, fresh every repeat), output "
+               f"lengths U{tuple(args.output_len)}, greedy, `ignore_eos`; {args.threads} thread(s); {args.repeats} "
+               "interleaved repeats. Clock: the engine thread's CPU time (the machine is shared; wall time is given "
+               f"for reference). Load average at the end: {os.getloadavg()[0]:.1f}.")
+    base = configs[0]
+    rows = []
+    for c, v in res.items():
+        tok = statistics.median(x[0] for x in v)
+        ttft = statistics.median(x[1] for x in v)
+        rows.append([f"{c[0]}, budget {c[1]}", f"{tok:.1f}", f"{tok / statistics.median(x[0] for x in res[base]):.3f}",
+                     f"{ttft:.2f}", f"{ttft / statistics.median(x[1] for x in res[base]):.3f}",
+                     ", ".join(f"{x[1]:.2f}" for x in v), f"{statistics.median(x[2] for x in v):.1f}"])
+    report.table(["policy, token budget", "output tok per CPU s (median)", "ratio", "median TTFT, CPU s (median)",
+                  "ratio", "median TTFT per repeat", "output tok/s wall (median)"], rows,
+                 caption=f"Against the first row ({base[0]}, budget {base[1]})")
     if args.no_write:
         print(report.render())
     else:
@@ -766,6 +858,9 @@ def inspector_overhead(args: argparse.Namespace, model: str) -> int:
                 return "< 2 % at the estimate, not with 95 % confidence"
             return "missed"
 
+        report.table(["mode", "engine-thread CPU per token overhead (mean, 95 % CI)", "target", "status"],
+                     [[k, pct(o), "< 2 %", verdict(o)] for k, o in verdicts.items()],
+                     caption="Verdict: the cost of listening on the engine's own thread")
         text = "; ".join(f"{k}: {pct(o)}, {verdict(o)}" for k, o in verdicts.items())
         report.add(f"**Overhead of listening, engine-thread CPU per token: {text}** (target < 2 %). Without a "
                    "listener the engine checks one attribute per step and builds nothing. Wall-clock pairs on a "
