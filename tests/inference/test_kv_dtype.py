@@ -64,7 +64,8 @@ def _dequantized(cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d,h,hkv", [(64, 9, 3), (32, 4, 4), (16, 4, 2)])  # 16: the scalar path only
+@pytest.mark.parametrize("d,h,hkv", [(64, 9, 3), (32, 4, 4), (32, 8, 2), (80, 4, 2), (128, 2, 1), (16, 4, 2)])
+# G = 3, 1, 4 (head tiles 3 + 1), 2; D = 80: value chunks of 2 registers; D = 16: the scalar path only
 @pytest.mark.parametrize("use_simd", [True, False])
 def test_kernel_matches_torch_on_every_dtype(kernels, dtype, d, h, hkv, use_simd) -> None:
     bs, num_blocks = 4, 48

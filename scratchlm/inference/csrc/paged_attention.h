@@ -9,12 +9,12 @@
 //   out          (B, H, D)  float32
 //
 // Work item = (sequence b, kv head h): its G = H / Hkv query heads read the same K/V rows (grouped-query
-// attention without repeating K/V; K and V come from memory once and from L2 for the other heads). Per query
+// attention without repeating K/V: each block's rows come from memory once and serve the G heads from L1). Per query
 // head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. Items are split across threads
 // with at::parallel_for.
 // Compact caches are converted to float32 in registers as they are read (bf16: shift into the high half;
-// fp16: F16C vcvtph2ps; int8: sign-extend and convert, the row's scale folded into its score for K and into
-// its probability for V), so attention reads 2 or ~3.8 times fewer bytes and never writes a float copy.
+// fp16: F16C vcvtph2ps; int8: sign-extend, convert, times the row's scale), one block of one head at a time into
+// an L1 buffer that the G query heads then read, so attention reads 2 or ~3.8 times fewer bytes from memory.
 // `store_rows` is the matching writer (the fused decode step's), rounding as torch does (bf16/fp16: to nearest
 // even; int8: scale = max|x| / 127, q = round-half-even(x / scale)), so the C++ and torch paths store identical
 // bytes (kv_cache.py).
@@ -180,102 +180,196 @@ KV_FN inline __m256 load8(const void* p, int64_t i) {
   }
 }
 
-// Head dim D = 8 * NC, cache element type T. Walks the block table block by block (no division per token), one
-// query head g at a time (K and V of one sequence and KV head stay in L2 across the G passes):
-//   scores: q_g * scale held in registers (D <= 64), four K rows at a time, the four dot products reduced
-//     together by horizontal adds (no per-score horizontal sum); stored contiguously per head; an int8 row's
-//     scale multiplies its score;
-//   softmax: vectorised max, exp (exp256) and sum; the 1/sum is applied to the output at the end;
-//   values: the head's D outputs held in NC registers while V streams by (an int8 row's scale folded into p).
+// Rows [0, n) of one block and KV head as float32 rows of D: the cache itself for float32 (row stride Hkv * D),
+// else converted into buf (stride D), an int8 row times its scale (the values torch's dequantization gives).
+template <int NC, KV T>
+KV_FN inline const float* block_rows(const void* cache, const float* scales, int64_t r0, int64_t Hkv, int64_t n,
+                                     float* buf, int64_t& row_stride) {
+  constexpr int64_t D = 8 * NC;
+  if constexpr (T == KV::F32) {
+    row_stride = Hkv * D;
+    return static_cast<const float*>(cache) + r0 * D;
+  } else {
+    row_stride = D;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t src = (r0 + i * Hkv) * D;
+      if constexpr (T == KV::I8) {
+        const __m256 sc = _mm256_set1_ps(scales[r0 + i * Hkv]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) _mm256_storeu_ps(buf + i * D + 8 * c, _mm256_mul_ps(load8<T>(cache, src + 8 * c), sc));
+      } else {
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) _mm256_storeu_ps(buf + i * D + 8 * c, load8<T>(cache, src + 8 * c));
+      }
+    }
+    return buf;
+  }
+}
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 4  // blocks of prefetch distance
+#endif
+// Prefetches rows [0, n) of a block and head (row index r0, element size `item`) into L1 ahead of their use:
+// the blocks of a sequence are scattered, so the hardware prefetcher cannot run ahead across blocks.
+KV_FN inline void prefetch_rows(const void* cache, int64_t r0, int64_t Hkv, int64_t n, int64_t row_bytes) {
+  const char* base = static_cast<const char*>(cache);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(base + (r0 + i * Hkv) * row_bytes + off, _MM_HINT_T0);
+}
+
+// Scores of GT query heads (q * scale at qs, stride D) against rows [0, n) of one block (base, row stride), into
+// sg[j * T + i]: four rows at a time, each K load serving the GT heads (4 * GT accumulators), the four dot
+// products of a head reduced together by horizontal adds.
+template <int NC, int GT>
+KV_FN inline void block_scores(const float* qs, const float* base, int64_t stride, int64_t n, float* sg, int64_t T) {
+  constexpr int64_t D = 8 * NC;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = base + i * stride;
+    __m256 acc[GT][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int r = 0; r < 4; ++r) acc[j][r] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      __m256 q[GT];
+#pragma GCC unroll 4
+      for (int j = 0; j < GT; ++j) q[j] = _mm256_loadu_ps(qs + j * D + 8 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 k = _mm256_loadu_ps(k0 + r * stride + 8 * c);
+#pragma GCC unroll 4
+        for (int j = 0; j < GT; ++j) acc[j][r] = _mm256_fmadd_ps(q[j], k, acc[j][r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j) {  // hadd(hadd(a0, a1), hadd(a2, a3)) = [4 partial sums of lanes 0-3 | of 4-7]
+      const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(acc[j][0], acc[j][1]), _mm256_hadd_ps(acc[j][2], acc[j][3]));
+      _mm_storeu_ps(sg + j * T + i, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
+    }
+  }
+  for (; i < n; ++i) {
+    const float* kr = base + i * stride;
+    for (int j = 0; j < GT; ++j) {
+      __m256 s0 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + j * D + 8 * c), _mm256_loadu_ps(kr + 8 * c), s0);
+      sg[j * T + i] = hsum256(s0);
+    }
+  }
+}
+
+// og[j] (GT heads' outputs, stride D) += sum_i p_j[i] v_i over rows [0, n) of one block: D in chunks of CH
+// registers, each V load serving the GT heads (CH * GT accumulators).
+template <int NC, int GT>
+KV_FN inline void block_values(const float* sg, int64_t T, const float* base, int64_t stride, int64_t n, float* og) {
+  constexpr int64_t D = 8 * NC;
+  constexpr int CH = NC % 4 == 0 ? 4 : 2;
+  for (int c0 = 0; c0 < NC; c0 += CH) {
+    __m256 o[GT][CH];
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int c = 0; c < CH; ++c) o[j][c] = _mm256_loadu_ps(og + j * D + 8 * (c0 + c));
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = base + i * stride + 8 * c0;
+      __m256 p[GT];
+#pragma GCC unroll 4
+      for (int j = 0; j < GT; ++j) p[j] = _mm256_broadcast_ss(sg + j * T + i);
+#pragma GCC unroll 4
+      for (int c = 0; c < CH; ++c) {
+        const __m256 v = _mm256_loadu_ps(vr + 8 * c);
+#pragma GCC unroll 4
+        for (int j = 0; j < GT; ++j) o[j][c] = _mm256_fmadd_ps(p[j], v, o[j][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(og + j * D + 8 * (c0 + c), o[j][c]);
+  }
+}
+
+// Head dim D = 8 * NC, cache element type T. Walks the block table block by block (no division per token); each
+// block's K (then V) rows of head h come from memory once (prefetched one block ahead), are converted to float32
+// once (compact caches: into an L1 buffer), and serve all G query heads from L1, in tiles of up to 3 heads whose
+// scores / outputs share every K / V load (block_scores, block_values). Softmax: vectorised max, exp (exp256) and
+// sum per head; the 1/sum is applied to the output at the end.
+// `scores` holds G * T scores, then G * D outputs, G * D scaled queries, G sums and block_size * D converted rows.
 template <int NC, KV T>
 KV_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
   constexpr int64_t D = 8 * NC;
-  constexpr bool q_in_registers = NC <= 8;
-  constexpr bool scaled = T == KV::I8;
-  const int64_t G = a.H / a.Hkv, T_len = a.lens[b], stride = a.Hkv * D;
+  const int64_t G = a.H / a.Hkv, T_len = a.lens[b], Hkv = a.Hkv;
+  const int64_t row_bytes = D * kv_itemsize(T);
   const int64_t* table = a.tables + b * a.max_blocks;
+  const int64_t n_blocks = (T_len + a.bs - 1) / a.bs;
+  float* obuf = scores + G * T_len;  // (G, D) unnormalised outputs
+  float* qbuf = obuf + G * D;        // (G, D) q * scale
+  float* sums = qbuf + G * D;        // (G,)
+  float* rows = sums + G;            // (block_size, D) converted K or V rows
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = a.q + (b * a.H + h * G + g) * D;
-    alignas(32) float qs[D];  // q_g * scale
-    __m256 qv[q_in_registers ? NC : 1];
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) {
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale);
-      _mm256_store_ps(qs + 8 * c, v);
-      if constexpr (q_in_registers) qv[c] = v;
-    }
-    float* sg = scores + g * T_len;  // (T,) this head's scores, then its unnormalised probabilities
-    for (int64_t t0 = 0, blk = 0; t0 < T_len; t0 += a.bs, ++blk) {
-      const int64_t r0 = table[blk] * a.bs * a.Hkv + h;  // row index of the block's first token
-      const int64_t base = r0 * D;                       // its element index
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(qbuf + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale));
+  }
+  for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
+    const void* cache = pass == 0 ? a.k : a.v;
+    const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
+    if (pass == 1) std::fill(obuf, obuf + G * D, 0.f);
+    for (int64_t blk = 0; blk < std::min<int64_t>(PREFETCH_BLOCKS, n_blocks); ++blk)
+      prefetch_rows(cache, table[blk] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_len - blk * a.bs), row_bytes);
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      const int64_t t0 = blk * a.bs;
+      const int64_t r0 = table[blk] * a.bs * Hkv + h;  // row index of the block's first token
       const int64_t n = std::min(a.bs, T_len - t0);
-      int64_t i = 0;
-      for (; i + 4 <= n; i += 4) {
-        const int64_t k0 = base + i * stride;
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          __m256 qc;
-          if constexpr (q_in_registers) qc = qv[c]; else qc = _mm256_load_ps(qs + 8 * c);
-          s0 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 8 * c), s0);
-          s1 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + stride + 8 * c), s1);
-          s2 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 2 * stride + 8 * c), s2);
-          s3 = _mm256_fmadd_ps(qc, load8<T>(a.k, k0 + 3 * stride + 8 * c), s3);
+      if (const int64_t ahead = blk + PREFETCH_BLOCKS; ahead < n_blocks)
+        prefetch_rows(cache, table[ahead] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_len - ahead * a.bs), row_bytes);
+      int64_t stride;
+      const float* base = block_rows<NC, T>(cache, cscale, r0, Hkv, n, rows, stride);
+      for (int64_t g = 0; g < G;) {
+        const int64_t gt = G - g >= 3 ? 3 : G - g;
+        float* sg = scores + g * T_len + t0;
+        if (pass == 0) {
+          const float* qs = qbuf + g * D;
+          if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_len);
+          else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_len);
+          else block_scores<NC, 1>(qs, base, stride, n, sg, T_len);
+        } else {
+          float* og = obuf + g * D;
+          if (gt == 3) block_values<NC, 3>(sg, T_len, base, stride, n, og);
+          else if (gt == 2) block_values<NC, 2>(sg, T_len, base, stride, n, og);
+          else block_values<NC, 1>(sg, T_len, base, stride, n, og);
         }
-        // hadd(hadd(s0, s1), hadd(s2, s3)) = [s0 s1 s2 s3 partial sums of lanes 0-3 | of lanes 4-7]
-        const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1));
-        if constexpr (scaled) {
-          const float* ks = a.k_scale + r0 + i * a.Hkv;
-          s4 = _mm_mul_ps(s4, _mm_setr_ps(ks[0], ks[a.Hkv], ks[2 * a.Hkv], ks[3 * a.Hkv]));
-        }
-        _mm_storeu_ps(sg + t0 + i, s4);
-      }
-      for (; i < n; ++i) {
-        const int64_t kr = base + i * stride;
-        __m256 s0 = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * c), load8<T>(a.k, kr + 8 * c), s0);
-        sg[t0 + i] = hsum256(s0) * (scaled ? a.k_scale[r0 + i * a.Hkv] : 1.f);
+        g += gt;
       }
     }
-    // softmax numerator in place; the normaliser is applied to the output
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
-    float mx = hmax256(mv);
-    for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
-    mv = _mm256_set1_ps(mx);
-    __m256 sv = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= T_len; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-      _mm256_storeu_ps(sg + t, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum256(sv);
-    for (; t < T_len; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    __m256 o[NC];
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) o[c] = _mm256_setzero_ps();
-    for (int64_t t0 = 0, blk = 0; t0 < T_len; t0 += a.bs, ++blk) {
-      const int64_t r0 = table[blk] * a.bs * a.Hkv + h;
-      const int64_t base = r0 * D;
-      const int64_t n = std::min(a.bs, T_len - t0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t vr = base + i * stride;
-        const __m256 p = _mm256_set1_ps(sg[t0 + i] * (scaled ? a.v_scale[r0 + i * a.Hkv] : 1.f));
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) o[c] = _mm256_fmadd_ps(p, load8<T>(a.v, vr + 8 * c), o[c]);
+    if (pass == 1) break;
+    for (int64_t g = 0; g < G; ++g) {  // softmax numerator in place; the normaliser is applied to the output
+      float* sg = scores + g * T_len;
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      int64_t t = 0;
+      for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+      float mx = hmax256(mv);
+      for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
+      mv = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      for (t = 0; t + 8 <= T_len; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        _mm256_storeu_ps(sg + t, e);
+        sv = _mm256_add_ps(sv, e);
       }
+      float sum = hsum256(sv);
+      for (; t < T_len; ++t) {
+        sg[t] = std::exp(sg[t] - mx);
+        sum += sg[t];
+      }
+      sums[g] = sum;
     }
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    float* og = a.out + (b * a.H + h * G + g) * D;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    float* out = a.out + (b * a.H + h * G + g) * D;
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(og + 8 * c, _mm256_mul_ps(o[c], inv));
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(obuf + g * D + 8 * c), inv));
   }
 }
 
@@ -322,7 +416,7 @@ inline void paged_decode(const Args& a, bool use_simd) {
   // Grain: enough items per thread that small batches stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, max_len * a.D));
   at::parallel_for(0, a.B * a.Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len * G);
+    std::vector<float> scores(max_len * G + 2 * G * a.D + G + a.bs * a.D);  // item_avx2's layout (the scalar: G * T)
     for (int64_t i = begin; i < end; ++i) item(a, i / a.Hkv, i % a.Hkv, scores.data());
   });
 }
