@@ -222,17 +222,22 @@ inline void skinny_gemm(const float* xp, const float* wp, float* yp, int64_t M, 
 }
 
 // y (M, N) = x (M, K) @ w (N, K)^T for many rows (prefill chunks), float32 CPU. oneDNN's matmul (ATen's
-// mkldnn::_linear_pointwise, the op torch.compile's CPU fusions call) where this torch has it, else ATen's mm
-// (MKL). Measured on one AVX-512 core (Zen 4) over the 7 linears of a SmolLM2 layer: 1.10x MKL at 300-512
-// rows, 1.05x at 128 (benchmarks/engine_phases.py replays them); the weight is not repacked (no second copy).
-// SCRATCHLM_ONEDNN=0 (or set_fp32_kernels) keeps ATen's mm.
+// mkldnn::_linear_pointwise, the op torch.compile's CPU fusions call) for 65..kOneDnnMaxRows rows where this torch
+// has it, else ATen's mm (MKL). oneDNN repacks the weight on every call (no second copy is kept), which costs a
+// pass over it. Measured on one AVX-512 core (Zen 4), thread CPU, the 7 linears of SmolLM2 layers: with the
+// weights in cache 1.05x MKL at 128 rows, 1.05-1.10x at 300-512; with all 30 layers' weights (cold) 1.11-1.15x at
+// 96-256 rows, 1.09x at 384, but 0.91-0.98x at 512, so full 512-token steps keep MKL.
+// SCRATCHLM_ONEDNN=0 (or set_fp32_kernels) keeps ATen's mm for every size.
+constexpr int64_t kOneDnnMaxRows = 447;
+
 inline void large_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   static const c10::OperatorHandle* op = []() -> const c10::OperatorHandle* {
     static auto h = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
     return h.has_value() ? &*h : nullptr;
   }();
   const bool onednn = kernel_choice().onednn.load(std::memory_order_relaxed);
-  if (op != nullptr && onednn && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
+  if (op != nullptr && onednn && x.size(0) <= kOneDnnMaxRows && x.scalar_type() == at::kFloat &&
+      w.scalar_type() == at::kFloat && x.device().is_cpu() &&
       x.is_contiguous() && w.is_contiguous()) {
     std::vector<c10::IValue> stack{x, w, c10::IValue(), std::string("none"),
                                    c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
