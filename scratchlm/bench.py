@@ -73,6 +73,9 @@ BENCHES: dict[str, Bench] = {
     "engine_throughput": Bench(full=("--num-requests", "32", "--repeats", "3"),
                                quick=("--model", STORIES, "--num-requests", "4", "--repeats", "1", "--skip", "vllm",
                                       "hf", "batch1", "--parts", "throughput")),
+    "kv_cache": Bench(why="WikiText-2 perplexity of SmolLM2-135M per KV dtype and decode at 2k-4k context (minutes)"),
+    "quant_gemv": Bench(full=("--rounds", "5"), why="210 matrices of SmolLM2's shapes per kernel and format, pinned "
+                        "(minutes)"),
     "engine_phases": Bench(why="the 32-request workload per phase against the vLLM-CPU peer (.peers/vllm), minutes"),
     "speculative": Bench(full=("--tokens", "80", "--rounds", "2", "--prompts", "3"),
                          why="loads SmolLM2-135M into three engines and decodes 80 tokens per prompt (minutes)"),
