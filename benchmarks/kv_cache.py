@@ -117,7 +117,7 @@ def greedy_agreement(n_tokens: int) -> dict[str, tuple[list[int], float]]:
     return res
 
 
-def attention_speed(c, contexts: list[int], batches: list[int], repeats: int, block_size: int = 16,
+def attention_speed(c, contexts: list[int], batches: list[int], repeats: int, clock: str, block_size: int = 16,
                     min_bytes: float = 192 * MB):
     """Per (batch, context): the interleaved Comparison of the kernel over L layers per dtype + a streaming read,
     and the bytes each contender reads."""
@@ -158,14 +158,14 @@ def attention_speed(c, contexts: list[int], batches: list[int], repeats: int, bl
             fns["stream read (torch.sum)"] = buf.sum
             nbytes["stream read (torch.sum)"] = buf.numel() * 4
             print(f"attention: batch {batch}, context {ctx}, {layers} layers", file=sys.stderr, flush=True)
-            res = compare(fns, warmup=1, repeats=repeats)
+            res = compare(fns, warmup=1, repeats=repeats, clock=clock)
             out.append((batch, ctx, layers, res, nbytes))
             del caches, fns, buf
             gc.collect()
     return out
 
 
-def e2e_decode(model, context: int, batches: list[int], repeats: int, steps: int, block_size: int = 16):
+def e2e_decode(model, context: int, batches: list[int], repeats: int, steps: int, clock: str, block_size: int = 16):
     """Decode-step tok/s of the whole fused step per dtype at `context` tokens of context: the context is a real
     WikiText prefill (fp32 KV), copied into every sequence of every dtype's cache (rounded / quantized)."""
     from scratchlm.inference.kv_cache import KVCache
@@ -201,7 +201,7 @@ def e2e_decode(model, context: int, batches: list[int], repeats: int, steps: int
             fns[name] = run
             runners[name] = runner
         print(f"e2e decode: batch {batch}, context {context}", file=sys.stderr, flush=True)
-        out[batch] = compare(fns, warmup=1, repeats=repeats)
+        out[batch] = compare(fns, warmup=1, repeats=repeats, clock=clock)
         del fns, runners
         gc.collect()
     return out
@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-batches", default="1,4",
                     help="batch sizes of the end-to-end timing (all four dtypes' caches are held at once: batch 4 at "
                          "2k context is 0.7 GB of KV next to the 0.5 GB fp32 model)")
+    ap.add_argument("--clock", default="thread_cpu", choices=["thread_cpu", "wall"],
+                    help="timing clock: thread_cpu (default: this thread's CPU time; with one torch thread every "
+                         "kernel "
+                         "runs in it, and time spent descheduled on a loaded machine is not counted) or wall")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 window, 8 greedy tokens, 512 context, 2 repeats")
     ap.add_argument("--name", default="kv_cache", help="results file name (benchmarks/results/DATE-NAME.md)")
     args = ap.parse_args(argv)
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{c.n_kv_heads} KV heads of {c.head_dim} dims; {args.threads} torch thread(s). KV dtypes: float32 "
                "(the reference and the peer: the engine's cache before `--kv-cache-dtype`), bfloat16, float16, "
                "int8 (symmetric, one float32 scale per token and KV head). Timings interleaved (A B C D ...), "
-               f"{args.repeats} repeats after a warm-up; ratios are medians.")
+               f"{args.repeats} repeats after a warm-up, on the {args.clock} clock; ratios are medians.")
 
     # 3. bytes (cheap, first)
     rows = []
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     rows = []
-    for batch, ctx, layers, res, nbytes in attention_speed(c, contexts, batches, args.repeats):
+    for batch, ctx, layers, res, nbytes in attention_speed(c, contexts, batches, args.repeats, args.clock):
         stream = res["stream read (torch.sum)"].median
         stream_gbps = nbytes["stream read (torch.sum)"] / stream / 1e9
         for t in res.timings:
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # 5. end-to-end decode
     with torch.inference_mode():
         e2e = e2e_decode(model, args.e2e_context, [int(x) for x in args.e2e_batches.split(",")], args.repeats,
-                         args.e2e_steps)
+                         args.e2e_steps, args.clock)
     rows = []
     for batch, res in e2e.items():
         for t in res.timings:
