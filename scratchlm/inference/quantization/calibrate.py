@@ -2,8 +2,8 @@
 
 Policy. Plain round-to-nearest (``rtn``) takes each group's min/max (Q4_1) or largest magnitude
 (Q4_0) as its range, so one outlier stretches the grid for all 32 (or 128) weights. The ``mse``
-search (the default for int4) instead picks, per group, the (d, m) that minimize the weighted
-reconstruction error
+search (the int4 default without calibration text; with it the default is GPTQ, gptq.py) instead
+picks, per group, the (d, m) that minimize the weighted reconstruction error
 
     E(d, m) = sum_k h_k (w_k - w^_k)^2,   w^_k = d q_k + m,  q_k = clamp(round((w_k - m) / d), 0, 15)
 
