@@ -127,6 +127,7 @@ FIGURES: dict[str, Figure] = {
     "inspector-overhead": Figure("serve-inspector-overhead", "Throughput with / without", page="inspector.md"),
     "inspector-overhead-cpu": Figure("serve-inspector-overhead", "Engine-thread CPU time", page="inspector.md"),
     "inspector-overhead-verdict": Figure("serve-inspector-overhead", "Verdict", page="inspector.md"),
+    "inspector-overhead-direct": Figure("serve-inspector-overhead", "Direct cost", page="inspector.md"),
     "quant-speed": Figure("quant_speed", 1),
     "quant-fidelity": Figure("quant_fidelity", 1),
     "speculative": Figure("speculative", 1),
