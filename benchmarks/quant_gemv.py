@@ -27,7 +27,7 @@ import time
 from benchmarks.common import Report, set_threads
 
 SHAPES = [(576, 576, 2), (192, 576, 2), (1536, 576, 2), (576, 1536, 1)]  # (N, K, per layer)
-PATHS = {"int-t8": 6, "int-vnni": 2, "int-avx2": 1, "fma-reg": 4, "fma-tile": 3}
+PATHS = {"int-t8": 6, "int-t8-avx2": 7, "int-vnni": 2, "int-avx2": 1, "fma-reg": 4, "fma-tile": 3}
 
 
 def main(argv: list[str] | None = None) -> int:

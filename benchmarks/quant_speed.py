@@ -41,12 +41,28 @@ def decode_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _kernel_note(default_float: bool) -> str:
+    """Which kernel family the quantized variants run by default (and `[float x]` rows, when measured)."""
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+
+    eng = load_engine_kernels()
+    if eng is None:
+        return ""
+    vnni = eng.quant_best_path() == 2
+    kind = "float activations" if default_float or not vnni else "int8 activations, 8-row VNNI kernels"
+    return f"; quantized matmuls by default: {kind}; `[float x]`: the float-activation kernels, same engine"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per variant")
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per batch-1 measurement")
     parser.add_argument("--skip-throughput", action="store_true", help="only the batch-1 decode measurement")
+    parser.add_argument("--float-activations-ab", action="store_true",
+                        help="also measure every quantized variant with float activations (kernels."
+                             "float_activations(True): the float kernels that were the default before the integer "
+                             "8-row kernels), interleaved in the same rounds: the A/B of the two kernel families")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.rounds < 1 or args.tokens < 2:
         parser.error("--threads and --rounds must be >= 1, --tokens >= 2")
@@ -73,6 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     sizes["bf16"] = sizes["fp32"] // 2
     engines = {name: LLMEngine(m, tok, cfg, EngineConfig(max_num_seqs=8, kv_cache_memory=64 << 20, dtype=dt))
                for name, (m, dt) in models.items()}
+    float_x = {name: False for name in engines}  # whether a contender runs with float activations
+    default_float = kernels.float_activations()
+    if args.float_activations_ab:
+        for name in [n for n in engines if n not in ("fp32", "bf16")]:
+            engines[f"{name} [float x]"] = engines[name]
+            sizes[f"{name} [float x]"] = sizes[name]
+            float_x[f"{name} [float x]"] = True
+            float_x[name] = default_float
+
+    def measure(fn, name: str) -> float:
+        kernels.float_activations(float_x[name])
+        try:
+            return fn(engines[name])
+        finally:
+            kernels.float_activations(default_float)
     counter = iter(range(10**9))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
 
@@ -98,19 +129,19 @@ def main(argv: list[str] | None = None) -> int:
             out += sum(1 for r in engine.step() if r.finished) * 32
         return out / (time.perf_counter() - t0)
 
-    for engine in engines.values():  # warm-up (first call builds caches / lazily loads the extension)
-        decode_tok_s(engine)
+    for name in engines:  # warm-up (first call builds caches / lazily loads the extension)
+        measure(decode_tok_s, name)
     decode = {name: [] for name in engines}
     batch = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name, engine in engines.items():
-            decode[name].append(decode_tok_s(engine))
+        for name in engines:
+            decode[name].append(measure(decode_tok_s, name))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in decode.items()),
               file=sys.stderr)
     if not args.skip_throughput:
         for r in range(max(1, args.rounds // 2)):
-            for name, engine in engines.items():
-                batch[name].append(throughput(engine))
+            for name in engines:
+                batch[name].append(measure(throughput, name))
             print(f"  throughput round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in batch.items()),
                   file=sys.stderr)
 
@@ -132,10 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     report.add(f"torch threads: {args.threads}; {args.rounds} interleaved rounds; batch-1: {args.tokens - 1} decode "
                f"steps after the prefill of a {len(tok.encode(PROMPT))}-token prompt; throughput: 8 requests "
                f"(first 40 words of 8 TinyStories) x 32 greedy tokens. C++ kernels: "
-               f"{'yes (AVX2)' if kernels.extension_available() and kernels.load_extension().has_avx2() else 'no'}.")
+               f"{'yes (AVX2)' if kernels.extension_available() and kernels.load_extension().has_avx2() else 'no'}"
+               f"{_kernel_note(default_float)}.")
     headers = ["variant", "MiB read / token", "tok/s (median)", "tok/s (best)", "GB/s (median)", "vs fp32",
                "target"] + (["throughput tok/s (vs fp32)"] if not args.skip_throughput else [])
     report.table(headers, rows)
+    ab = []
+    for name in [n for n in engines if float_x[n] and n.endswith(" [float x]")]:
+        base_name = name.removesuffix(" [float x]")
+        med = {n: statistics.median(decode[n]) for n in (base_name, name)}
+        line = f"{base_name}: batch-1 {med[base_name] / med[name]:.2f}x"
+        if batch[name]:
+            tput = {n: statistics.median(batch[n]) for n in (base_name, name)}
+            line += f", 8-request throughput {tput[base_name] / tput[name]:.2f}x"
+        ab.append(line)
+    if ab:
+        report.add("Default kernels vs the float-activation kernels (same engine, interleaved):\n\n" +
+                   "\n".join(f"- {line}" for line in ab))
     peer = importlib.util.find_spec("llama_cpp")
     report.add("llama.cpp peer: " + ("llama_cpp is importable but not wired into this benchmark yet" if peer else
                                      "not measured: the `llama_cpp` package is not installed on this machine "

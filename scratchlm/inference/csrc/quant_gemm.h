@@ -430,7 +430,7 @@ SCRATCHLM_QTILE(tile_vnni, QVNNI_FN, micro_vnni)
 // sums are exact, so only the float order differs from paths 1 and 2.
 // The scales of a tile (8 rows x G fp16) are transposed the same way (8 x 8 epi16 transposes) into float
 // (G, 8) buffers. Up to 8 rows of x share each transposed block (the unpacking is paid once per x chunk).
-QVNNI_FN inline void scales_t8(const uint16_t* s, int64_t G, int64_t n, float* out) {
+QAVX2_FN inline void scales_t8(const uint16_t* s, int64_t G, int64_t n, float* out) {
   int64_t g0 = 0;
   for (; g0 + 8 <= G; g0 += 8) {
     __m128i a[8];
@@ -456,77 +456,88 @@ QVNNI_FN inline void scales_t8(const uint16_t* s, int64_t G, int64_t n, float* o
 
 // MR rows of x (r0 .. r0 + MR - 1) against weight rows n .. n + 7, into y. dT, mT: the tile's scales and mins
 // (or -8 d) as (G, 8) floats; sxg: (M, G) per-group sums dx_b sum(xq_b).
-template <int MR>
-QVNNI_FN inline void t8_int4_rows(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r0, const float* dT,
-                                  const float* mT, const float* sxg, const char* pf) {
-  const int64_t K = w.K, nb = K / kBlock, Kp = a.nb * kBlock, bpg = w.gs / kBlock, G = w.G, rb = K / 2;
-  const uint8_t* q = w.q4 + n * rb;
-  const __m256i lo_mask = _mm256_set1_epi8(0x0F), hi_mask = _mm256_set1_epi8(static_cast<char>(0xF0));
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0, b = 0; g < G; ++g) {
-    __m256 accg[MR];
-    for (int r = 0; r < MR; ++r) accg[r] = _mm256_setzero_ps();
-    for (int64_t b1 = std::min(nb, b + bpg); b < b1; ++b) {
-      _mm_prefetch(pf + 128 * b, _MM_HINT_T0);
-      _mm_prefetch(pf + 128 * b + 64, _MM_HINT_T0);
-      __m256i Y[4];
-      for (int r = 0; r < 4; ++r)
-        Y[r] = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * rb + b * 16))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r + 4) * rb + b * 16)), 1);
-      const __m256i p0 = _mm256_unpacklo_epi32(Y[0], Y[1]), p1 = _mm256_unpackhi_epi32(Y[0], Y[1]);
-      const __m256i p2 = _mm256_unpacklo_epi32(Y[2], Y[3]), p3 = _mm256_unpackhi_epi32(Y[2], Y[3]);
-      const __m256i C[4] = {_mm256_unpacklo_epi64(p0, p2), _mm256_unpackhi_epi64(p0, p2),
-                            _mm256_unpacklo_epi64(p1, p3), _mm256_unpackhi_epi64(p1, p3)};  // chunk c, rows 0..7
-      __m256i L[4], H[4];
-      for (int c = 0; c < 4; ++c) L[c] = _mm256_and_si256(C[c], lo_mask), H[c] = _mm256_and_si256(C[c], hi_mask);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xb = a.q.data() + (r0 + r) * Kp + b * kBlock;
-        __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          int32_t xl, xh;
-          std::memcpy(&xl, xb + 4 * c, 4);
-          std::memcpy(&xh, xb + 16 + 4 * c, 4);
-          il = _mm256_dpbusd_epi32(il, L[c], _mm256_set1_epi32(xl));
-          ih = _mm256_dpbusd_epi32(ih, H[c], _mm256_set1_epi32(xh));
-        }
-        const __m256i is = _mm256_add_epi32(il, _mm256_srai_epi32(ih, 4));  // ih = 16 * sum(hi q x): exact
-        accg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcast_ss(a.dx.data() + (r0 + r) * a.nb + b),
-                                  accg[r]);
-      }
-    }
-    const __m256 dv = _mm256_loadu_ps(dT + g * 8), mv = _mm256_loadu_ps(mT + g * 8);
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_fmadd_ps(accg[r], dv, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sxg + (r0 + r) * G + g), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * w.N + n, acc[r]);
+#define SCRATCHLM_T8_INT4(ROWS, TILE, ATTR, DOT, VNNI, MAXR)                                                                  \
+template <int MR>                                                                                                             \
+ATTR inline void ROWS(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r0, const float* dT,                         \
+                                  const float* mT, const float* sxg, const char* pf) {                                        \
+  const int64_t K = w.K, nb = K / kBlock, Kp = a.nb * kBlock, bpg = w.gs / kBlock, G = w.G, rb = K / 2;                       \
+  const uint8_t* q = w.q4 + n * rb;                                                                                           \
+  const __m256i lo_mask = _mm256_set1_epi8(0x0F), hi_mask = _mm256_set1_epi8(static_cast<char>(0xF0));                        \
+  __m256 acc[MR];                                                                                                             \
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();                                                                  \
+  for (int64_t g = 0, b = 0; g < G; ++g) {                                                                                    \
+    __m256 accg[MR];                                                                                                          \
+    for (int r = 0; r < MR; ++r) accg[r] = _mm256_setzero_ps();                                                               \
+    for (int64_t b1 = std::min(nb, b + bpg); b < b1; ++b) {                                                                   \
+      _mm_prefetch(pf + 128 * b, _MM_HINT_T0);                                                                                \
+      _mm_prefetch(pf + 128 * b + 64, _MM_HINT_T0);                                                                           \
+      __m256i Y[4];                                                                                                           \
+      for (int r = 0; r < 4; ++r)                                                                                             \
+        Y[r] = _mm256_inserti128_si256(                                                                                       \
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * rb + b * 16))),                   \
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r + 4) * rb + b * 16)), 1);                                 \
+      const __m256i p0 = _mm256_unpacklo_epi32(Y[0], Y[1]), p1 = _mm256_unpackhi_epi32(Y[0], Y[1]);                           \
+      const __m256i p2 = _mm256_unpacklo_epi32(Y[2], Y[3]), p3 = _mm256_unpackhi_epi32(Y[2], Y[3]);                           \
+      const __m256i C[4] = {_mm256_unpacklo_epi64(p0, p2), _mm256_unpackhi_epi64(p0, p2),                                     \
+                            _mm256_unpacklo_epi64(p1, p3), _mm256_unpackhi_epi64(p1, p3)};  /* chunk c, rows 0..7 */          \
+      __m256i L[4], H[4];                                                                                                     \
+      for (int c = 0; c < 4; ++c) { /* VNNI: high nibbles masked (16 q); maddubs would saturate on those */                   \
+        L[c] = _mm256_and_si256(C[c], lo_mask);                                                                               \
+        H[c] = VNNI ? _mm256_and_si256(C[c], hi_mask) : _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo_mask);                \
+      }                                                                                                                       \
+      for (int r = 0; r < MR; ++r) {                                                                                          \
+        const int8_t* xb = a.q.data() + (r0 + r) * Kp + b * kBlock;                                                           \
+        __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();                                                     \
+        for (int c = 0; c < 4; ++c) {                                                                                         \
+          int32_t xl, xh;                                                                                                     \
+          std::memcpy(&xl, xb + 4 * c, 4);                                                                                    \
+          std::memcpy(&xh, xb + 16 + 4 * c, 4);                                                                               \
+          il = DOT(il, L[c], _mm256_set1_epi32(xl));                                                                          \
+          ih = DOT(ih, H[c], _mm256_set1_epi32(xh));                                                                          \
+        }                                                                                                                     \
+        const __m256i is = _mm256_add_epi32(il, VNNI ? _mm256_srai_epi32(ih, 4) : ih); /* 16 sum(hi q x) exact */             \
+        accg[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_broadcast_ss(a.dx.data() + (r0 + r) * a.nb + b),             \
+                                  accg[r]);                                                                                   \
+      }                                                                                                                       \
+    }                                                                                                                         \
+    const __m256 dv = _mm256_loadu_ps(dT + g * 8), mv = _mm256_loadu_ps(mT + g * 8);                                          \
+    for (int r = 0; r < MR; ++r) {                                                                                            \
+      acc[r] = _mm256_fmadd_ps(accg[r], dv, acc[r]);                                                                          \
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sxg + (r0 + r) * G + g), acc[r]);                                      \
+    }                                                                                                                         \
+  }                                                                                                                           \
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * w.N + n, acc[r]);                                              \
+}                                                                                                                             \
+                                                                                                                              \
+/* Weight rows n0 .. n1 (n1 - n0 a multiple of 8) against every row of x. */                                                  \
+ATTR inline void TILE(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {                                       \
+  const int64_t G = w.G, bpg = w.gs / kBlock, rb = w.K / 2;                                                                   \
+  std::vector<float> dT(G * 8), mT(G * 8), sxg(a.M * G, 0.f);                                                                 \
+  for (int64_t r = 0; r < a.M; ++r)                                                                                           \
+    for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + b / bpg] += a.sx[r * a.nb + b];                                            \
+  for (int64_t n = n0; n < n1; n += 8) {                                                                                      \
+    scales_t8(w.d, G, n, dT.data());                                                                                          \
+    if (w.m) {                                                                                                                \
+      scales_t8(w.m, G, n, mT.data());                                                                                        \
+    } else {                                                                                                                  \
+      for (int64_t i = 0; i < G * 8; ++i) mT[i] = -8.f * dT[i];                                                               \
+    }                                                                                                                         \
+    /* prefetch the tile two ahead (8 rows = K / 16 lines, two per block; a prefetch past the end cannot fault) */            \
+    const char* pf = reinterpret_cast<const char*>(w.q4) + (n + 16) * rb;                                                     \
+    int64_t r = 0;                                                                                                            \
+    for (; MAXR >= 8 && r + 8 <= a.M; r += 8) ROWS<MAXR>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);                \
+    for (; MAXR >= 4 && a.M - r >= 4; r += 4) ROWS<(MAXR >= 4 ? 4 : 1)>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf); \
+    for (; a.M - r >= 2; r += 2) ROWS<2>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);                                \
+    if (a.M - r >= 1) ROWS<1>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);                                           \
+  }                                                                                                                           \
 }
 
-// Weight rows n0 .. n1 (n1 - n0 a multiple of 8) against every row of x.
-QVNNI_FN inline void tile_t8_int4(const QAct& a, const QMat& w, float* y, int64_t n0, int64_t n1) {
-  const int64_t G = w.G, bpg = w.gs / kBlock, rb = w.K / 2;
-  std::vector<float> dT(G * 8), mT(G * 8), sxg(a.M * G, 0.f);
-  for (int64_t r = 0; r < a.M; ++r)
-    for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + b / bpg] += a.sx[r * a.nb + b];
-  for (int64_t n = n0; n < n1; n += 8) {
-    scales_t8(w.d, G, n, dT.data());
-    if (w.m) {
-      scales_t8(w.m, G, n, mT.data());
-    } else {
-      for (int64_t i = 0; i < G * 8; ++i) mT[i] = -8.f * dT[i];
-    }
-    // prefetch the tile two ahead (8 rows = K / 16 lines, two per block; a prefetch past the end cannot fault)
-    const char* pf = reinterpret_cast<const char*>(w.q4) + (n + 16) * rb;
-    int64_t r = 0;
-    for (; r + 8 <= a.M; r += 8) t8_int4_rows<8>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);
-    if (a.M - r >= 4) t8_int4_rows<4>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf), r += 4;
-    if (a.M - r >= 2) t8_int4_rows<2>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf), r += 2;
-    if (a.M - r >= 1) t8_int4_rows<1>(a, w, y, n, r, dT.data(), mT.data(), sxg.data(), pf);
-  }
+QAVX2_FN inline __m256i dot_acc_avx2(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+QVNNI_FN inline __m256i dot_acc_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+SCRATCHLM_T8_INT4(t8_int4_rows, tile_t8_int4, QVNNI_FN, dot_acc_vnni, true, 8)
+SCRATCHLM_T8_INT4(t8_int4_rows_avx2, tile_t8_int4_avx2, QAVX2_FN, dot_acc_avx2, false, 2)  // 16 registers
 
 // ------------------------------------------------------------------ 8-row integer kernel (int8)
 // The batch-1 kernel of the 8-bit formats (path 6 for int8): eight weight rows per tile, each block's 8 rows
@@ -613,7 +624,8 @@ inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2() && __bui
 #endif  // SCRATCHLM_X86
 
 // Code paths: 0 scalar, 1 AVX2, 2 AVX512-VNNI (256-bit) integer kernels, 3 dequantize + FMA tiles (AVX2), 4 codes
-// to floats in registers + FMA (AVX2), 6 the 8-row interleaved VNNI kernel (int4; int8 takes path 2). `best_path` is what
+// to floats in registers + FMA (AVX2), 6 the 8-row integer kernels (AVX512-VNNI, int4 and int8), 7 the 8-row int4
+// kernel on AVX2 (maddubs + madd). `best_path` is what
 // the CPU runs; tests force each.
 inline int best_path() {
 #ifdef SCRATCHLM_X86
@@ -646,7 +658,7 @@ inline void qgemm_fma(const float* x, int64_t M, const QMat& w, float* y, int pa
 
 // y (M, N) = dequant(W) applied to the quantized rows in `a`; path <= best_path().
 inline void qgemm(const QAct& a, const QMat& w, float* y, int path) {
-  const int64_t tile = path == 6 ? 8 : kTile;
+  const int64_t tile = path >= 6 ? 8 : kTile;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M) / tile);
   at::parallel_for(0, (w.N + tile - 1) / tile, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * tile, n1 = std::min(w.N, t1 * tile);
@@ -656,6 +668,12 @@ inline void qgemm(const QAct& a, const QMat& w, float* y, int path) {
       if (w.kind == Kind::kInt4) tile_t8_int4(a, w, y, n0, n8);
       else tile_t8_int8(a, w, y, n0, n8);
       if (n8 < n1) tile_vnni(a, w, y, n8, n1);
+      return;
+    }
+    if (path == 7) {  // int4: the 8-row kernel on AVX2 (maddubs), a ragged end through path 1
+      const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+      tile_t8_int4_avx2(a, w, y, n0, n8);
+      if (n8 < n1) tile_avx2(a, w, y, n8, n1);
       return;
     }
     if (path == 2) return tile_vnni(a, w, y, n0, n1);

@@ -1,6 +1,6 @@
-"""The 8-row integer kernels (path 6 of `quant_linear`, csrc/quant_gemm.h): every format, ragged row counts and
-1-13 rows of x against path 2 (the same integer sums) and against float64 within the int8-activation bound; the
-default dispatch, and the switch back to float activations."""
+"""The 8-row integer kernels (paths 6, AVX512-VNNI, and 7, AVX2 int4, of `quant_linear`, csrc/quant_gemm.h): every
+format, ragged row counts and 1-13 rows of x against paths 2 / 1 (the same integer sums) and against float64 within
+the int8-activation bound; the default dispatch, and the switch back to float activations."""
 
 from __future__ import annotations
 
@@ -15,9 +15,16 @@ from tests.inference.quantization.helpers import assert_within_integer_bound, en
 @pytest.fixture(scope="module")
 def ext():
     module = engine_kernels_or_fail()
-    if module.quant_best_path() < 2:
-        pytest.skip("no AVX512-VNNI on this CPU: path 6 falls back to path 1 / 0 (tested in test_quant_gemm)")
+    if module.quant_best_path() < 1:
+        pytest.skip("no AVX2 on this CPU: paths 6 and 7 fall back to the scalar path (tested in test_quant_gemm)")
     return module
+
+
+def _paths(ext, fmt: str) -> list[tuple[int, int]]:
+    """(8-row path, path with the same integer sums) that this CPU runs for fmt."""
+    vnni = ext.quant_best_path() == 2
+    out = [(6, 2)] if vnni else []
+    return out + ([(7, 1)] if fmt.startswith("int4") else [])
 
 
 def _weight(fmt: str, n: int, k: int, group: int | None, seed: int):
@@ -41,33 +48,41 @@ def test_t8_matches_integer_path_and_bound(ext, fmt, n, k, group, rows):
     tensors, wd, g = _weight(fmt, n, k, group, seed=n * rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[:, 7] *= 40.0  # an outlier channel, as SmolLM2's activations have
-    assert ext.quant_resolved_path(tensors, g, k, rows, 6) == 6
-    got = ext.quant_linear(x, tensors, g, 6)
-    torch.testing.assert_close(got, ext.quant_linear(x, tensors, g, 2), rtol=1e-5, atol=1e-5)
-    assert_within_integer_bound(got, x, wd, f"path 6 {fmt}")
-    for r in range(rows):  # a row's result does not depend on the other rows (the fused step's batching)
-        torch.testing.assert_close(got[r : r + 1], ext.quant_linear(x[r : r + 1], tensors, g, 6), rtol=0, atol=0)
-
+    paths = _paths(ext, fmt)
+    if not paths:
+        pytest.skip("no AVX512-VNNI: no 8-row int8 kernel on this CPU")
+    for path, twin in paths:
+        assert ext.quant_resolved_path(tensors, g, k, rows, path) == path
+        got = ext.quant_linear(x, tensors, g, path)
+        torch.testing.assert_close(got, ext.quant_linear(x, tensors, g, twin), rtol=1e-5, atol=1e-5)
+        assert_within_integer_bound(got, x, wd, f"path {path} {fmt}")
+        for r in range(rows):  # a row's result does not depend on the other rows (the fused step's batching)
+            one = ext.quant_linear(x[r : r + 1], tensors, g, path)
+            torch.testing.assert_close(got[r : r + 1], one, rtol=0, atol=0)
 
 def test_default_dispatch_and_float_switch(ext):
     tensors, wd, g = _weight("int4-asym", 32, 576, 32, seed=3)
     x = torch.randn(1, 576)
+    t8 = 6 if ext.quant_best_path() == 2 else 7
     previous = kernels.float_activations()
     try:
         kernels.float_activations(False)
-        assert ext.quant_resolved_path(tensors, g, 576, 1) == 6
-        assert ext.quant_resolved_path(tensors, g, 576, 64) == 6
+        assert ext.quant_resolved_path(tensors, g, 576, 1) == t8
+        assert ext.quant_resolved_path(tensors, g, 576, 64) == t8
         assert ext.quant_resolved_path(tensors, g, 576, 65) == 0  # above kMaxRows: dequantize + ATen
-        torch.testing.assert_close(ext.quant_linear(x, tensors, g), ext.quant_linear(x, tensors, g, 6), rtol=0, atol=0)
+        torch.testing.assert_close(ext.quant_linear(x, tensors, g), ext.quant_linear(x, tensors, g, t8), rtol=0, atol=0)
         q8, s8 = ref.quantize_int8(torch.randn(8, 172))
-        assert ext.quant_resolved_path([q8, s8], 172, 172, 1) != 6  # K % 32 != 0: not for the 8-row int8 kernel
+        assert ext.quant_resolved_path([q8, s8], 172, 172, 1) not in (6, 7)  # K % 32 != 0: no 8-row int8 kernel
+        if t8 == 6:
+            q8, s8 = ref.quantize_int8(torch.randn(8, 576))
+            assert ext.quant_resolved_path([q8, s8], 576, 576, 1) == 2  # per channel, 1 row: memory-bound, path 2
+            assert ext.quant_resolved_path([q8, s8], 576, 576, 2) == 6
         assert not kernels.float_activations()
         kernels.float_activations(True)
         assert ext.quant_resolved_path(tensors, g, 576, 1) == 4 and ext.quant_resolved_path(tensors, g, 576, 8) == 3
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), x @ wd.t(), rtol=1e-5, atol=1e-5)
     finally:
         kernels.float_activations(previous)
-
 
 def test_t8_extreme_codes(ext):
     """All-15 / all-0 nibbles and +-127 int8 codes with large x: the int32 sums cannot overflow or saturate."""
@@ -79,7 +94,8 @@ def test_t8_extreme_codes(ext):
     x = torch.full((2, k), 3.0)
     x[1] = -3.0
     wd = ref.dequantize_int4(q4, d, m, 32)
-    assert_within_integer_bound(ext.quant_linear(x, [q4, d, m], 32, 6), x, wd, "int4 extremes")
+    for path in (6, 7):  # (6 resolves to path 1 without VNNI)
+        assert_within_integer_bound(ext.quant_linear(x, [q4, d, m], 32, path), x, wd, f"int4 extremes, path {path}")
     q8 = torch.full((n, k), 127, dtype=torch.int8)
     q8[1::2] = -127
     s8 = torch.full((n, k // 32), 0.01)

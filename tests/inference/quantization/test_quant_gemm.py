@@ -29,7 +29,7 @@ def _weight(fmt: str, n: int, k: int, group: int | None, seed: int):
 FORMATS = [("int8", 37, 576, None), ("int8", 20, 172, None), ("int8", 33, 96, 32), ("int4-sym", 21, 576, 32),
            ("int4-asym", 19, 576, 32), ("int4-asym", 18, 576, 128), ("int4-sym", 9, 64, 64)]
 EXACT_PATHS = [0, 3, 4]  # portable (dequantize + ATen), FMA tiles, codes to floats in registers + FMA
-INTEGER_PATHS = [1, 2, 5, 6]  # x quantized to int8 per 32-block: AVX2 maddubs, AVX512-VNNI, scalar, 8-row VNNI
+INTEGER_PATHS = [1, 2, 5, 6, 7]  # x rounded to int8 per 32-block: AVX2, VNNI, scalar, 8-row VNNI, 8-row AVX2
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
@@ -51,6 +51,7 @@ def test_quant_linear_paths_match_dequantized_matmul(ext, fmt, n, k, group, rows
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # AVX2 and VNNI: same integer sums, same order
     # the 8-row kernel: the same integer sums, its float sums in another order
     torch.testing.assert_close(outs[3], outs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[4], outs[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
