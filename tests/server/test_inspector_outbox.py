@@ -42,7 +42,8 @@ def test_engine_process_delivers_or_counts_every_step(data_dir):
     from scratchlm.server.engine_process import EngineProcessLoop
 
     model = data_dir / "models" / "stories260K" / "stories260K.bin"
-    loop = EngineProcessLoop(model, inference.EngineConfig(max_num_seqs=4), threads=1, startup_timeout_s=300,
+    # the child may JIT-build the C++ extension first (a csrc change): 300 s ran out once at load ~10
+    loop = EngineProcessLoop(model, inference.EngineConfig(max_num_seqs=4), threads=1, startup_timeout_s=900,
                              events_in_flight=1)
     got: list[dict] = []
     done = threading.Event()
