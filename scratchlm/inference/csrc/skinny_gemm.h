@@ -223,12 +223,13 @@ inline void skinny_gemm(const float* xp, const float* wp, float* yp, int64_t M, 
 
 // y (M, N) = x (M, K) @ w (N, K)^T for many rows (prefill chunks), float32 CPU. oneDNN's matmul (ATen's
 // mkldnn::_linear_pointwise, the op torch.compile's CPU fusions call) for 65..kOneDnnMaxRows rows where this torch
-// has it, else ATen's mm (MKL). oneDNN repacks the weight on every call (no second copy is kept), which costs a
-// pass over it. Measured on one AVX-512 core (Zen 4), thread CPU, the 7 linears of SmolLM2 layers: with the
+// has it, else ATen's mm (MKL). oneDNN repacks the weight on every call (no second copy is kept) and its result is
+// copied into y. Measured on one AVX-512 core (Zen 4), thread CPU, the 7 linears of SmolLM2 layers: with the
 // weights in cache 1.05x MKL at 128 rows, 1.05-1.10x at 300-512; with all 30 layers' weights (cold) 1.11-1.15x at
-// 96-256 rows, 1.09x at 384, but 0.91-0.98x at 512, so full 512-token steps keep MKL.
+// 96-256 rows, 1.09x at 384, 1.13x at 490, but 0.91-1.01x at exactly 512 (three runs; 1.12-1.18x when called
+// directly from Python, so the copy or this call path costs there), so full 512-token steps keep MKL.
 // SCRATCHLM_ONEDNN=0 (or set_fp32_kernels) keeps ATen's mm for every size.
-constexpr int64_t kOneDnnMaxRows = 447;
+constexpr int64_t kOneDnnMaxRows = 511;
 
 inline void large_gemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   static const c10::OperatorHandle* op = []() -> const c10::OperatorHandle* {
