@@ -224,7 +224,9 @@ def run_all(names: list[str], quick: bool, results: Path, log=print) -> list[Out
         except subprocess.TimeoutExpired:
             status = f"timeout ({timeout:.0f} s)"
         seconds = time.perf_counter() - t0
-        files = sorted(p.name for p in results.iterdir() if p.is_file() and before.get(p) != p.stat().st_mtime)
+        # files this run wrote: new or changed during it and named after it (other processes may write there too)
+        files = sorted(p.name for p in results.iterdir() if p.is_file() and before.get(p) != p.stat().st_mtime
+                       and name in p.name)
         outcomes.append(Outcome(name, tuple(argv), status, seconds, files))
         log(f"[bench all] {name}: {status} in {seconds:.1f} s; wrote {', '.join(files) or 'nothing'}")
     return outcomes
