@@ -87,15 +87,16 @@ struct QLinear {
     const int best = best_path();
     // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): the 8-row integer kernels
     // (x quantized to int8 per 32-block, as llama.cpp) are the fastest at every M <= 64 for int4: path 6 on
-    // AVX512-VNNI, path 7 (maddubs) on AVX2, 2-2.7x the float kernels at 1 row, 1.2-1.9x the FMA tiles at 32. For
-    // int8 path 6 from 2 rows and for grouped int8 (Q8_0) at 1 row; per-channel int8 at 1 row is memory-bound and
-    // path 2 is as fast (slightly ahead). With float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1), and for
-    // int8 on AVX2-only CPUs, the float kernels that do not round x: codes to floats in registers (path 4) up to 2
-    // rows, the FMA tiles (path 3) above. Without AVX2 the weight is dequantized and ATen multiplies (portable,
-    // exact). Paths 1, 2 (integer, AVX2 / VNNI, 4 rows per tile) and 5 (integer, scalar) are there to be measured.
+    // AVX512-VNNI, path 7 (maddubs) on AVX2, 2-2.7x the float kernels at 1 row, 1.2-1.9x the FMA tiles at 32: the
+    // int4 default. int8 keeps the float kernels by default: at 1 row it is memory-bound (the integer paths gain
+    // <= 15 %), and rounding x makes the fused and the unfused paths' greedy ids diverge on SmolLM2 (its outlier
+    // activations turn float-order differences into different roundings; docs/quantization.md). Float kernels:
+    // codes to floats in registers (path 4) up to 2 rows, the FMA tiles (path 3) above; also for int4 with
+    // float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1). Without AVX2 the weight is dequantized and ATen
+    // multiplies (portable, exact). Paths 1, 2, 5 (integer, AVX2 / VNNI / scalar, 4 rows per tile) and 6 for int8
+    // are there to be measured and tested.
     int p = path;
     if (p < 0 && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) p = best == 2 ? 6 : 7;
-    if (p < 0 && !float_activations() && best == 2 && mat.K % kBlock == 0) p = (M == 1 && mat.G == 1) ? 2 : 6;
     if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
     if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
     if ((p == 4 || p == 1) && best == 0) p = 0;

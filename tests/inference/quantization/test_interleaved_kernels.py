@@ -73,10 +73,9 @@ def test_default_dispatch_and_float_switch(ext):
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), ext.quant_linear(x, tensors, g, t8), rtol=0, atol=0)
         q8, s8 = ref.quantize_int8(torch.randn(8, 172))
         assert ext.quant_resolved_path([q8, s8], 172, 172, 1) not in (6, 7)  # K % 32 != 0: no 8-row int8 kernel
-        if t8 == 6:
-            q8, s8 = ref.quantize_int8(torch.randn(8, 576))
-            assert ext.quant_resolved_path([q8, s8], 576, 576, 1) == 2  # per channel, 1 row: memory-bound, path 2
-            assert ext.quant_resolved_path([q8, s8], 576, 576, 2) == 6
+        q8, s8 = ref.quantize_int8(torch.randn(8, 576), 32)
+        assert ext.quant_resolved_path([q8, s8], 32, 576, 1) == 4  # int8: float activations by default
+        assert ext.quant_resolved_path([q8, s8], 32, 576, 8) == 3
         assert not kernels.float_activations()
         kernels.float_activations(True)
         assert ext.quant_resolved_path(tensors, g, 576, 1) == 4 and ext.quant_resolved_path(tensors, g, 576, 8) == 3
