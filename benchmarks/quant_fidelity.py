@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                "per-channel int8 (the default; `+head4`: the head in the same int4 format); parameters: without "
                "calibration the weight-only error-minimizing search (`calibrate.py`; an int4 head keeps "
                "round-to-nearest), with `@cal` sequential GPTQ (`gptq.py`: one forward, each linear's Hessian from "
-               "the already-quantized prefix, group parameters fit on the updated weights); `+rtn` = plain "
+               "the already-quantized prefix, act-order with static groups, damping 0.1 x mean diag H); `+rtn` = plain "
                "round-to-nearest min/max (Q4_1) or absmax (Q4_0) parameters; `+mse@cal` = the search weighted by "
                "E[x^2] per input channel from the calibration tokens (float model, one pass); "
                "`+emb` also stores the token embedding quantized (shared with the tied head); `gguf-packed` = the "
