@@ -49,7 +49,8 @@ def _kernel_note(default_float: bool) -> str:
     if eng is None:
         return ""
     vnni = eng.quant_best_path() == 2
-    kind = "float activations" if default_float or not vnni else "int8 activations, 8-row VNNI kernels"
+    kind = ("float activations" if default_float else
+            f"int4: int8 activations, 8-row {'VNNI' if vnni else 'AVX2'} kernels; int8: float activations")
     return f"; quantized matmuls by default: {kind}; `[float x]`: the float-activation kernels, same engine"
 
 
