@@ -254,10 +254,10 @@ def test_cp2_random_streams(cp2, reference) -> None:
 
 @pytest.mark.distributed
 def test_small_pool_preempts_under_cp2(reference) -> None:
-    """Half the pool (50 logical blocks of 8 tokens, 50 blocks of 4 per rank): sequences are preempted and
-    recomputed, and the ids still match."""
+    """A small pool (45 logical blocks of 8 tokens, 45 blocks of 4 per rank; the 300-token prompt + 24 tokens
+    still fits max_model_len): sequences are preempted and recomputed, and the ids still match."""
     _release_process_group()
-    engine = LLMEngine.from_pretrained(STORIES, engine_config(cp=2, blocks=100, max_num_batched_tokens=64))
+    engine = LLMEngine.from_pretrained(STORIES, engine_config(cp=2, blocks=90, max_num_batched_tokens=64))
     try:
         out = run(engine)
         assert engine.stats().num_preemptions > 0
