@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import socket
 import sys
 import time
@@ -120,6 +121,14 @@ def engine_ranks(engine_config) -> int:
     return c.tensor_parallel_size * c.pipeline_parallel_size * c.context_parallel_size
 
 
+def _torchrun_worker_rank(engine_config) -> bool:
+    """True in ranks 1.. of a torchrun-launched TP/PP/CP server (`recipes/slurm/rank.sh serve ...`): only rank 0
+    runs the engine and the HTTP server (`--host` may be an address of another machine), the others are workers."""
+    if engine_ranks(engine_config) == 1 or ("TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ):
+        return False
+    return os.environ.get("RANK", "0") not in ("", "0")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -132,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"scratchlm serve: {e}", file=sys.stderr)
         return 2
     host = server_config.host
+    if _torchrun_worker_rank(engine_config):  # never serves: build_app runs the worker loop and does not return
+        try:
+            build_app(args.model, server_config, engine_config, args.engine_process, choice.threads)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"scratchlm serve: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         sock = bind_port(host, server_config.port)  # before the model loads: a taken port fails in milliseconds
     except OSError as e:
