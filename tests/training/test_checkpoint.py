@@ -165,7 +165,9 @@ def test_kill_9_mid_run_then_resume_leaves_clean_files(data_dir, tmp_path, caplo
     assert all(p.exists() for p in keep)
     assert sorted(p.name for p in out.glob("*.tmp")) == sorted(p.name for p in keep if p.suffix == ".tmp")
     removed = [r.getMessage() for r in caplog.records if "left by an interrupted write" in r.getMessage()]
-    assert len(removed) == 2, removed
+    # the planted orphans, plus the killed run's own temp file when the kill landed inside a write
+    assert all(any(str(p) in m for m in removed) for p in orphans), removed
+    assert len(removed) <= len(orphans) + 1, removed
     if killed_at > ckpt_step:
         assert any(f"after step {ckpt_step}" in r.getMessage() for r in caplog.records)
 
