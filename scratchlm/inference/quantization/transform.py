@@ -147,6 +147,11 @@ def quantize_model(model: nn.Module, scheme: str | QuantScheme, calibration: Ten
         done = gptq.quantize_sequential(model, calibration, int4, head=head)
     if calibration is not None and search != "rtn":
         log.info("int4 %s calibrated on %d tokens", search, calibration.numel())
+    coarse = [f.group_size for f in layout.values() if f is not None and f.bits == 4 and (f.group_size or 0) > 32]
+    if calibration is None and coarse:  # measured on SmolLM2-135M, WikiText-2: docs/quantization.md "int4 quality"
+        log.warning("int4 with %d-wide groups and no calibration text: expect a large perplexity cost (+48 %% on "
+                    "SmolLM2-135M at g128, against +4.5 %% calibrated); pass --quantization-calibration TEXT_FILE "
+                    "(a few pages of text like the model's) for GPTQ", max(coarse))
     state = quantize_state_dict(model.state_dict(), config, layout, search=search, act_stats=stats, done=done)
     dtype = _float_dtype(model)
     with torch.device("meta"):
