@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import Report, set_threads
+from benchmarks.common import Report, set_threads, time_once
 from benchmarks.engine_throughput import PEERS, VLLM_VENV, export_for_vllm, make_workload
 
 VLLM_PHASE_WORKER = r'''
@@ -240,14 +240,9 @@ class ScratchlmRun:
         ws = [m.weight.detach() for b in model.layers for m in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj,
                                                                  b.attn.o_proj, b.ffn.w1, b.ffn.w2, b.ffn.w3)]
 
-        def best(fn, reps=3):
+        def best(fn, reps=3):  # (the vLLM worker's twin above runs in vLLM's venv, without benchmarks.common)
             fn()
-            ts = []
-            for _ in range(reps):
-                t0 = time.thread_time()
-                fn()
-                ts.append(time.thread_time() - t0)
-            return min(ts)
+            return min(time_once(fn, "thread_cpu") for _ in range(reps))
 
         body, head = {}, {}
         with torch.inference_mode():

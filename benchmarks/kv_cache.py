@@ -32,6 +32,7 @@ import time
 import torch
 
 from benchmarks.common import Report, compare, set_threads, shared_data_dir
+from benchmarks.quant_fidelity import add_window
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "List three colors:"]
@@ -83,13 +84,9 @@ def fidelity(model, windows: torch.Tensor, block_size: int = 16) -> dict[str, di
         ref = None
         for name, runner in runners.items():
             logp = torch.log_softmax(runner.execute(inp)[:-1].float(), dim=-1)  # (T-1, V)
-            s = stats[name]
-            s["nll"] += float(-logp.gather(1, targets[:, None]).sum())
-            s["n"] += targets.numel()
             if ref is None:
                 ref = logp
-            s["kl"] += float((ref.exp() * (ref - logp)).sum())
-            s["top1"] += float((logp.argmax(-1) == ref.argmax(-1)).sum())
+            add_window(stats[name], logp, ref, targets)
         print(f"  window {w + 1}/{windows.shape[0]}", file=sys.stderr, flush=True)
     return stats
 

@@ -44,6 +44,14 @@ def target_for(name: str) -> float | None:
     return None
 
 
+
+def add_window(s: dict[str, float], logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+    """Add one window's NLL, KL(ref || this) and top-1 agreement with ref to `s` (log-probs (T-1, V))."""
+    s["nll"] += float(-logp.gather(1, targets[:, None]).sum())
+    s["n"] += targets.numel()
+    s["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum())
+    s["top1"] += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=8, help="number of 512-token windows (default 8)")
@@ -114,13 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             ref_logp = None
             for name, model in models.items():
                 logp = torch.log_softmax(model(tokens)[0, :-1].float(), dim=-1)  # (T-1, V)
-                s = stats[name]
-                s["nll"] += float(-logp.gather(1, targets[:, None]).sum())
-                s["n"] += targets.numel()
                 if ref_logp is None:
                     ref_logp = logp
-                s["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum())
-                s["top1"] += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+                add_window(stats[name], logp, ref_logp, targets)
     elapsed = time.perf_counter() - t0
     base_ppl = math.exp(stats["fp32"]["nll"] / stats["fp32"]["n"])
     rows = []
