@@ -55,12 +55,9 @@ def _decode_inputs(batch: int, cache: KVCache, seed: int):
     return torch.tensor(lens), tables, torch.tensor(slots)
 
 
-@pytest.mark.parametrize("rope_layout,qkv_bias,heads", [("half", False, (4, 2)), ("adjacent", True, (4, 4)),
-                                                        ("half", True, (2, 1))])
-@pytest.mark.parametrize("batch", [1, 5, 70])  # 70 > 64 rows: ATen's mm instead of the skinny kernel
-def test_fused_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, heads, batch: int) -> None:
-    """Head dims 16 (scalar attention) and 32 (AVX2), GQA and MHA, biases, both RoPE layouts."""
-    model = _model(rope_layout, qkv_bias, *heads)
+def _fused_and_python_decode(model, batch: int):
+    """One decode step of `batch` sequences over a random paged cache, fused and through the Python layers:
+    (fused hidden (B, d), Python hidden (B, d), the fused step's cache, the Python path's cache)."""
     c = model.config
     cache = KVCache.allocate(c.n_layers, 4 * batch + 4, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
     cache.k.normal_()
@@ -76,6 +73,16 @@ def test_fused_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, he
         assert fused is not None
         cos, sin = model.rope.cos_sin(positions, torch.float32)
         got = fused.forward(model.tok_embeddings(tokens), cache.k, cache.v, slots, cos[:, 0], sin[:, 0], tables, lens)
+    return got, want, cache, ref_cache
+
+
+@pytest.mark.parametrize("rope_layout,qkv_bias,heads", [("half", False, (4, 2)), ("adjacent", True, (4, 4)),
+                                                        ("half", True, (2, 1))])
+@pytest.mark.parametrize("batch", [1, 5, 70])  # 70 > 64 rows: ATen's mm instead of the skinny kernel
+def test_fused_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, heads, batch: int) -> None:
+    """Head dims 16 (scalar attention) and 32 (AVX2), GQA and MHA, biases, both RoPE layouts."""
+    model = _model(rope_layout, qkv_bias, *heads)
+    got, want, cache, ref_cache = _fused_and_python_decode(model, batch)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)  # the new K/V landed in the same slots
     torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-5, rtol=1e-5)
@@ -189,21 +196,7 @@ def test_fused_quantized_step_matches_python(kernels, scheme: str, batch: int) -
 
     model = quantize_model(_model("half", False), scheme)
     use_skinny_linears(model)
-    c = model.config
-    cache = KVCache.allocate(c.n_layers, 4 * batch + 4, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
-    cache.k.normal_()
-    cache.v.normal_()
-    lens, tables, slots = _decode_inputs(batch, cache, seed=batch)
-    tokens = torch.randint(0, c.vocab_size, (batch,))
-    positions = lens - 1
-    ref_cache = KVCache(cache.k.clone(), cache.v.clone())
-    meta = AttentionMetadata(slots, batch, tables, lens)
-    with torch.inference_mode():
-        want = model.hidden_states(tokens[None], positions, PagedAttention(ref_cache, meta))[0]  # (B, d)
-        fused = fused_decoder_for(model, cache)
-        assert fused is not None
-        cos, sin = model.rope.cos_sin(positions, torch.float32)
-        got = fused.forward(model.tok_embeddings(tokens), cache.k, cache.v, slots, cos[:, 0], sin[:, 0], tables, lens)
+    got, want, cache, ref_cache = _fused_and_python_decode(model, batch)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)
 
