@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from scratchlm.config import add_dataclass_arguments, dataclass_from_args, load_config
+from scratchlm.threads import add_threads_argument, apply_threads
 
 DEFAULT_MODEL = "runs/diffusion_mnist/pipeline"
 
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sa.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = none)")
     sa.add_argument("--sampler", default="ddim", choices=sorted(SAMPLERS), help="sampler")
     sa.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
-    sa.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_threads_argument(sa)
     sa.add_argument("--out", type=Path, default=Path("grid.png"), help="output PNG (one row per prompt)")
 
 
@@ -58,15 +59,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from scratchlm.diffusion.pipeline import DiffusionPipeline, save_png
 
     if args.n < 1 or args.steps < 1:
         raise ValueError(f"--n and --steps must be >= 1 (got {args.n}, {args.steps})")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     pipe = DiffusionPipeline.from_pretrained(args.model)
     prompts = [p for p in args.prompt for _ in range(args.n)]
     with tqdm(total=args.steps, desc="denoising", unit="step") as bar:

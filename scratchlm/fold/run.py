@@ -31,6 +31,7 @@ from scratchlm.fold.diffusion_head import (
 from scratchlm.fold.memory import PeakMemory
 from scratchlm.fold.pairformer import Pairformer, PairformerConfig, chunk_size_for_budget
 from scratchlm.parallel.comm import backend_for, init_default_group
+from scratchlm.threads import add_threads_argument, apply_threads
 
 
 def rank_rows(cfg: PairformerConfig, rank: int, rows: int, n_pad: int) -> torch.Tensor:
@@ -49,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-overlap", action="store_true", help="blocking collectives (no Duality-Async overlap)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_threads_argument(ap, "per rank")
     return ap
 
 
@@ -68,8 +69,11 @@ def run_hybrid(argv: list[str] | None = None) -> dict | None:
         ap.error("--tokens, --blocks and --samples must be positive")
     if "RANK" not in os.environ:
         ap.error("run me under torchrun (RANK/WORLD_SIZE/MASTER_ADDR are not set)")
-    torch.set_num_threads(args.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        apply_threads(args.threads, world_size=world)  # torchrun: split over LOCAL_WORLD_SIZE, this machine's ranks
+    except ValueError as e:
+        ap.error(str(e))
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
