@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+from scratchlm.inference.kv_cache import bytes_per_block
 from scratchlm.model import ModelConfig, TransformerLM
 
 
@@ -36,13 +37,17 @@ def tiny_model(seed: int = 0, vocab: int = 48, n_heads: int = 4, n_kv_heads: int
     return model, cfg
 
 
-def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 4
+def block_bytes(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one KV block in every layer (int8: with its scales), as the engine sizes its pool."""
+    return bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
 
 
 def make_engine(model, cfg, num_blocks: int = 64, eos_id: int | None = None, **options) -> LLMEngine:
+    """An engine whose KV pool holds exactly `num_blocks` blocks of the KV dtype the options pick."""
     block_size = options.get("block_size", 16)
-    config = EngineConfig(kv_cache_memory=num_blocks * block_bytes(cfg, block_size), **options)
+    kv = options.get("kv_cache_dtype", "auto")
+    kv_dtype = getattr(torch, options.get("dtype", "float32") if kv == "auto" else kv)
+    config = EngineConfig(kv_cache_memory=num_blocks * block_bytes(cfg, block_size, kv_dtype), **options)
     return LLMEngine(model, CharTokenizer(cfg.vocab_size, eos_id), cfg, config)
 
 
