@@ -15,6 +15,7 @@ import torch
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from scratchlm.inference.cpp_extensions import load_engine_kernels
+from scratchlm.inference.engine_ops import RowPagedAttention, use_engine_ops
 from scratchlm.inference.fast_linear import SkinnyLinear, skinny_linear, use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
@@ -82,6 +83,11 @@ def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInpu
 FUSED_PREFILL_MAX_CONTEXT = 512
 
 
+def _short_contexts(inp: ModelInput) -> bool:
+    """Whether every prefill chunk's context is at most FUSED_PREFILL_MAX_CONTEXT (what the fused step runs)."""
+    return all(cl <= FUSED_PREFILL_MAX_CONTEXT for _, _, cl, _ in inp.prefills)
+
+
 class ModelRunner:
     """Holds the model and its KV cache; `execute(ModelInput)` -> logits (len(logits_indices), vocab)."""
 
@@ -90,12 +96,14 @@ class ModelRunner:
         self.cache = cache
         self.device = torch.device(device)
         use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
+        if cache.k.device.type == "cpu":  # the unfused path runs the fused step's row ops (engine_ops.py)
+            use_engine_ops(model)
         self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
         self.fused_decoder = fused_decoder_for(model, cache)  # every layer of a step in one C++ call
 
     def _runs_fused(self, inp: ModelInput) -> bool:
         """Whether the fused C++ step runs `inp`: decode rows, and prefill chunks of short enough context."""
-        return self.fused_decoder is not None and all(cl <= FUSED_PREFILL_MAX_CONTEXT for _, _, cl, _ in inp.prefills)
+        return self.fused_decoder is not None and _short_contexts(inp)
 
     def _row_tables(self, inp: ModelInput, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A block table and a context length for every row of the step, (N, max_blocks) and (N,): a decode row
@@ -141,7 +149,10 @@ class ModelRunner:
             h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos[:, 0], sin[:, 0], tables, lens,
                                            c.k_scale, c.v_scale)  # (N, d)
             return self._logits(self.model.norm(h.index_select(0, index)))
-        attn = PagedAttention(self.cache, meta)
+        if _short_contexts(inp) and self.cache.k.device.type == "cpu":  # the fused step's attention, row by row
+            attn = RowPagedAttention(self.cache, meta, *self._row_tables(inp, meta))
+        else:
+            attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
             return self.model(tokens, positions, attn=attn, logits_index=index)
         h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention
 from scratchlm.inference.cpp_extensions import load_engine_kernels
+from scratchlm.inference.engine_ops import RowPagedAttention, use_engine_ops
 from scratchlm.inference.fast_linear import use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.runner import ModelInput, ModelRunner, fused_decoder_for
@@ -56,8 +58,10 @@ def _decode_inputs(batch: int, cache: KVCache, seed: int):
 
 
 def _fused_and_python_decode(model, batch: int):
-    """One decode step of `batch` sequences over a random paged cache, fused and through the Python layers:
-    (fused hidden (B, d), Python hidden (B, d), the fused step's cache, the Python path's cache)."""
+    """One decode step of `batch` sequences over a random paged cache, fused, through the model's torch layers,
+    and through the engine's unfused path (the same model with the fused step's row ops swapped in,
+    engine_ops.py): (fused hidden (B, d), torch-layers hidden (B, d), engine-ops hidden (B, d), the fused step's
+    cache, the torch layers' cache)."""
     c = model.config
     cache = KVCache.allocate(c.n_layers, 4 * batch + 4, 4, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
     cache.k.normal_()
@@ -66,14 +70,19 @@ def _fused_and_python_decode(model, batch: int):
     tokens = torch.randint(0, c.vocab_size, (batch,))
     positions = lens - 1
     ref_cache = KVCache(cache.k.clone(), cache.v.clone())
+    ops_cache = KVCache(cache.k.clone(), cache.v.clone())
     meta = AttentionMetadata(slots, batch, tables, lens)
+    swapped = copy.deepcopy(model)
+    assert use_engine_ops(swapped) > 0
     with torch.inference_mode():
         want = model.hidden_states(tokens[None], positions, PagedAttention(ref_cache, meta))[0]  # (B, d)
+        ops = swapped.hidden_states(tokens[None], positions, RowPagedAttention(ops_cache, meta, tables, lens))[0]
         fused = fused_decoder_for(model, cache)
         assert fused is not None
         cos, sin = model.rope.cos_sin(positions, torch.float32)
         got = fused.forward(model.tok_embeddings(tokens), cache.k, cache.v, slots, cos[:, 0], sin[:, 0], tables, lens)
-    return got, want, cache, ref_cache
+    assert torch.equal(cache.k, ops_cache.k) and torch.equal(cache.v, ops_cache.v)
+    return got, want, ops, cache, ref_cache
 
 
 @pytest.mark.parametrize("rope_layout,qkv_bias,heads", [("half", False, (4, 2)), ("adjacent", True, (4, 4)),
@@ -82,8 +91,9 @@ def _fused_and_python_decode(model, batch: int):
 def test_fused_step_matches_python(kernels, rope_layout: str, qkv_bias: bool, heads, batch: int) -> None:
     """Head dims 16 (scalar attention) and 32 (AVX2), GQA and MHA, biases, both RoPE layouts."""
     model = _model(rope_layout, qkv_bias, *heads)
-    got, want, cache, ref_cache = _fused_and_python_decode(model, batch)
+    got, want, ops, cache, ref_cache = _fused_and_python_decode(model, batch)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    assert torch.equal(got, ops)  # the engine's unfused path runs the same code: the same bits
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)  # the new K/V landed in the same slots
     torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-5, rtol=1e-5)
 
@@ -182,6 +192,7 @@ def test_fused_mixed_step_matches_python(kernels, rope_layout: str, qkv_bias: bo
             runner.fused_decoder = None
         results.append((runner.execute(inp), run_cache))
     (got, got_cache), (want, want_cache) = results
+    assert torch.equal(got, want)  # the unfused path runs the fused step's row ops and attention (engine_ops.py)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(got_cache.k, want_cache.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_cache.v, want_cache.v, atol=1e-5, rtol=1e-5)
@@ -196,9 +207,10 @@ def test_fused_quantized_step_matches_python(kernels, scheme: str, batch: int) -
 
     model = quantize_model(_model("half", False), scheme)
     use_skinny_linears(model)
-    got, want, cache, ref_cache = _fused_and_python_decode(model, batch)
+    got, want, ops, cache, ref_cache = _fused_and_python_decode(model, batch)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, ops)  # bit-equal inputs to every linear: the same int8 rounding of x
 
 
 def test_fused_quantized_engine_greedy_same_with_and_without(kernels) -> None:

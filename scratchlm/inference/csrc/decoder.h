@@ -43,6 +43,58 @@ inline void check_weight(const torch::Tensor& t, std::vector<int64_t> shape, con
               ", expected ", c10::IntArrayRef(shape));
 }
 
+// The row ops between the linears. The engine's unfused CPU path runs these same functions (engine_kernels.cpp
+// exposes them; scratchlm/inference/engine_ops.py swaps the model's RMSNorm / RoPE / SwiGLU to them), so both
+// paths feed every linear bit-identical inputs: the integer kernels round x to int8 per block, and a few-ulp
+// difference between two implementations of a norm would otherwise round some x to the other int8 code.
+// Plain scalar loops (no FMA contraction: the baseline target has none; no reassociation: no -ffast-math), so
+// the results do not depend on the caller.
+
+// y = (x * (1 / sqrt(mean(x^2) + eps))) * w, row by row, in float32 (sum of squares in order); x, y (M, d).
+inline void rmsnorm_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, float eps) {
+  const int64_t M = x.size(0), d = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) yp[m * d + i] = (xr[i] * r) * wp[i];
+  }
+}
+
+// Rotate t (B, heads * D) in place by cos/sin (B, D/2): "half" pairs (i, i + D/2) (HF rotate-half), else
+// adjacent pairs (2i, 2i + 1); (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), as RotaryEmbedding.rotate.
+inline void rope_rows(torch::Tensor& t, int64_t heads, int64_t D, const torch::Tensor& cos, const torch::Tensor& sin,
+                      bool half_pairs) {
+  const int64_t B = t.size(0), half = D / 2;
+  float* tp = t.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cp + b * half;
+    const float* s = sp + b * half;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* r = tp + (b * heads + hd) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        float* a = half_pairs ? r + i : r + 2 * i;
+        float* bb = half_pairs ? r + i + half : r + 2 * i + 1;
+        const float x1 = *a, x2 = *bb;
+        *a = x1 * c[i] - x2 * s[i];
+        *bb = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+}
+
+// s = silu(g) * u = sigmoid(g) * g * u (the Python SwiGLU's op order); g, u, s (B, d_ff).
+inline void silu_mul_out(const torch::Tensor& g, const torch::Tensor& u, torch::Tensor& s) {
+  at::sigmoid_out(s, g);
+  s.mul_(g).mul_(u);
+}
+
 class FusedDecoder {
  public:
   // layers[i] = [attn_norm, wq, wk, wv, wo, ffn_norm, w1 (gate), w2 (down), w3 (up)] (+ [bq, bk, bv]), float32.
@@ -166,13 +218,13 @@ class FusedDecoder {
     QAct hq;  // h quantized for the integer kernels, shared by the matmuls that read it
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
-      rmsnorm(x, w.attn_norm, h);
+      rmsnorm_rows(x, w.attn_norm, h, eps_);
       hq.valid = false;
       linear(h, w.wq, w.bq, q, &hq);
       linear(h, w.wk, w.bk, k, &hq);
       linear(h, w.wv, w.bv, v, &hq);
-      rope(q, H_, cos, sin);
-      rope(k, Hkv_, cos, sin);
+      rope_rows(q, H_, D_, cos, sin, rope_half_);
+      rope_rows(k, Hkv_, D_, cos, sin, rope_half_);
       char* kl = kc + l * layer_stride * item;  // this layer's caches and scales
       char* vl = vc + l * layer_stride * item;
       float* ksl = ksc ? ksc + l * nb * bs * Hkv_ : nullptr;
@@ -186,12 +238,11 @@ class FusedDecoder {
       scratchlm_attn::paged_decode(a, simd_);
       linear(att, w.wo, torch::Tensor(), o, nullptr);
       x.add_(o);
-      rmsnorm(x, w.ffn_norm, h);
+      rmsnorm_rows(x, w.ffn_norm, h, eps_);
       hq.valid = false;
       linear(h, w.w1, torch::Tensor(), g, &hq);
       linear(h, w.w3, torch::Tensor(), u, &hq);
-      at::sigmoid_out(s, g);
-      s.mul_(g).mul_(u);  // silu(gate) * up, as the Python SwiGLU
+      silu_mul_out(g, u, s);
       linear(s, w.w2, torch::Tensor(), o, nullptr);
       x.add_(o);
     }
@@ -203,43 +254,6 @@ class FusedDecoder {
               QAct* xq) const {
     w.forward(x, y, xq, simd_ ? -1 : 0);
     if (bias.defined()) y.add_(bias);
-  }
-
-  // y = (x * rsqrt(mean(x^2) + eps)) * w, row by row, in float32 as the Python RMSNorm.
-  void rmsnorm(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) const {
-    const int64_t M = x.size(0);
-    const float* xp = x.data_ptr<float>();
-    const float* wp = w.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr = xp + m * d_;
-      float ss = 0.f;
-      for (int64_t i = 0; i < d_; ++i) ss += xr[i] * xr[i];
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(d_) + eps_);
-      for (int64_t i = 0; i < d_; ++i) yp[m * d_ + i] = (xr[i] * r) * wp[i];
-    }
-  }
-
-  // Rotate t (B, heads * D) in place by cos/sin (B, D/2).
-  void rope(torch::Tensor& t, int64_t heads, const torch::Tensor& cos, const torch::Tensor& sin) const {
-    const int64_t B = t.size(0), half = D_ / 2;
-    float* tp = t.data_ptr<float>();
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      const float* c = cp + b * half;
-      const float* s = sp + b * half;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        float* r = tp + (b * heads + hd) * D_;
-        for (int64_t i = 0; i < half; ++i) {
-          float* a = rope_half_ ? r + i : r + 2 * i;
-          float* bb = rope_half_ ? r + i + half : r + 2 * i + 1;
-          const float x1 = *a, x2 = *bb;
-          *a = x1 * c[i] - x2 * s[i];
-          *bb = rope_half_ ? x2 * c[i] + x1 * s[i] : x1 * s[i] + x2 * c[i];
-        }
-      }
-    }
   }
 
   std::vector<Layer> layers_;

@@ -4,6 +4,7 @@
 //   kv_store               K/V rows into a cache of any KV dtype (paged_attention.h)
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
+//   rms_norm, rope_, silu_mul  the fused step's row ops, for the unfused path (decoder.h; inference/engine_ops.py)
 // Every entry point releases the GIL.
 
 #include <torch/extension.h>
@@ -112,6 +113,46 @@ void kv_store(torch::Tensor cache, c10::optional<torch::Tensor> scales, torch::T
   }
 }
 
+// The fused step's row ops (decoder.h) for the engine's unfused CPU path, so it computes what the fused step does.
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu(), what,
+              " must be a float32 CPU tensor (rows, n), got ", t.scalar_type(), " ", t.sizes());
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "rms_norm: x");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.numel() == x.size(1) && w.device().is_cpu(),
+              "rms_norm: weight must be float32 (", x.size(1), ",), got ", w.scalar_type(), " ", w.sizes());
+  x = x.contiguous(), w = w.contiguous();
+  auto y = torch::empty_like(x);
+  scratchlm_decoder::rmsnorm_rows(x, w, y, static_cast<float>(eps));
+  return y;
+}
+
+torch::Tensor rope_(torch::Tensor t, int64_t heads, torch::Tensor cos, torch::Tensor sin, bool half_pairs) {
+  check_rows(t, "rope_: t");
+  TORCH_CHECK(t.is_contiguous(), "rope_: t must be contiguous (it is rotated in place)");
+  TORCH_CHECK(heads > 0 && t.size(1) % heads == 0 && (t.size(1) / heads) % 2 == 0, "rope_: ", t.size(1),
+              " columns are not ", heads, " heads of an even head dim");
+  const int64_t D = t.size(1) / heads;
+  cos = cos.contiguous(), sin = sin.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+              cos.numel() == t.size(0) * D / 2, "rope_: cos/sin must be float32 (", t.size(0), ", ", D / 2, "), got ",
+              cos.sizes(), " and ", sin.sizes());
+  scratchlm_decoder::rope_rows(t, heads, D, cos, sin, half_pairs);
+  return t;
+}
+
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+  check_rows(g, "silu_mul: gate");
+  TORCH_CHECK(u.sizes() == g.sizes() && u.scalar_type() == at::kFloat, "silu_mul: up must match gate ", g.sizes(),
+              ", got ", u.sizes());
+  g = g.contiguous(), u = u.contiguous();
+  auto s = torch::empty_like(g);
+  scratchlm_decoder::silu_mul_out(g, u, s);
+  return s;
+}
+
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
 // The fp32 kernel choice of skinny_gemm.h (for benchmarks interleaving them); returns the previous one.
@@ -177,6 +218,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "the fused step's RMSNorm: (x (M, d) * rsqrt(mean(x^2) + eps)) * w, float32",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "the fused step's RoPE, in place on t (M, heads * D) with cos/sin (M, D/2)", py::arg("t"),
+        py::arg("heads"), py::arg("cos"), py::arg("sin"), py::arg("half_pairs"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "the fused step's silu(gate) * up, float32 (M, d_ff)", py::arg("gate"), py::arg("up"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
   m.def("set_fp32_kernels", &set_fp32_kernels, "AVX-512 skinny tiles / oneDNN for many rows on or off; the old choice",
         py::arg("avx512"), py::arg("onednn"));
