@@ -64,11 +64,14 @@ for line in sys.stdin:
 
 
 class LlamaCppWorker:
-    """llama.cpp in .peers/llamacpp, timing `n` decode steps per request on stdin."""
+    """llama.cpp in .peers/llamacpp, timing `n` decode steps per request on stdin (or what `script` times, one
+    request line in, one ``RESULT {json}`` line out: benchmarks/quant_speed.py's prompt processing)."""
 
-    def __init__(self, gguf: str, cores: str, threads: int = 1):
-        script = REPO_ROOT / ".peers" / "llamacpp_worker.py"
-        script.write_text(WORKER)
+    def __init__(self, gguf: str, cores: str, threads: int = 1, script: str = WORKER,
+                 script_name: str = "llamacpp_worker.py"):
+        path = REPO_ROOT / ".peers" / script_name
+        path.write_text(script)
+        script = path
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLAMA_CPP_LIB_PATH=str(LIB_DIR))
         cmd = [str(VENV / "bin" / "python"), str(script), gguf, json.dumps(PROMPT_IDS), str(threads)]
         if cores:
@@ -79,14 +82,18 @@ class LlamaCppWorker:
                 return
         raise RuntimeError("the llama.cpp worker exited before it was ready")
 
-    def decode_tok_s(self, n: int) -> tuple[float, list[int]]:
-        self.proc.stdin.write(f"{n}\n")
+    def request(self, line: str) -> dict:
+        """Send one request line; the worker's JSON result."""
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                res = json.loads(line[7:])
-                return n / res["seconds"], res["ids"]
+        for out in self.proc.stdout:
+            if out.startswith("RESULT "):
+                return json.loads(out[7:])
         raise RuntimeError("the llama.cpp worker died")
+
+    def decode_tok_s(self, n: int) -> tuple[float, list[int]]:
+        res = self.request(str(n))
+        return n / res["seconds"], res["ids"]
 
     def close(self) -> None:
         self.proc.stdin.close()

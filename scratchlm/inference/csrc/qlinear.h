@@ -25,6 +25,10 @@ inline std::atomic<bool>& float_activations_flag() {
 }
 inline bool float_activations() { return float_activations_flag().load(std::memory_order_relaxed); }
 
+// Whether int4 prefill chunks (more than kMaxRows rows) run the integer panel kernels by default (with integer
+// activations); false: dequantize once per call and the fp32 GEMM.
+constexpr bool kIntegerPrefill = false;
+
 struct QLinear {
   QMat mat;
   std::vector<torch::Tensor> keep;  // the tensors `mat` points into
@@ -71,8 +75,9 @@ struct QLinear {
   }
 
   bool quantized() const { return mat.kind != Kind::kF32; }
+  const torch::Tensor& mat_tensor() const { return keep[0]; }
 
-  // The float32 weight (N, K), dequantized (for more than kMaxRows rows of x).
+  // The float32 weight (N, K), dequantized (path 0: no SIMD, or more than kMaxRows rows with float activations).
   torch::Tensor dequantized() const {
     if (!quantized()) return keep[0];
     auto w = torch::empty({mat.N, mat.K}, torch::dtype(torch::kFloat));
@@ -83,7 +88,7 @@ struct QLinear {
 
   // The code path forward() runs for M rows of x when asked for `path` (-1: the default for this CPU and M).
   int resolve_path(int64_t M, int path) const {
-    if (M > kMaxRows || !quantized()) return 0;
+    if (!quantized()) return 0;
     const int best = best_path();
     // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): the 8-row integer kernels
     // (x quantized to int8 per 32-block, as llama.cpp) are the fastest at every M <= 64 for int4: path 6 on
@@ -95,11 +100,18 @@ struct QLinear {
     // float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1). Without AVX2 the weight is dequantized and ATen
     // multiplies (portable, exact). Paths 1, 2, 5 (integer, AVX2 / VNNI / scalar, 4 rows per tile) and 6 for int8
     // are there to be measured and tested.
+    // Above kMaxRows rows (prefill chunks) int4 with integer activations runs the panel kernels (path 8 on
+    // AVX512-VNNI, 9 on AVX2: benchmarks/quant_speed.py --prefill-kernels); float activations and int8 (its
+    // activations stay float, as in decode) dequantize the weight once per call for oneDNN / MKL (path 0).
     int p = path;
+    if (p < 0 && M > kMaxRows)
+      p = (kIntegerPrefill && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) ? (best == 2 ? 8 : 9) : 0;
     if (p < 0 && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) p = best == 2 ? 6 : 7;
     if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
     if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
     if ((p == 4 || p == 1) && best == 0) p = 0;
+    if (p == 8 && (best < 2 || mat.K % kBlock)) p = (best >= 1 && mat.kind == Kind::kInt4) ? 9 : best;
+    if (p == 9 && (best < 1 || mat.kind != Kind::kInt4)) p = best;
     if (p == 6 && (best < 2 || (mat.kind == Kind::kInt8 && mat.K % kBlock))) p = best;
     if (p == 7 && (best < 1 || mat.kind != Kind::kInt4)) p = best;
     if (p == 2 && best < 2) p = best;
@@ -111,17 +123,15 @@ struct QLinear {
   // path: quant_gemm's code path (-1: the measured best for M on this CPU; 0: portable, also for float32 weights).
   void forward(const torch::Tensor& x, torch::Tensor& y, QAct* xq, int path = -1) const {
     const int64_t M = x.size(0);
-    if (M > kMaxRows) {
-      scratchlm_gemm::large_gemm(x, dequantized(), y);  // oneDNN where torch has it (skinny_gemm.h)
-      return;
-    }
     if (!quantized()) {
-      scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), mat.w, y.data_ptr<float>(), M, mat.K, mat.N, path != 0);
+      if (M > kMaxRows) scratchlm_gemm::large_gemm(x, mat_tensor(), y);  // oneDNN where torch has it
+      else scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), mat.w, y.data_ptr<float>(), M, mat.K, mat.N, path != 0);
       return;
     }
     int p = resolve_path(M, path);
     if (p == 0) {
-      at::mm_out(y, x, dequantized().t());
+      if (M > kMaxRows) scratchlm_gemm::large_gemm(x, dequantized(), y);  // dequantized once per call
+      else at::mm_out(y, x, dequantized().t());
       return;
     }
     if (p == 3 || p == 4) {

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd_common.h"
@@ -615,6 +616,207 @@ QVNNI_FN inline void tile_t8_int8(const QAct& a, const QMat& w, float* y, int64_
   }
 }
 
+// ------------------------------------------------------------------ prefill GEMM over a weight panel (> 64 rows)
+// Paths 8 (AVX512-VNNI: int4 and int8) and 9 (AVX2: int4), what prefill chunks (more than kMaxRows rows of x) run
+// by default with integer activations, instead of dequantizing the whole weight to float32 per call. The output
+// columns are split into tiles of 16 weight rows; each tile is unpacked ONCE per call into an L1 panel (two
+// halves of 8 rows, per 32-block 8 chunks of 8 int32 lanes: lane i of chunk j holds weights 4j .. 4j + 3 of row
+// i, as bytes; int4 nibbles unpacked to 0 .. 15, the same in-register transposes as the 8-row kernels) and then
+// meets every row of x, MR rows at a time: per chunk two panel loads and one 4-byte broadcast of x per row feed
+// two dot instructions (vpdpbusd: 4 products into each of 8 lanes; AVX2: maddubs into int16, 16 products per
+// lane at most 16 * 15 * 127 < 2^15, then one madd per block). The float work per block and row is the 8-row
+// kernels' (int32 -> float, times dx, per group times d plus m sum(xq)), in the same order, and the integer sums
+// are exact, so the result equals path 6 / 7 row by row. int8 weights meet x + 128 as unsigned bytes (x ^ 0x80)
+// and the exact correction 128 sum_k q_k per row and block is subtracted from the int32 sum (VNNI only: maddubs
+// pairs of 255 * 127 would saturate). Ragged N: the last tile is zero-padded in the panel and stored through a
+// buffer. Needs K % 32 == 0 and groups of whole blocks (supported() and the callers' checks).
+constexpr int64_t kPanelRows = 16;
+
+#define SCRATCHLM_PANEL_ROWS(NAME, ATTR, VNNI)                                                                   \
+template <int MR, bool I8>                                                                                       \
+ATTR inline void NAME(const int8_t* xq, int64_t Kp, const float* dx, int64_t nbx, const float* sxg,             \
+                      const uint8_t* panel, const int32_t* corr, const float* dT, const float* mT,               \
+                      int64_t nb, int64_t bpg, int64_t G, float* y, int64_t ldy) {                               \
+  const int64_t half = nb * 8 * 32; /* bytes of one 8-row half of the panel */                                   \
+  __m256 acc[MR][2];                                                                                             \
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                      \
+  for (int64_t g = 0, b = 0; g < G; ++g) {                                                                       \
+    __m256 accg[MR][2];                                                                                          \
+    for (int r = 0; r < MR; ++r) accg[r][0] = accg[r][1] = _mm256_setzero_ps();                                  \
+    for (int64_t b1 = std::min(nb, b + bpg); b < b1; ++b) {                                                      \
+      const uint8_t* p0 = panel + b * 256;                                                                       \
+      __m256i is[MR][2];                                                                                         \
+      for (int r = 0; r < MR; ++r) is[r][0] = is[r][1] = _mm256_setzero_si256();                                \
+      for (int j = 0; j < 8; ++j) {                                                                              \
+        const __m256i W0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p0 + 32 * j));                     \
+        const __m256i W1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p0 + half + 32 * j));              \
+        for (int r = 0; r < MR; ++r) {                                                                           \
+          int32_t xv;                                                                                            \
+          std::memcpy(&xv, xq + r * Kp + b * kBlock + 4 * j, 4);                                                 \
+          const __m256i X = _mm256_set1_epi32(xv);                                                               \
+          if (VNNI) {                                                                                            \
+            is[r][0] = I8 ? _mm256_dpbusd_epi32(is[r][0], X, W0) : _mm256_dpbusd_epi32(is[r][0], W0, X);         \
+            is[r][1] = I8 ? _mm256_dpbusd_epi32(is[r][1], X, W1) : _mm256_dpbusd_epi32(is[r][1], W1, X);         \
+          } else { /* int16 sums (int4 only), widened once per block below */                                    \
+            is[r][0] = _mm256_add_epi16(is[r][0], _mm256_maddubs_epi16(W0, X));                                  \
+            is[r][1] = _mm256_add_epi16(is[r][1], _mm256_maddubs_epi16(W1, X));                                  \
+          }                                                                                                      \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int r = 0; r < MR; ++r) {                                                                             \
+        const __m256 dxv = _mm256_broadcast_ss(dx + r * nbx + b);                                                \
+        for (int h = 0; h < 2; ++h) {                                                                            \
+          __m256i s = is[r][h];                                                                                  \
+          if (!VNNI) s = _mm256_madd_epi16(s, _mm256_set1_epi16(1));                                             \
+          if (I8) s = _mm256_sub_epi32(s, _mm256_load_si256(reinterpret_cast<const __m256i*>(corr + (2 * b + h) * 8))); \
+          accg[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dxv, accg[r][h]);                                  \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int h = 0; h < 2; ++h) {                                                                                \
+      const __m256 dv = _mm256_loadu_ps(dT + (h * G + g) * 8);                                                   \
+      for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_fmadd_ps(accg[r][h], dv, acc[r][h]);                       \
+      if (!I8) {                                                                                                 \
+        const __m256 mv = _mm256_loadu_ps(mT + (h * G + g) * 8);                                                 \
+        for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(sxg + r * G + g), acc[r][h]); \
+      }                                                                                                          \
+    }                                                                                                            \
+  }                                                                                                              \
+  for (int r = 0; r < MR; ++r) {                                                                                 \
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);                                                                    \
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);                                                                \
+  }                                                                                                              \
+}
+SCRATCHLM_PANEL_ROWS(panel_rows_vnni, QVNNI_FN, true)
+SCRATCHLM_PANEL_ROWS(panel_rows_avx2, QAVX2_FN, false)
+
+// The panel of weight rows n .. n + 15 of an int4 matrix (rows >= N zero), its scales (dT) and mins or -8 d (mT)
+// as (2, G, 8) floats.
+QAVX2_FN inline void int4_panel(const QMat& w, int64_t n, uint8_t* panel, float* dT, float* mT,
+                                std::vector<uint8_t>& pad, std::vector<uint16_t>& spad) {
+  const int64_t K = w.K, nb = K / kBlock, rb = K / 2, G = w.G, valid = std::min(kPanelRows, w.N - n);
+  const uint8_t* q = w.q4 + n * rb;
+  const uint16_t *d = w.d + n * G, *m = w.m ? w.m + n * G : nullptr;
+  if (valid < kPanelRows) {  // zero-padded copies of the ragged end
+    pad.assign(kPanelRows * rb, 0), spad.assign(2 * kPanelRows * G, 0);
+    std::memcpy(pad.data(), q, valid * rb);
+    std::memcpy(spad.data(), d, valid * G * 2);
+    if (m) std::memcpy(spad.data() + kPanelRows * G, m, valid * G * 2);
+    q = pad.data(), d = spad.data(), m = m ? spad.data() + kPanelRows * G : nullptr;
+  }
+  const __m256i lo_mask = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* qh = q + 8 * h * rb;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i Y[4];
+      for (int r = 0; r < 4; ++r)
+        Y[r] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + r * rb + b * 16))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + (r + 4) * rb + b * 16)), 1);
+      const __m256i p0 = _mm256_unpacklo_epi32(Y[0], Y[1]), p1 = _mm256_unpackhi_epi32(Y[0], Y[1]);
+      const __m256i p2 = _mm256_unpacklo_epi32(Y[2], Y[3]), p3 = _mm256_unpackhi_epi32(Y[2], Y[3]);
+      const __m256i C[4] = {_mm256_unpacklo_epi64(p0, p2), _mm256_unpackhi_epi64(p0, p2),
+                            _mm256_unpacklo_epi64(p1, p3), _mm256_unpackhi_epi64(p1, p3)};
+      uint8_t* out = panel + h * nb * 256 + b * 256;
+      for (int c = 0; c < 4; ++c) {  // chunk c: weights 4c .. 4c + 3 (low nibbles); chunk 4 + c: 16 + 4c .. (high)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * c), _mm256_and_si256(C[c], lo_mask));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * (4 + c)),
+                           _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo_mask));
+      }
+    }
+    scales_t8(d, G, 8 * h, dT + h * G * 8);
+    if (m) {
+      scales_t8(m, G, 8 * h, mT + h * G * 8);
+    } else {
+      for (int64_t i = 0; i < G * 8; ++i) mT[h * G * 8 + i] = -8.f * dT[h * G * 8 + i];
+    }
+  }
+}
+
+// The panel of weight rows n .. n + 15 of an int8 matrix (rows >= N zero), the corrections 128 sum(q) per block
+// (2 * nb, 8) and the scales as (2, G, 8) floats.
+QVNNI_FN inline void int8_panel(const QMat& w, int64_t n, uint8_t* panel, int32_t* corr, float* sT,
+                                std::vector<uint8_t>& pad, std::vector<float>& spad) {
+  const int64_t K = w.K, nb = K / kBlock, G = w.G, valid = std::min(kPanelRows, w.N - n);
+  const int8_t* q = w.q8 + n * K;
+  const float* s = w.s + n * G;
+  if (valid < kPanelRows) {
+    pad.assign(kPanelRows * K, 0), spad.assign(kPanelRows * G, 0.f);
+    std::memcpy(pad.data(), q, valid * K);
+    std::memcpy(spad.data(), s, valid * G * sizeof(float));
+    q = reinterpret_cast<const int8_t*>(pad.data()), s = spad.data();
+  }
+  for (int h = 0; h < 2; ++h) {
+    // an 8 x (K / 4) transpose of int32 words (as floats: moves only, bit patterns kept): chunk j of block b is
+    // word 8b + j of each row
+    fscales_t8(reinterpret_cast<const float*>(q), K / 4, 8 * h, reinterpret_cast<float*>(panel + h * nb * 256));
+    fscales_t8(s, G, 8 * h, sT + h * G * 8);
+    for (int i = 0; i < 8; ++i) {
+      const int8_t* row = q + (8 * h + i) * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int k = 0; k < kBlock; ++k) sum += row[b * kBlock + k];
+        corr[(2 * b + h) * 8 + i] = 128 * sum;
+      }
+    }
+  }
+}
+
+// y (M, N) = the quantized rows `a` times W^T through the panels (vnni: path 8, else path 9, int4 only).
+inline void qgemm_panel(const QAct& a, const QMat& w, float* y, bool vnni) {
+  const int64_t M = a.M, K = w.K, nb = K / kBlock, G = w.G, bpg = w.gs / kBlock, Kp = a.nb * kBlock;
+  const bool i8 = w.kind == Kind::kInt8;
+  std::vector<float> sxg(i8 ? 0 : M * G, 0.f);  // (M, G): per group sum_b dx_b sum(xq_b)
+  for (int64_t r = 0; r < M && !i8; ++r)
+    for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + b / bpg] += a.sx[r * a.nb + b];
+  std::vector<int8_t> xu;  // int8 weights: x + 128 as unsigned bytes
+  if (i8) {
+    xu.resize(a.q.size());
+    for (size_t i = 0; i < xu.size(); ++i) xu[i] = static_cast<int8_t>(a.q[i] ^ 0x80);
+  }
+  const int8_t* xs = i8 ? xu.data() : a.q.data();
+  const int64_t tiles = (w.N + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t pbytes = 2 * nb * 256;
+    std::vector<uint8_t> store(pbytes + 64), pad;
+    uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
+    std::vector<int32_t> cstore(i8 ? 2 * nb * 8 + 16 : 0);
+    int32_t* corr = i8 ? reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(cstore.data()) + 63) & ~uintptr_t(63))
+                       : nullptr;
+    std::vector<float> dT(2 * G * 8), mT(2 * G * 8), ybuf;
+    std::vector<uint16_t> spad;
+    std::vector<float> fpad;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * kPanelRows, valid = std::min(kPanelRows, w.N - n);
+      if (i8) int8_panel(w, n, panel, corr, dT.data(), pad, fpad);
+      else int4_panel(w, n, panel, dT.data(), mT.data(), pad, spad);
+      float* yt = y + n;
+      int64_t ldy = w.N;
+      if (valid < kPanelRows) ybuf.assign(M * kPanelRows, 0.f), yt = ybuf.data(), ldy = kPanelRows;
+      auto run = [&](auto mr, int64_t r) {
+        constexpr int R = decltype(mr)::value;
+        const float* sx = i8 ? nullptr : sxg.data() + r * G;
+        if (vnni) {
+          if (i8) panel_rows_vnni<R, true>(xs + r * Kp, Kp, a.dx.data() + r * a.nb, a.nb, sx, panel, corr,
+                                             dT.data(), nullptr, nb, bpg, G, yt + r * ldy, ldy);
+          else panel_rows_vnni<R, false>(xs + r * Kp, Kp, a.dx.data() + r * a.nb, a.nb, sx, panel, nullptr,
+                                           dT.data(), mT.data(), nb, bpg, G, yt + r * ldy, ldy);
+        } else {
+          panel_rows_avx2<(R > 2 ? 2 : R), false>(xs + r * Kp, Kp, a.dx.data() + r * a.nb, a.nb, sx, panel,
+                                                     nullptr, dT.data(), mT.data(), nb, bpg, G, yt + r * ldy, ldy);
+        }
+      };
+      int64_t r = 0;
+      if (vnni)
+        for (; r + 4 <= M; r += 4) run(std::integral_constant<int, 4>{}, r);
+      for (; r + 2 <= M; r += 2) run(std::integral_constant<int, 2>{}, r);
+      if (r < M) run(std::integral_constant<int, 1>{}, r);
+      if (valid < kPanelRows)
+        for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * kPanelRows, valid * 4);
+    }
+  });
+}
+
 inline bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -625,8 +827,8 @@ inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2() && __bui
 
 // Code paths: 0 scalar, 1 AVX2, 2 AVX512-VNNI (256-bit) integer kernels, 3 dequantize + FMA tiles (AVX2), 4 codes
 // to floats in registers + FMA (AVX2), 6 the 8-row integer kernels (AVX512-VNNI, int4 and int8), 7 the 8-row int4
-// kernel on AVX2 (maddubs + madd). `best_path` is what
-// the CPU runs; tests force each.
+// kernel on AVX2 (maddubs + madd), 8 / 9 the prefill panel kernels (AVX512-VNNI int4 and int8 / AVX2 int4).
+// `best_path` is what the CPU runs; tests force each.
 inline int best_path() {
 #ifdef SCRATCHLM_X86
   static const int p = cpu_has_vnni() ? 2 : cpu_has_avx2_f16c() ? 1 : 0;
@@ -658,6 +860,9 @@ inline void qgemm_fma(const float* x, int64_t M, const QMat& w, float* y, int pa
 
 // y (M, N) = dequant(W) applied to the quantized rows in `a`; path <= best_path().
 inline void qgemm(const QAct& a, const QMat& w, float* y, int path) {
+#ifdef SCRATCHLM_X86
+  if (path == 8 || path == 9) return qgemm_panel(a, w, y, path == 8);
+#endif
   const int64_t tile = path >= 6 ? 8 : kTile;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M) / tile);
   at::parallel_for(0, (w.N + tile - 1) / tile, grain, [&](int64_t t0, int64_t t1) {

@@ -3,13 +3,15 @@
 `load_extension()` compiles once through `scratchlm.inference.cpp_extensions` (cache directory, one
 warning and the pure-torch reference path when the build fails: nothing crashes).
 
-`int8_linear` / `int4_linear` are what the quantized modules call. For up to `GEMM_ROWS` CPU rows they run
-the engine extension's `quant_linear` (`inference/csrc/quant_gemm.h`: on AVX512-VNNI CPUs activations quantized
-to int8 per 32-block and 8-row integer dot-product kernels; elsewhere, or with `float_activations(True)`, float
-kernels), the very kernels of the fused decode step, so the Python path and the fused step give the same logits.
+`int8_linear` / `int4_linear` are what the quantized modules call. On CPU they run the engine extension's
+`quant_linear` (`inference/csrc/quant_gemm.h`, `qlinear.h`) for any number of rows, the very kernels (and
+dispatch) of the fused decode step, so the Python path and the fused step give the same logits in decode and in
+prefill: int4 with integer activations (x rounded to int8 per 32-block, as llama.cpp) runs the 8-row integer
+kernels up to 64 rows and the panel kernels above (prefill chunks); with `float_activations(True)`, and int8 by
+default, float kernels up to 64 rows and, above, the weight dequantized once per call for the float GEMM.
 Layouts those kernels do not take (int8 groups that are not multiples of 32) use this module's own older extension
-(`csrc/quant_kernels.cpp`: dequantize in registers + FMA). Above `GEMM_ROWS` rows (prefill chunks) and on
-other devices (CUDA: no kernel yet) the weight is dequantized and torch's GEMM does the compute-bound work.
+(`csrc/quant_kernels.cpp`: dequantize in registers + FMA) up to `GEMM_ROWS` rows. Above that, and on other devices
+(CUDA: no kernel yet), the weight is dequantized and torch's GEMM does the compute-bound work.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from scratchlm.inference.quantization import reference
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.cpp"
 EXTENSION_NAME = "scratchlm_quant_kernels"
-GEMM_ROWS = 64  # above this many rows of x (prefill), dequantize once and use torch's blocked GEMM (as the fused step)
+GEMM_ROWS = 64  # the older extension's limit: above this many rows of x, dequantize once and use torch's GEMM
 _extension = cpp_extensions.CppExtension(EXTENSION_NAME, SOURCE, "quantized layers")
 _state = _extension.state  # loaded module or the failure, per process (a cache, not configuration)
 
@@ -47,8 +49,8 @@ def _use_extension(x: Tensor) -> Any | None:
 
 
 def _engine_kernels(x: Tensor, use_simd: bool) -> Any | None:
-    """The engine extension for `quant_linear` when it applies to x (CPU float rows, at most GEMM_ROWS)."""
-    if not use_simd or x.device.type != "cpu" or x.numel() > GEMM_ROWS * x.shape[-1] or x.numel() == 0:
+    """The engine extension for `quant_linear` when it applies to x (CPU float rows, any number)."""
+    if not use_simd or x.device.type != "cpu" or x.numel() == 0:
         return None
     return cpp_extensions.load_engine_kernels()
 

@@ -29,11 +29,13 @@ def _weight(fmt: str, n: int, k: int, group: int | None, seed: int):
 FORMATS = [("int8", 37, 576, None), ("int8", 20, 172, None), ("int8", 33, 96, 32), ("int4-sym", 21, 576, 32),
            ("int4-asym", 19, 576, 32), ("int4-asym", 18, 576, 128), ("int4-sym", 9, 64, 64)]
 EXACT_PATHS = [0, 3, 4]  # portable (dequantize + ATen), FMA tiles, codes to floats in registers + FMA
-INTEGER_PATHS = [1, 2, 5, 6, 7]  # x rounded to int8 per 32-block: AVX2, VNNI, scalar, 8-row VNNI, 8-row AVX2
+# x rounded to int8 per 32-block: AVX2, VNNI, scalar, 8-row VNNI, 8-row AVX2, panel VNNI, panel AVX2 (each runs at
+# any row count when asked for; a path this CPU or layout lacks resolves to another)
+INTEGER_PATHS = [1, 2, 5, 6, 7, 8, 9]
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64, 70])  # 70 > 64: dequantized once, ATen's GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64, 70])  # 70 > 64: the prefill paths (int4: panels; float: GEMM)
 def test_quant_linear_paths_match_dequantized_matmul(ext, fmt, n, k, group, rows):
     tensors, wd, g = _weight(fmt, n, k, group, seed=n + rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -46,12 +48,14 @@ def test_quant_linear_paths_match_dequantized_matmul(ext, fmt, n, k, group, rows
     bound = integer_bound(x, wd)
     outs = [ext.quant_linear(x, tensors, g, p) for p in INTEGER_PATHS + [-1]]
     for path, got in zip(INTEGER_PATHS + [-1], outs):
-        if rows <= 64:
-            assert ((got.double() - want).abs() <= bound).all(), f"integer path {path}"
+        assert ((got.double() - want).abs() <= bound).all(), f"integer path {path}"
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # AVX2 and VNNI: same integer sums, same order
     # the 8-row kernel: the same integer sums, its float sums in another order
     torch.testing.assert_close(outs[3], outs[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[4], outs[0], rtol=1e-4, atol=1e-4)
+    # the panels: the 8-row kernels' sums and order (their ragged ends run paths 2 / 1: another order)
+    torch.testing.assert_close(outs[5], outs[3], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[6], outs[4], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt,n,k,group", FORMATS)
