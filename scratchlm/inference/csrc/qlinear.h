@@ -27,7 +27,7 @@ inline bool float_activations() { return float_activations_flag().load(std::memo
 
 // Whether int4 prefill chunks (more than kMaxRows rows) run the integer panel kernels by default (with integer
 // activations); false: dequantize once per call and the fp32 GEMM.
-constexpr bool kIntegerPrefill = false;
+constexpr bool kIntegerPrefill = true;
 
 struct QLinear {
   QMat mat;
@@ -100,12 +100,15 @@ struct QLinear {
     // float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1). Without AVX2 the weight is dequantized and ATen
     // multiplies (portable, exact). Paths 1, 2, 5 (integer, AVX2 / VNNI / scalar, 4 rows per tile) and 6 for int8
     // are there to be measured and tested.
-    // Above kMaxRows rows (prefill chunks) int4 with integer activations runs the panel kernels (path 8 on
-    // AVX512-VNNI, 9 on AVX2: benchmarks/quant_speed.py --prefill-kernels); float activations and int8 (its
-    // activations stay float, as in decode) dequantize the weight once per call for oneDNN / MKL (path 0).
+    // Above kMaxRows rows (prefill chunks) a weight whose decode kernel has integer activations (path 6 / 7) runs
+    // the panel kernels (path 8 on AVX512-VNNI, 9 on AVX2: 2.7-7x dequantize + fp32 at 65-512 rows,
+    // benchmarks/quant_speed.py --prefill-kernels), so prefill and decode round x the same way; float
+    // activations dequantize the weight once per call for oneDNN / MKL (path 0).
     int p = path;
-    if (p < 0 && M > kMaxRows)
-      p = (kIntegerPrefill && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) ? (best == 2 ? 8 : 9) : 0;
+    if (p < 0 && M > kMaxRows) {
+      const int decode = resolve_path(1, -1);
+      p = kIntegerPrefill && (decode == 6 || decode == 7) ? decode + 2 : 0;
+    }
     if (p < 0 && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) p = best == 2 ? 6 : 7;
     if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
     if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;

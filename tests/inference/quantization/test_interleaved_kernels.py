@@ -71,7 +71,8 @@ def test_default_dispatch_and_float_switch(ext):
         kernels.float_activations(False)
         assert ext.quant_resolved_path(tensors, g, 576, 1) == t8
         assert ext.quant_resolved_path(tensors, g, 576, 64) == t8
-        assert ext.quant_resolved_path(tensors, g, 576, 65) == 0  # above kMaxRows: dequantize + ATen
+        assert ext.quant_resolved_path(tensors, g, 576, 65) == t8 + 2  # above kMaxRows: the panel kernels (8 / 9)
+        assert ext.quant_resolved_path(tensors, g, 576, 512) == t8 + 2
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), ext.quant_linear(x, tensors, g, t8), rtol=0, atol=0)
         q8, s8 = ref.quantize_int8(torch.randn(8, 172))
         assert ext.quant_resolved_path([q8, s8], 172, 172, 1) not in (6, 7)  # K % 32 != 0: no 8-row int8 kernel
@@ -167,7 +168,8 @@ def test_panel_extreme_codes(ext):
 
 def test_python_modules_take_the_panels_above_64_rows(ext):
     """`kernels.int4_linear` (the unfused path) runs quant_linear's default for a prefill chunk too: the same
-    numbers as the fused step's dispatch; with float activations the dequantized matmul."""
+    numbers as the fused step's dispatch (the panel kernel with integer activations, the dequantized matmul with
+    float ones)."""
     tensors, wd, g = _weight("int4-asym", 48, 576, 32, seed=5)
     q, d, m = tensors
     x = torch.randn(2, 100, 576, generator=torch.Generator().manual_seed(2))
@@ -176,7 +178,8 @@ def test_python_modules_take_the_panels_above_64_rows(ext):
         kernels.float_activations(False)
         got = kernels.int4_linear(x, q, d, m, g)
         assert got.shape == (2, 100, 48)
-        torch.testing.assert_close(got.view(200, 48), ext.quant_linear(x.view(200, 576), tensors, g), rtol=0, atol=0)
+        panel = ext.quant_linear(x.view(200, 576), tensors, g, 8 if ext.quant_best_path() == 2 else 9)
+        torch.testing.assert_close(got.view(200, 48), panel, rtol=0, atol=0)
         kernels.float_activations(True)
         torch.testing.assert_close(kernels.int4_linear(x, q, d, m, g), x @ wd.t(), rtol=1e-5, atol=1e-4)
     finally:
