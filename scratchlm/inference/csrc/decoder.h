@@ -8,7 +8,9 @@
 //   rotate q, k (RoPE, "half" = HF rotate-half pairs (i, i + D/2), else adjacent pairs (2i, 2i + 1))
 //   write k, v into the paged cache at each token's slot; a = paged decode attention (paged_attention.h)
 //   x += a Wo^T;  h = rmsnorm(x) * w_ffn_norm;  x += (silu(h W1^T) * h W3^T) W2^T
-// Matmuls with B <= 64 rows use the skinny GEMM (skinny_gemm.h) for float32 weights and the integer kernels of
+// float32 weights come packed in panels (panel_gemm.h, packed by fast_linear.py): every B runs the panel kernel, q/k/v
+// in one GEMM and gate/up in one (the input read once). Plain float32 weights (the constructor's 9-tensor layers)
+// use the skinny GEMM (skinny_gemm.h) up to 64 rows. Quantized weights use the integer kernels of
 // quant_gemm.h for int8 / int4 / GGUF-packed weights (whose quantized x is shared by the q/k/v and the gate/up
 // matmuls); larger ones ATen's mm (quantized weights dequantized once per call). The arithmetic is the Python
 // model's, op for op (tests compare the two); only the per-op dispatch is gone: at batch 1 that was ~40 % of a
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "panel_gemm.h"
 #include "qlinear.h"
 #include "skinny_gemm.h"
 
@@ -31,10 +34,42 @@ namespace scratchlm_decoder {
 using scratchlm_qgemm::QAct;
 using scratchlm_qgemm::QLinear;
 
+using scratchlm_panel::PanelWeight;
+
 struct Layer {
   torch::Tensor attn_norm, ffn_norm, bq, bk, bv;  // biases undefined when absent
   QLinear wq, wk, wv, wo, w1, w2, w3;
+  // float32 weights packed in panels (panel_gemm.h) instead: q/k/v and gate/up each one GEMM when their panels
+  // lie one after another (fast_linear.py packs them so), else one part per matrix.
+  bool panel = false;
+  std::vector<PanelWeight> qkv, gu;
+  PanelWeight po, p2;
 };
+
+// Matrices that read one input, with ns[i] output columns each: one PanelWeight over all of them when their panel
+// tensors are adjacent in memory (the views fast_linear.py makes of one packed tensor), else one each.
+inline std::vector<PanelWeight> panel_group(const std::vector<torch::Tensor>& ts, const std::vector<int64_t>& ns,
+                                            const std::string& what) {
+  bool adjacent = true;
+  int64_t panels = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    PanelWeight::from(ts[i], {ns[i]}, what);  // shape checks
+    panels += ts[i].size(0);
+    if (i > 0)
+      adjacent = adjacent && ts[i].size(1) == ts[0].size(1) &&
+                 ts[i].data_ptr<float>() == ts[i - 1].data_ptr<float>() + ts[i - 1].numel();
+  }
+  std::vector<PanelWeight> out;
+  if (adjacent) {
+    auto all = at::from_blob(ts[0].data_ptr<float>(), {panels, ts[0].size(1), scratchlm_panel::kLanes},
+                             ts[0].options());
+    out.push_back(PanelWeight::from(all, ns, what));
+    out.back().keep = ts;
+  } else {
+    for (size_t i = 0; i < ts.size(); ++i) out.push_back(PanelWeight::from(ts[i], {ns[i]}, what));
+  }
+  return out;
+}
 
 inline void check_weight(const torch::Tensor& t, std::vector<int64_t> shape, const char* what, size_t layer) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
@@ -131,14 +166,36 @@ class FusedDecoder {
         const int idx[7] = {1, 2, 3, 4, 6, 7, 8};
         for (int j = 0; j < 7; ++j) lin[j] = {w[idx[j]]};
       }
+      const bool panel = lin[0].size() == 1 && lin[0][0].dim() == 3;  // float32 panels (P, K, 16)
       if (i == 0) {
-        TORCH_CHECK(attn_norm.dim() == 1 && lin[4][0].dim() == 2, "layer 0: attn_norm must be (d,) and w1 (d_ff, d)");
+        TORCH_CHECK(attn_norm.dim() == 1 && (panel ? lin[5][0].dim() == 3 : lin[4][0].dim() == 2),
+                    "layer 0: attn_norm must be (d,) and w1 (d_ff, d) (or w2 as panels (P, d_ff, 16))");
         d_ = attn_norm.numel();
-        ff_ = lin[4][0].size(0);
+        ff_ = panel ? lin[5][0].size(1) : lin[4][0].size(0);
       }
       check_weight(attn_norm, {d_}, "attn_norm", i);
       const int64_t shapes[7][2] = {{H_ * D_, d_}, {Hkv_ * D_, d_}, {Hkv_ * D_, d_}, {d_, H_ * D_},
                                     {ff_, d_},     {d_, ff_},       {ff_, d_}};
+      if (panel) {  // every linear of the layer float32 panels
+        const std::string what = "layer " + std::to_string(i);
+        for (int j = 0; j < 7; ++j) {
+          TORCH_CHECK(lin[j].size() == 1 && lin[j][0].dim() == 3, what, ": ", names[j],
+                      " must be float32 panels like wq");
+          TORCH_CHECK(lin[j][0].size(1) == shapes[j][1], what, ": ", names[j], " has K = ", lin[j][0].size(1),
+                      ", expected ", shapes[j][1]);
+        }
+        check_weight(ffn_norm, {d_}, "ffn_norm", i);
+        Layer l{attn_norm, ffn_norm};
+        l.panel = true;
+        l.qkv = panel_group({lin[0][0], lin[1][0], lin[2][0]}, {shapes[0][0], shapes[1][0], shapes[2][0]},
+                            what + ": wq/wk/wv");
+        l.gu = panel_group({lin[4][0], lin[6][0]}, {shapes[4][0], shapes[6][0]}, what + ": w1/w3");
+        l.po = PanelWeight::from(lin[3][0], {shapes[3][0]}, what + ": wo");
+        l.p2 = PanelWeight::from(lin[5][0], {shapes[5][0]}, what + ": w2");
+        add_biases(l, bias, i);
+        layers_.push_back(l);
+        continue;
+      }
       QLinear q[7];
       for (int j = 0; j < 7; ++j) {
         const std::string what = "layer " + std::to_string(i) + ": " + names[j];
@@ -147,12 +204,7 @@ class FusedDecoder {
       }
       check_weight(ffn_norm, {d_}, "ffn_norm", i);
       Layer l{attn_norm, ffn_norm, {}, {}, {}, q[0], q[1], q[2], q[3], q[4], q[5], q[6]};
-      if (!bias.empty()) {
-        l.bq = bias[0], l.bk = bias[1], l.bv = bias[2];
-        check_weight(l.bq, {H_ * D_}, "bq", i);
-        check_weight(l.bk, {Hkv_ * D_}, "bk", i);
-        check_weight(l.bv, {Hkv_ * D_}, "bv", i);
-      }
+      add_biases(l, bias, i);
       layers_.push_back(l);
     }
   }
@@ -220,9 +272,15 @@ class FusedDecoder {
       const Layer& w = layers_[l];
       rmsnorm_rows(x, w.attn_norm, h, eps_);
       hq.valid = false;
-      linear(h, w.wq, w.bq, q, &hq);
-      linear(h, w.wk, w.bk, k, &hq);
-      linear(h, w.wv, w.bv, v, &hq);
+      if (w.panel) {
+        panel_linear(h, w.qkv, {&q, &k, &v});
+        for (auto [b, y] : {std::pair{&w.bq, &q}, {&w.bk, &k}, {&w.bv, &v}})
+          if (b->defined()) y->add_(*b);
+      } else {
+        linear(h, w.wq, w.bq, q, &hq);
+        linear(h, w.wk, w.bk, k, &hq);
+        linear(h, w.wv, w.bv, v, &hq);
+      }
       rope_rows(q, H_, D_, cos, sin, rope_half_);
       rope_rows(k, Hkv_, D_, cos, sin, rope_half_);
       char* kl = kc + l * layer_stride * item;  // this layer's caches and scales
@@ -236,20 +294,44 @@ class FusedDecoder {
       scratchlm_attn::Args a{q.data_ptr<float>(), kl, vl, tp, lp, att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
                              static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_))), kv, ksl, vsl};
       scratchlm_attn::paged_decode(a, simd_);
-      linear(att, w.wo, torch::Tensor(), o, nullptr);
+      if (w.panel) w.po.forward(att, {&o}, simd_);
+      else linear(att, w.wo, torch::Tensor(), o, nullptr);
       x.add_(o);
       rmsnorm_rows(x, w.ffn_norm, h, eps_);
       hq.valid = false;
-      linear(h, w.w1, torch::Tensor(), g, &hq);
-      linear(h, w.w3, torch::Tensor(), u, &hq);
+      if (w.panel) {
+        panel_linear(h, w.gu, {&g, &u});
+      } else {
+        linear(h, w.w1, torch::Tensor(), g, &hq);
+        linear(h, w.w3, torch::Tensor(), u, &hq);
+      }
       silu_mul_out(g, u, s);
-      linear(s, w.w2, torch::Tensor(), o, nullptr);
+      if (w.panel) w.p2.forward(s, {&o}, simd_);
+      else linear(s, w.w2, torch::Tensor(), o, nullptr);
       x.add_(o);
     }
     return x;
   }
 
  private:
+  void add_biases(Layer& l, const std::vector<torch::Tensor>& bias, size_t i) const {
+    if (bias.empty()) return;
+    l.bq = bias[0], l.bk = bias[1], l.bv = bias[2];
+    check_weight(l.bq, {H_ * D_}, "bq", i);
+    check_weight(l.bk, {Hkv_ * D_}, "bk", i);
+    check_weight(l.bv, {Hkv_ * D_}, "bv", i);
+  }
+
+  // ys = x @ W^T for a panel group (one GEMM, or one per part).
+  void panel_linear(const torch::Tensor& x, const std::vector<PanelWeight>& parts,
+                    const std::vector<torch::Tensor*>& ys) const {
+    if (parts.size() == 1) {
+      parts[0].forward(x, ys, simd_);
+      return;
+    }
+    for (size_t i = 0; i < parts.size(); ++i) parts[i].forward(x, {ys[i]}, simd_);
+  }
+
   void linear(const torch::Tensor& x, const QLinear& w, const torch::Tensor& bias, torch::Tensor& y,
               QAct* xq) const {
     w.forward(x, y, xq, simd_ ? -1 : 0);

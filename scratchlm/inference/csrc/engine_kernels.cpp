@@ -3,6 +3,7 @@
 //   paged_decode_attention decode attention, paged cache   (paged_attention.h)
 //   kv_store               K/V rows into a cache of any KV dtype (paged_attention.h)
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
+//   panel_pack / panel_linear  fp32 matmuls over panel-packed weights, any rows (panel_gemm.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
 //   rms_norm, rope_, silu_mul  the fused step's row ops, for the unfused path (decoder.h; inference/engine_ops.py)
 // Every entry point releases the GIL.
@@ -11,6 +12,7 @@
 
 #include "decoder.h"
 #include "paged_attention.h"
+#include "panel_gemm.h"
 #include "skinny_gemm.h"
 
 namespace {
@@ -26,6 +28,34 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, bool use_simd) {
   scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
                               w.size(0), use_simd);
   return y;
+}
+
+// w (N, K) float32 -> its panels (ceil(N / 16), K, 16), zero-padded (panel_gemm.h).
+torch::Tensor panel_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "panel_pack takes a float32 CPU matrix (N, K), got ", w.sizes(), " ", w.scalar_type());
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = torch::empty({(N + scratchlm_panel::kLanes - 1) / scratchlm_panel::kLanes, K, scratchlm_panel::kLanes},
+                          w.options());
+  scratchlm_panel::pack(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  return out;
+}
+
+// [x @ W_i^T for each of the matrices packed one after another in wp (panel_pack of each, concatenated)]; widths
+// ns[i] columns each.
+std::vector<torch::Tensor> panel_linear(torch::Tensor x, torch::Tensor wp, std::vector<int64_t> ns, bool use_simd) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "panel_linear: x must be a float32 CPU tensor (M, K), got ", x.sizes());
+  auto w = scratchlm_panel::PanelWeight::from(wp, ns, "panel_linear");
+  TORCH_CHECK(x.size(1) == w.K, "panel_linear: x has K = ", x.size(1), " but the weight has K = ", w.K);
+  x = x.contiguous();
+  std::vector<torch::Tensor> ys;
+  std::vector<torch::Tensor*> ptrs;
+  for (int64_t n : ns) ys.push_back(torch::empty({x.size(0), n}, x.options()));
+  for (auto& y : ys) ptrs.push_back(&y);
+  w.forward(x, ptrs, use_simd);
+  return ys;
 }
 
 // The KV element type of a cache tensor (kv_cache.py's storage dtypes).
@@ -201,6 +231,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using scratchlm_decoder::FusedDecoder;
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T for few rows of x (CPU, float32)",
         py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("panel_pack", &panel_pack, "a float32 (N, K) weight as panels (ceil(N/16), K, 16)", py::arg("w"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_linear", &panel_linear, "[x @ W_i.T] for the matrices packed in panels (CPU, float32, any rows)",
+        py::arg("x"), py::arg("wp"), py::arg("ns"), py::arg("use_simd") = true,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fp32_peak_fmas", &scratchlm_panel::peak_fma, "run iters rounds of independent FMAs in registers (time it): "
+        "the float FMAs done (AVX-512 if avx512 and the CPU has it, else AVX2; 0 without SIMD)",
+        py::arg("iters"), py::arg("avx512") = true, py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("use_simd") = true, py::arg("k_scale") = py::none(),

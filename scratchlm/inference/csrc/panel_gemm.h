@@ -1,0 +1,318 @@
+// y = x @ W^T for float32 W stored in PANELS, on the CPU, for any number of rows of x (decode and prefill).
+//
+// Layout: W (N, K) becomes P = ceil(N / 16) panels of (K, 16): panel p holds output columns 16p .. 16p+15, k-major,
+// so one k step of a panel is one 64-byte cache line (one 16-float vector) and the whole panel is one contiguous
+// block (K * 64 bytes) that the kernel streams front to back; columns past N are zero. Several matrices that read
+// the same x (q/k/v, gate/up) are packed one after the other into one panel tensor (each padded to 16 columns on
+// its own) and multiplied in one call, each writing its own output (PanelOut). The engine keeps only this copy of
+// its fp32 linear weights (fast_linear.py packs them at set-up; state_dict unpacks).
+//
+// Kernel (AVX-512): an MR x NV tile of accumulators, MR rows of x by NV panels (16 lanes each); per k step NV panel
+// vectors are loaded and every x element is broadcast (folded into the FMA as a {1to16} memory operand), so a k step
+// is MR * NV FMAs for NV loads + MR broadcasts: FMA-bound, with no horizontal sums (the old skinny tiles reduced 16
+// lanes per output and re-read W's rows from L1 for every 4 rows of x). Measured (benchmarks/fp32_gemm.py, Zen 4,
+// one core, the 30 layers of SmolLM2-135M): 6 x 4 tiles (24 accumulators, 4 panels = 64 columns, each panel one
+// sequential stream) are as fast as or faster than 16 x 1 and 14 x 2 at every M from 1 to 512, so every M runs them;
+// W's 4-panel group (K * 256 bytes) stays in L2 while the 6-row blocks of x pass by, and is read once from memory.
+// Leftover panels (P % 4) take 14 x 2 / 16 x 1 tiles; tiles of 20+ rows x 1 panel ran at half speed (spills).
+// Paths: AVX-512 (function target attributes, chosen at run time), AVX2+FMA (6 x 16-column tiles), portable scalar.
+// Threads split the panels.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "simd_common.h"
+#include "skinny_gemm.h"
+
+namespace scratchlm_panel {
+
+constexpr int64_t kLanes = 16;  // columns per panel
+
+// One output of a panel GEMM: panels [p0, p1) of the packed weight hold its n columns; row m goes to y + m * ld.
+struct PanelOut {
+  float* y;
+  int64_t ld, p0, p1, n;
+};
+
+// w (N, K) row-major -> out (ceil(N/16), K, 16).
+inline void pack(const float* w, int64_t N, int64_t K, float* out) {
+  const int64_t P = (N + kLanes - 1) / kLanes;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const int64_t n = p * kLanes + j;
+        float* o = out + p * K * kLanes + j;
+        if (n < N) {
+          const float* r = w + n * K;
+          for (int64_t k = 0; k < K; ++k) o[k * kLanes] = r[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) o[k * kLanes] = 0.f;
+        }
+      }
+  });
+}
+
+// Where column block (panel) p of the output goes: its row-0 pointer, row stride and valid lanes (0..16).
+struct Dest {
+  float* y;
+  int64_t ld, valid;
+};
+
+inline Dest dest_of(const PanelOut* outs, int nouts, int64_t p) {
+  for (int i = 0; i < nouts; ++i) {
+    const PanelOut& o = outs[i];
+    if (p >= o.p0 && p < o.p1) {
+      const int64_t c = (p - o.p0) * kLanes;
+      return {o.y + c, o.ld, std::min<int64_t>(kLanes, o.n - c)};
+    }
+  }
+  return {nullptr, 0, 0};
+}
+
+inline void tile_scalar(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const Dest& d) {
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kLanes] = {0};
+    const float* xr = x + m * ldx;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] += xr[k] * w[k * kLanes + j];
+    for (int64_t j = 0; j < d.valid; ++j) d.y[m * d.ld + j] = acc[j];
+  }
+}
+
+#ifdef SCRATCHLM_X86
+#define PANEL512_FN __attribute__((target("avx512f,avx512vl,fma")))
+
+constexpr int64_t kPrefetchLines = 24;  // how far ahead (64-byte lines = k steps) a panel is prefetched
+
+// Rows m .. m+MR-1 of x against panels p .. p+NV-1 (w points at panel p; panels are K * 16 floats apart).
+template <int MR, int NV>
+PANEL512_FN void tile512(const float* x, int64_t ldx, int64_t K, const float* w, const Dest* d, int64_t m) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* xr = x + m * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NV];
+    for (int v = 0; v < NV; ++v) {
+      const float* wv = w + v * K * kLanes + k * kLanes;
+      if (NV == 1) _mm_prefetch(reinterpret_cast<const char*>(wv + kPrefetchLines * kLanes), _MM_HINT_T0);
+      b[v] = _mm512_loadu_ps(wv);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(xr[r * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << d[v].valid) - 1u);
+    if (mask == 0) continue;
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(d[v].y + (m + r) * d[v].ld, mask, acc[r][v]);
+  }
+}
+
+using Tile512 = void (*)(const float*, int64_t, int64_t, const float*, const Dest*, int64_t);
+
+template <int NV, size_t... I>
+constexpr std::array<Tile512, sizeof...(I)> tiles512(std::index_sequence<I...>) {
+  return {&tile512<static_cast<int>(I) + 1, NV>...};
+}
+
+constexpr int kSkinnyRows = 16;  // NV = 1 tiles: up to 16 accumulators (measured: 20+ rows run at half speed)
+constexpr int kWideRows = 14;    // NV = 2 tiles: 28 accumulators
+constexpr int kQuadRows = 6;     // NV = 4 tiles: 24 accumulators
+
+// The rows of one NV-panel column block: M split into tiles of at most `rows` (as even as possible).
+template <int NV>
+PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const Dest* d,
+                          int rows) {
+  static constexpr auto tab1 = tiles512<1>(std::make_index_sequence<kSkinnyRows>{});
+  static constexpr auto tab2 = tiles512<2>(std::make_index_sequence<kWideRows>{});
+  static constexpr auto tab4 = tiles512<4>(std::make_index_sequence<kQuadRows>{});
+  const int64_t nt = (M + rows - 1) / rows;
+  const int64_t base = M / nt, extra = M % nt;  // the first `extra` tiles get one more row
+  int64_t m = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t r = base + (t < extra ? 1 : 0);
+    (NV == 1 ? tab1[r - 1] : NV == 2 ? tab2[r - 1] : tab4[r - 1])(x, ldx, K, w, d, m);
+    m += r;
+  }
+}
+
+// AVX2: 6 rows x one panel (2 x 8 lanes): 12 accumulators.
+template <int MR>
+AVX2_FN void tile256(const float* x, int64_t ldx, int64_t K, const float* w, const Dest& d, int64_t m) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* xr = x + m * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wv = w + k * kLanes;
+    _mm_prefetch(reinterpret_cast<const char*>(wv + kPrefetchLines * kLanes), _MM_HINT_T0);
+    const __m256 b0 = _mm256_loadu_ps(wv), b1 = _mm256_loadu_ps(wv + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(xr + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float out[kLanes];
+    _mm256_storeu_ps(out, acc[r][0]);
+    _mm256_storeu_ps(out + 8, acc[r][1]);
+    float* y = d.y + (m + r) * d.ld;
+    for (int64_t j = 0; j < d.valid; ++j) y[j] = out[j];
+  }
+}
+
+AVX2_FN inline void block256(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const Dest& d) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile256<6>(x, ldx, K, w, d, m);
+  switch (M - m) {
+    case 5: tile256<5>(x, ldx, K, w, d, m); break;
+    case 4: tile256<4>(x, ldx, K, w, d, m); break;
+    case 3: tile256<3>(x, ldx, K, w, d, m); break;
+    case 2: tile256<2>(x, ldx, K, w, d, m); break;
+    case 1: tile256<1>(x, ldx, K, w, d, m); break;
+    default: break;
+  }
+}
+#endif
+
+// The core's fp32 FMA peak, measured: `iters` rounds of 24 independent FMA chains on 16-lane (AVX-512) or 8-lane
+// (AVX2) registers, all in registers; returns the number of float FMAs done (the caller times it). 0: no SIMD here.
+#ifdef SCRATCHLM_X86
+PANEL512_FN inline double peak512(int64_t iters, float* sink) {
+  __m512 a[24];
+  const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+  for (int i = 0; i < 24; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
+  }
+  __m512 s = a[0];
+  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, a[i]);
+  *sink = _mm512_reduce_add_ps(s);
+  return 24.0 * 16.0 * static_cast<double>(iters);
+}
+AVX2_FN inline double peak256(int64_t iters, float* sink) {
+  __m256 a[12];
+  const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], b, c);
+  }
+  __m256 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  *sink = scratchlm_simd::hsum256(s);
+  return 12.0 * 8.0 * static_cast<double>(iters);
+}
+#endif
+
+inline double peak_fma(int64_t iters, bool avx512) {
+  float sink = 0.f;
+#ifdef SCRATCHLM_X86
+  if (avx512 && scratchlm_gemm::cpu_has_avx512()) return peak512(iters, &sink) + 0.0 * sink;
+  if (scratchlm_simd::cpu_has_avx2()) return peak256(iters, &sink) + 0.0 * sink;
+#endif
+  (void)iters, (void)avx512, (void)sink;
+  return 0.0;
+}
+
+// Which path panel_gemm takes: 2 AVX-512, 1 AVX2, 0 scalar (use_simd false, or the CPU has neither).
+inline int panel_path(bool use_simd) {
+#ifdef SCRATCHLM_X86
+  if (!use_simd || !scratchlm_simd::cpu_has_avx2()) return 0;
+  return scratchlm_gemm::skinny_avx512() ? 2 : 1;
+#else
+  (void)use_simd;
+  return 0;
+#endif
+}
+
+// y_i = x (M, K; row stride ldx) @ W_i^T for the outputs `outs` of the P-panel weight `w` (P, K, 16).
+inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t P,
+                       const PanelOut* outs, int nouts, bool use_simd) {
+  if (M <= 0 || P <= 0) return;
+  const int path = panel_path(use_simd);
+#ifdef SCRATCHLM_X86
+  if (path == 2) {
+    const int nv = 4;  // measured (benchmarks/fp32_gemm.py): 6 x 4 tiles at least as fast as 16 x 1 / 14 x 2 at any M
+    const int64_t groups = (P + nv - 1) / nv;
+    const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * kLanes * nv));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p = g * nv;
+        Dest d[4];
+        const float* wp = w + p * K * kLanes;
+        const int64_t have = std::min<int64_t>(nv, P - p);
+        for (int64_t v = 0; v < have; ++v) d[v] = dest_of(outs, nouts, p + v);
+        if (have == 4) {
+          block512<4>(x, ldx, M, K, wp, d, kQuadRows);
+        } else if (have >= 2) {
+          block512<2>(x, ldx, M, K, wp, d, kWideRows);
+          if (have == 3) block512<1>(x, ldx, M, K, wp + 2 * K * kLanes, d + 2, kSkinnyRows);
+        } else {
+          block512<1>(x, ldx, M, K, wp, d, kSkinnyRows);
+        }
+      }
+    });
+    return;
+  }
+  if (path == 1) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) block256(x, ldx, M, K, w + p * K * kLanes, dest_of(outs, nouts, p));
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) tile_scalar(x, ldx, M, K, w + p * K * kLanes, dest_of(outs, nouts, p));
+  });
+}
+
+// Panels of packed (P, K, 16) float32 weights and the outputs they hold: [n_0, n_1, ...] columns, each padded to
+// whole panels, in order.
+struct PanelWeight {
+  at::Tensor w;  // (P, K, 16)
+  std::vector<int64_t> ns;
+  int64_t K = 0, P = 0;
+  std::vector<at::Tensor> keep;  // the tensors `w` views when it was made over them (from_blob)
+
+  static PanelWeight from(const at::Tensor& w, std::vector<int64_t> ns, const std::string& what) {
+    TORCH_CHECK(w.defined() && w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                w.dim() == 3 && w.size(2) == kLanes, what, ": a packed weight must be a contiguous float32 CPU "
+                "tensor (panels, K, 16), got ", w.sizes());
+    int64_t panels = 0;
+    for (int64_t n : ns) {
+      TORCH_CHECK(n > 0, what, ": output widths must be positive");
+      panels += (n + kLanes - 1) / kLanes;
+    }
+    TORCH_CHECK(panels == w.size(0), what, ": ", w.size(0), " panels, but the widths ", c10::IntArrayRef(ns),
+                " need ", panels);
+    return {w, std::move(ns), w.size(1), w.size(0), {}};
+  }
+
+  // ys[i] (M, ns[i]) = x (M, K) @ W_i^T; each y row-contiguous with its own row stride.
+  void forward(const at::Tensor& x, const std::vector<at::Tensor*>& ys, bool use_simd) const {
+    TORCH_CHECK(ys.size() == ns.size(), "one output per packed matrix");
+    std::vector<PanelOut> outs;
+    int64_t p = 0;
+    for (size_t i = 0; i < ns.size(); ++i) {
+      const int64_t np = (ns[i] + kLanes - 1) / kLanes;
+      outs.push_back({ys[i]->data_ptr<float>(), ys[i]->stride(0), p, p + np, ns[i]});
+      p += np;
+    }
+    panel_gemm(x.data_ptr<float>(), x.stride(0), x.size(0), K, w.data_ptr<float>(), P, outs.data(),
+               static_cast<int>(outs.size()), use_simd);
+  }
+};
+
+}  // namespace scratchlm_panel
