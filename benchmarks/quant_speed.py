@@ -3,6 +3,7 @@
     python -m benchmarks.quant_speed [--threads 1] [--rounds 5] [--tokens 32]
     python -m benchmarks.quant_speed --prefill-kernels [--rounds 3] [--prefill-rows 65 128 256 512] [--no-head]
     python -m benchmarks.quant_speed --prefill [--rounds 3] [--prompt-lens 128 512] [--ppl-windows 4]
+    python -m benchmarks.quant_speed --workload [--rounds 3] [--num-requests 32]
 
 All variants are built once and measured interleaved (fp32, bf16, int8, int4, ... then again), in
 the same run, with an explicit torch thread count. Batch-1 decode: one greedy request, the time of
@@ -19,6 +20,8 @@ float32 per call, then the fp32 GEMM), float x with FMA tiles, and the 8-row dec
 --prefill: prompt processing end to end through LLMEngine per format, integer against dequantize + fp32 prefill,
 beside llama.cpp's prompt processing (llama-cpp-python in .peers) of the same ids on the same GGUF, and the ΔPPL
 of the integer prefill on WikiText-2 windows.
+--workload: the engine issue's 32-request offline workload with `--quantization gguf`, integer against dequantize
++ fp32 prefill (decode kernels unchanged), and fp32.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def prefill_kernels(args) -> Report:
     # contender: path of quant_linear (0: the weight dequantized to float32 once per call, then oneDNN / MKL)
     contenders = {"dequant+fp32 GEMM": 0, "float x: FMA tiles": 3, "8-row int kernel": 6 if vnni else 7}
     contenders["panel int (VNNI)" if vnni else "panel int (AVX2)"] = 8 if vnni else 9
-    if vnni:
+    if vnni:  # the AVX2 kernels too (what a CPU without VNNI runs), on the same machine
+        contenders["8-row int kernel (AVX2)"] = 7
         contenders["panel int (AVX2)"] = 9
     shapes = PREFILL_SHAPES + ([(*HEAD_SHAPE, 1)] if args.head else [])
     weights = {(f, n, k): _prefill_weight(*PREFILL_FORMATS[f], n, k, seed=n + k)
@@ -113,8 +117,8 @@ def prefill_kernels(args) -> Report:
 
     def run(f: str, c: str, m: int, n: int, k: int) -> None:
         tensors, g = weights[(f, n, k)]
-        if c == "panel int (AVX2)" and f.startswith(("Q8", "int8")):
-            return  # int8 has no AVX2 panel (maddubs would saturate on x + 128)
+        if c.endswith("(AVX2)") and f.startswith(("Q8", "int8")):
+            return  # int8 has no AVX2 8-row or panel kernel (maddubs would saturate on x + 128)
         x = xs[(m, k)]
         t0 = time.thread_time()
         eng.quant_linear(x, tensors, g, contenders[c])
@@ -142,7 +146,8 @@ def prefill_kernels(args) -> Report:
                f"default (the weight dequantized to float32 once per call, then oneDNN / MKL); float x: FMA tiles = "
                f"path 3 (4-row tiles dequantized into L1, float x, FMA register tiles: the float-activation "
                f"alternative); 8-row int kernel = path {6 if vnni else 7} (the decode kernel, weight tiles "
-               f"re-transposed per 8 x rows); panel int = paths 8 (VNNI) / 9 (AVX2): the new prefill kernels.")
+               f"re-transposed per 8 x rows; path 7 is its AVX2 twin); panel int = paths 8 (VNNI) / 9 (AVX2): "
+               f"the new prefill kernels.")
     names = list(contenders)
     best = "panel int (VNNI)" if vnni else "panel int (AVX2)"
     groups = (("one decoder layer (7 matmuls)", PREFILL_SHAPES), ("output head 49152x576", [(*HEAD_SHAPE, 1)]))
@@ -158,12 +163,15 @@ def prefill_kernels(args) -> Report:
                     if all((f, c, m, n, k) in times for f, c, m, n, k, _ in ks):
                         tot[c] = sum(times[(f, c, m, n, k)] * cnt for f, c, m, n, k, cnt in ks)
                 macs = sum(m * n * k * cnt for n, k, cnt in sel)
+                avx2 = (f"{tot['dequant+fp32 GEMM'] / tot['panel int (AVX2)']:.2f}x"
+                        if vnni and "panel int (AVX2)" in tot else "-")
                 rows.append([f, str(m)] + [f"{tot[c] * 1e3:.2f}" if c in tot else "-" for c in names] +
                             [f"{macs / tot[best] / 1e9:.0f}", f"{tot['dequant+fp32 GEMM'] / tot[best]:.2f}x",
-                             f"{tot['float x: FMA tiles'] / tot[best]:.2f}x"])
+                             f"{tot['float x: FMA tiles'] / tot[best]:.2f}x"] + ([avx2] if vnni else []))
         report.add(f"### {title}: milliseconds per call")
         report.table(["format", "rows"] + [f"{c} ms" for c in names] +
-                     [f"{best} GMAC/s", f"{best} vs dequant+fp32", f"{best} vs float x"], rows)
+                     [f"{best} GMAC/s", f"{best} vs dequant+fp32", f"{best} vs float x"] +
+                     (["panel int (AVX2) vs dequant+fp32"] if vnni else []), rows)
     return report
 
 
@@ -186,6 +194,19 @@ for line in sys.stdin:
     llm.eval(ids)
     print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0}), flush=True)
 '''
+
+
+def _prefill_note() -> str:
+    """Which formats take the integer prefill by default on this CPU (quant_linear's dispatch at 65 rows)."""
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+
+    eng = load_engine_kernels()
+    takes = {f: eng.quant_resolved_path(*_prefill_weight(*PREFILL_FORMATS[f], 32, 576, 0), 576, 65, -1)
+             for f in ("Q4_1 (int4-g32-asym)", "Q8_0 (int8-g32)", "int8 (per channel)")}
+    ints = [f for f, p in takes.items() if p in (8, 9)]
+    floats = [f for f, p in takes.items() if p not in (8, 9)]
+    return (f"Default prefill kernels here: integer panels for {', '.join(ints) or 'none'}; dequantize + fp32 for "
+            f"{', '.join(floats) or 'none'} (those rows run the same kernels in both columns).")
 
 
 def prefill_e2e(args) -> Report:
@@ -269,28 +290,25 @@ def prefill_e2e(args) -> Report:
                f"same ids (logits of the last position). tok/s = prompt tokens / wall seconds (median); CPU: prompt "
                f"tokens / process CPU seconds (median). `[dequant+fp32 prefill]`: the same engine with "
                f"float activations (kernels.float_activations(True)): every quantized weight dequantized to float32 "
-               f"per call above 64 rows and the fp32 GEMM, the previous default. int8 keeps float activations by "
-               f"default (docs/quantization.md), so its two rows run the same kernels.")
+               f"per call above 64 rows and the fp32 GEMM, the previous default. {_prefill_note()}")
     rows = []
     for label in list(contenders) + list(peers):
         for length in args.prompt_lens:
-            def wall_s(key: tuple[str, int]) -> float:
-                return statistics.median(t for t, _ in res[key])
+            def med(key: tuple[str, int], i: int) -> float:  # i = 0: wall seconds, 1: CPU seconds
+                return statistics.median(t[i] for t in res[key])
 
-            ts = res[(label, length)]
-            wall = length / wall_s((label, length))
-            cpu = length / statistics.median(c for _, c in ts)
+            me = (label, length)
             base = label.removesuffix(" [dequant+fp32 prefill]")
             old = (f"{base} [dequant+fp32 prefill]", length)
-            vs_old = f"{wall_s(old) / wall_s((label, length)):.2f}x" if old in res and label == base else ""
             peer = peer_of.get(base) if label == base else None
-            vs_peer = ""
-            if peer and (peer, length) in res:
-                vs_peer = f"{wall_s((peer, length)) / wall_s((label, length)):.2f}x"
-            rows.append([label, str(length), f"{wall:.0f}", f"{cpu:.0f}", vs_old,
-                         f"{vs_peer} ({peer})" if vs_peer else ""])
-    report.table(["contender", "prompt tokens", "tok/s (wall)", "tok/s (CPU)", "vs dequant+fp32 prefill",
-                  "vs llama.cpp (wall)"], rows)
+            ratios = []
+            for other in (old, (peer, length)):
+                ok = label == base and other in res
+                ratios.append(f"{med(other, 0) / med(me, 0):.2f}x / {med(other, 1) / med(me, 1):.2f}x" if ok else "")
+            rows.append([label, str(length), f"{length / med(me, 0):.0f}", f"{length / med(me, 1):.0f}", ratios[0],
+                         f"{ratios[1]} ({peer})" if ratios[1] else ""])
+    report.table(["contender", "prompt tokens", "tok/s (wall)", "tok/s (CPU)", "vs dequant+fp32 prefill (wall / CPU)",
+                  "vs llama.cpp (wall / CPU)"], rows)
     if not peers:
         report.add("llama.cpp not measured: .peers/llamacpp missing (python -m benchmarks.llamacpp_decode "
                    "--setup-peers)")
@@ -339,9 +357,70 @@ def prefill_e2e(args) -> Report:
                    "The same quantized weights with x rounded to int8 per 32-block in every matmul (integer prefill) "
                    "and with float x (dequant+fp32 prefill); ΔPPL in brackets against fp32, and the integer "
                    "prefill against the dequantized one: PPL change, KL(dequant || integer) per token, top-1 "
-                   "agreement. int8 keeps float activations by default: its two columns are the same kernels.")
+                   f"agreement. {_prefill_note()}")
         report.table(["weights", "PPL dequant+fp32 prefill", "PPL integer prefill", "integer vs dequant ΔPPL",
                       "KL", "top-1 agreement"], prow)
+    return report
+
+
+# ------------------------------------------------------------------------------ the 32-request offline workload
+def workload(args) -> Report:
+    """The engine issue's offline workload (benchmarks/engine_throughput.make_workload: prompts U[16, 256] of random
+    ids, outputs U[16, 128], greedy, ignore_eos) through LLMEngine with `--quantization gguf`, the integer prefill
+    against the dequantize + fp32 prefill (kernels.integer_prefill: prefill chunks only, decode unchanged), and
+    fp32; interleaved repeats, output tok/s by wall clock and per process CPU second."""
+    from benchmarks.engine_throughput import make_workload, run_scratchlm
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import EngineConfig, LLMEngine
+    from scratchlm.inference.quantization import kernels
+
+    if not kernels.extension_available():
+        raise SystemExit("the C++ kernels could not be built: the measurement would be of the torch fallback")
+    path = default_model_path()
+    engines = {q: LLMEngine.from_pretrained(path, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
+                                                               quantization=q))
+               for q in ("gguf", None)}
+    prompts, outputs = make_workload(args.num_requests, engines["gguf"].model_config.vocab_size, 0)
+    contenders = {"gguf, integer prefill (default)": ("gguf", True), "gguf, dequant+fp32 prefill": ("gguf", False),
+                  "fp32": (None, True)}
+    default = kernels.integer_prefill()
+    res: dict[str, list[tuple[float, float]]] = {c: [] for c in contenders}
+    ids: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds + 1):  # round 0: warm-up
+        for label, (q, integer) in contenders.items():
+            kernels.integer_prefill(integer)
+            try:
+                c0 = time.process_time()
+                seconds, ids[label] = run_scratchlm(engines[q], prompts, outputs)
+                cpu = time.process_time() - c0
+            finally:
+                kernels.integer_prefill(default)
+            if r:
+                res[label].append((seconds, cpu))
+        print(f"  workload round {r}/{args.rounds}: " + ", ".join(
+            f"{c} {sum(outputs) / v[-1][0]:.1f}" for c, v in res.items() if v), file=sys.stderr)
+    n_out = sum(outputs)
+    report = Report("quant_workload", f"The {args.num_requests}-request workload with --quantization gguf: integer "
+                    "vs dequantize + fp32 prefill", argv_of(args))
+    report.add(f"{args.num_requests} requests, prompts U[16, 256] random ids (seed 0; {sum(map(len, prompts))} prompt "
+               f"tokens), outputs U[16, 128] ({n_out} tokens), greedy, ignore_eos; LLMEngine max_num_seqs 32, "
+               f"max_num_batched_tokens 512, prefix cache reset per repeat (benchmarks/engine_throughput.py's "
+               f"run_scratchlm); one thread pinned to core {args.bind_core}; {args.rounds} interleaved repeats after "
+               f"a warm-up. `dequant+fp32 prefill`: the same engine with kernels.integer_prefill(False) (prefill "
+               f"chunks dequantize each weight per call for the fp32 GEMM; decode kernels unchanged). The server "
+               f"comparison with llama-server is benchmarks/serve.py (the lead's).")
+    base = statistics.median(t for t, _ in res["gguf, dequant+fp32 prefill"])
+    rows = []
+    for label, ts in res.items():
+        wall = statistics.median(t for t, _ in ts)
+        cpu = statistics.median(c for _, c in ts)
+        rows.append([label, f"{n_out / wall:.1f}", f"{n_out / min(t for t, _ in ts):.1f}", f"{n_out / cpu:.1f}",
+                     f"{base / wall:.2f}x"])
+    report.table(["contender", "output tok/s (median)", "output tok/s (best)", "output tok/s per CPU s (median)",
+                  "vs dequant+fp32 prefill (wall)"], rows)
+    same = sum(a == b for a, b in zip(ids["gguf, integer prefill (default)"], ids["gguf, dequant+fp32 prefill"]))
+    report.add(f"Greedy outputs of the two gguf prefills identical on {same} of {len(prompts)} requests (the integer "
+               f"prefill rounds x to int8 per 32-block, as decode does; an early different token changes the rest).")
     return report
 
 
@@ -371,20 +450,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-windows", type=int, default=4,
                         help="--prefill: WikiText-2 test windows of 512 tokens for the ΔPPL of the integer prefill "
                              "(0: none)")
-    parser.add_argument("--bind-core", type=int, default=0, help="--prefill*: the core every contender is pinned to")
+    parser.add_argument("--workload", action="store_true",
+                        help="instead of decode: the 32-request offline workload with --quantization gguf, integer vs "
+                             "dequantize + fp32 prefill, and fp32 (benchmarks/results/DATE-quant_workload.md)")
+    parser.add_argument("--num-requests", type=int, default=32, help="--workload: requests")
+    parser.add_argument("--bind-core", type=int, default=0,
+                        help="--prefill*, --workload: the core every contender is pinned to")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.rounds < 1 or args.tokens < 2:
         parser.error("--threads and --rounds must be >= 1, --tokens >= 2")
     if any(m <= 64 for m in args.prefill_rows) or any(n < 1 or n > 1024 for n in args.prompt_lens):
         parser.error("--prefill-rows must be > 64 (the prefill path), --prompt-lens in 1 .. 1024")
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    if args.prefill_kernels or args.prefill:
+    if args.prefill_kernels or args.prefill or args.workload:
         if args.threads != 1:
-            parser.error("--prefill and --prefill-kernels measure one pinned thread (--threads 1)")
+            parser.error("--prefill, --prefill-kernels and --workload measure one pinned thread (--threads 1)")
         set_threads(1)
         if args.bind_core >= 0:
             os.sched_setaffinity(0, {args.bind_core})
-        (prefill_kernels(args) if args.prefill_kernels else prefill_e2e(args)).write()
+        run = prefill_kernels if args.prefill_kernels else prefill_e2e if args.prefill else workload
+        run(args).write()
         return 0
     set_threads(args.threads)
     from scratchlm.defaults import default_model_path

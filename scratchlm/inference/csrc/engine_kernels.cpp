@@ -225,6 +225,12 @@ bool quant_float_activations(int64_t set) {
   return scratchlm_qgemm::float_activations();
 }
 
+// Whether prefill chunks (> 64 rows) run the integer panel kernels where decode rounds x (qlinear.h); as above.
+bool quant_integer_prefill(int64_t set) {
+  if (set >= 0) scratchlm_qgemm::integer_prefill_flag().store(set != 0);
+  return scratchlm_qgemm::integer_prefill_flag().load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -275,5 +281,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("group_size"), py::arg("K"), py::arg("M"), py::arg("path") = -1);
   m.def("quant_float_activations", &quant_float_activations,
         "whether the default quantized paths keep x in float32; set = 0 / 1 changes it, -1 reads",
+        py::arg("set") = -1);
+  m.def("quant_integer_prefill", &quant_integer_prefill,
+        "whether prefill chunks (> 64 rows) run the integer panel kernels; set = 0 / 1 changes it, -1 reads",
         py::arg("set") = -1);
 }

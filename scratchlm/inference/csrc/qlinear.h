@@ -25,9 +25,16 @@ inline std::atomic<bool>& float_activations_flag() {
 }
 inline bool float_activations() { return float_activations_flag().load(std::memory_order_relaxed); }
 
-// Whether int4 prefill chunks (more than kMaxRows rows) run the integer panel kernels by default (with integer
-// activations); false: dequantize once per call and the fp32 GEMM.
-constexpr bool kIntegerPrefill = true;
+// Whether prefill chunks (more than kMaxRows rows) of weights with integer decode kernels run the integer panel
+// kernels by default (else: dequantize once per call and the fp32 GEMM). Starts from
+// $SCRATCHLM_QUANT_INTEGER_PREFILL (default on; 0: off); benchmarks switch it (quant_integer_prefill).
+inline std::atomic<bool>& integer_prefill_flag() {
+  static std::atomic<bool> v{[] {
+    const char* e = std::getenv("SCRATCHLM_QUANT_INTEGER_PREFILL");
+    return e == nullptr || e[0] != '0';
+  }()};
+  return v;
+}
 
 struct QLinear {
   QMat mat;
@@ -107,7 +114,7 @@ struct QLinear {
     int p = path;
     if (p < 0 && M > kMaxRows) {
       const int decode = resolve_path(1, -1);
-      p = kIntegerPrefill && (decode == 6 || decode == 7) ? decode + 2 : 0;
+      p = integer_prefill_flag().load(std::memory_order_relaxed) && (decode == 6 || decode == 7) ? decode + 2 : 0;
     }
     if (p < 0 && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) p = best == 2 ? 6 : 7;
     if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;

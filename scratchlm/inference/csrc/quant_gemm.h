@@ -16,10 +16,11 @@
 // benchmarks/quant_gemv.py: see docs/quantization.md. The rounding of x is the only difference from the float
 // reference: its error is below 1/254 of each block's largest |x|, and the tests bound the result against
 // float64 dequantize-then-matmul.
-// For few rows of x (decode, M <= kMaxRows) a tile of 4 weight rows is unpacked once per tile (for M > 1) and
-// meets every x row while it is in L1; larger M (prefill) dequantizes the weight to float32 once per call
-// (exactly d q + m, as gguf.quants) and leaves the compute-bound product to ATen's GEMM (the caller does that).
-// Output rows are split over threads with at::parallel_for in tiles of 4.
+// For few rows of x (decode, M <= kMaxRows) a tile of 4 (or 8) weight rows is unpacked once per tile (for M > 1)
+// and meets every x row while it is in L1; larger M (prefill chunks) runs the panel kernels (paths 8 / 9 below: a
+// 16-row panel unpacked once per call, reused by every x row), or, with float activations, the weight is
+// dequantized to float32 once per call (exactly d q + m, as gguf.quants) for ATen's GEMM (qlinear.h does that).
+// Output rows are split over threads with at::parallel_for in tiles of 4, 8 or 16.
 
 #pragma once
 
@@ -39,7 +40,7 @@
 namespace scratchlm_qgemm {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 64;  // above this many rows of x the caller dequantizes and runs ATen's GEMM
+constexpr int64_t kMaxRows = 64;  // above this many rows of x: the prefill paths (panels, or dequantize + GEMM)
 constexpr int64_t kTile = 4;      // weight rows per tile
 
 enum class Kind : int { kF32 = 0, kInt8 = 1, kInt4 = 2 };

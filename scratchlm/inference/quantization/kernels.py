@@ -66,6 +66,17 @@ def float_activations(enabled: bool | None = None) -> bool:
     return bool(eng.quant_float_activations(-1 if enabled is None else int(enabled)))
 
 
+def integer_prefill(enabled: bool | None = None) -> bool:
+    """Whether prefill chunks (more than 64 rows) of weights whose decode kernels round x to int8 run the integer
+    panel kernels (the default) instead of dequantizing the weight once per call for the fp32 GEMM. `enabled`
+    switches it for the process (also the fused step); ``$SCRATCHLM_QUANT_INTEGER_PREFILL=0`` turns it off at
+    start. False without the engine extension."""
+    eng = cpp_extensions.load_engine_kernels()
+    if eng is None:
+        return False
+    return bool(eng.quant_integer_prefill(-1 if enabled is None else int(enabled)))
+
+
 def int8_takes(k: int, group_size: int) -> bool:
     """Whether the engine's integer kernels take an int8 layout: one scale per row, or groups of 32s."""
     return group_size >= k or (group_size % 32 == 0 and k % 32 == 0)

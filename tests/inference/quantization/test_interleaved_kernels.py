@@ -73,6 +73,10 @@ def test_default_dispatch_and_float_switch(ext):
         assert ext.quant_resolved_path(tensors, g, 576, 64) == t8
         assert ext.quant_resolved_path(tensors, g, 576, 65) == t8 + 2  # above kMaxRows: the panel kernels (8 / 9)
         assert ext.quant_resolved_path(tensors, g, 576, 512) == t8 + 2
+        assert kernels.integer_prefill()
+        kernels.integer_prefill(False)  # the switch back to dequantize + fp32 for prefill only
+        assert ext.quant_resolved_path(tensors, g, 576, 65) == 0 and ext.quant_resolved_path(tensors, g, 576, 64) == t8
+        kernels.integer_prefill(True)
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), ext.quant_linear(x, tensors, g, t8), rtol=0, atol=0)
         q8, s8 = ref.quantize_int8(torch.randn(8, 172))
         assert ext.quant_resolved_path([q8, s8], 172, 172, 1) not in (6, 7)  # K % 32 != 0: no 8-row int8 kernel
@@ -87,6 +91,7 @@ def test_default_dispatch_and_float_switch(ext):
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), x @ wd.t(), rtol=1e-5, atol=1e-5)
     finally:
         kernels.float_activations(previous)
+        kernels.integer_prefill(True)
 
 def test_t8_extreme_codes(ext):
     """All-15 / all-0 nibbles and +-127 int8 codes with large x: the int32 sums cannot overflow or saturate."""
