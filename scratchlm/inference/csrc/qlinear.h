@@ -100,23 +100,26 @@ struct QLinear {
     // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): the 8-row integer kernels
     // (x quantized to int8 per 32-block, as llama.cpp) are the fastest at every M <= 64 for int4: path 6 on
     // AVX512-VNNI, path 7 (maddubs) on AVX2, 2-2.7x the float kernels at 1 row, 1.2-1.9x the FMA tiles at 32: the
-    // int4 default. int8 keeps the float kernels by default: at 1 row it is memory-bound (the integer paths gain
-    // <= 15 %), and rounding x makes the fused and the unfused paths' greedy ids diverge on SmolLM2 (its outlier
-    // activations turn float-order differences into different roundings; docs/quantization.md). Float kernels:
-    // codes to floats in registers (path 4) up to 2 rows, the FMA tiles (path 3) above; also for int4 with
-    // float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1). Without AVX2 the weight is dequantized and ATen
-    // multiplies (portable, exact). Paths 1, 2, 5 (integer, AVX2 / VNNI / scalar, 4 rows per tile) and 6 for int8
-    // are there to be measured and tested.
+    // int4 default. int8 (K a multiple of 32) on AVX512-VNNI: the 4-row VNNI kernel (path 2) at 1 row, where int8 is
+    // memory-bound and path 6 is slower, path 6 from 2 rows (up to 1.9x the float kernels). Rounding x no longer
+    // splits the fused and unfused paths' greedy ids: both feed every linear the same bits (inference/engine_ops.py;
+    // docs/quantization.md "Rounding x, and greedy ids"). int8 on AVX2 without VNNI (no 8-row int8 kernel there),
+    // and everything with float_activations() (SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1), take the float kernels:
+    // codes to floats in registers (path 4) up to 2 rows, the FMA tiles (path 3) above. Without AVX2 the weight is
+    // dequantized and ATen multiplies (portable, exact). Paths 1, 5 (integer, AVX2 / scalar, 4 rows per tile) are
+    // there to be measured and tested.
     // Above kMaxRows rows (prefill chunks) a weight whose decode kernel has integer activations (path 6 / 7) runs
     // the panel kernels (path 8 on AVX512-VNNI, 9 on AVX2: 2.7-7x dequantize + fp32 at 65-512 rows,
     // benchmarks/quant_speed.py --prefill-kernels), so prefill and decode round x the same way; float
     // activations dequantize the weight once per call for oneDNN / MKL (path 0).
     int p = path;
     if (p < 0 && M > kMaxRows) {
-      const int decode = resolve_path(1, -1);
+      const int decode = resolve_path(2, -1);  // the batched decode kernel (int8 runs path 2 at 1 row only)
       p = integer_prefill_flag().load(std::memory_order_relaxed) && (decode == 6 || decode == 7) ? decode + 2 : 0;
     }
     if (p < 0 && !float_activations() && best >= 1 && mat.kind == Kind::kInt4) p = best == 2 ? 6 : 7;
+    if (p < 0 && !float_activations() && best == 2 && mat.kind == Kind::kInt8 && mat.K % kBlock == 0)
+      p = M == 1 ? 2 : 6;
     if (p < 0) p = best == 0 ? 0 : (M <= 2 || mat.K % 8) ? 4 : 3;
     if (p == 3 && (best == 0 || mat.K % 8)) p = best == 0 ? 0 : 4;
     if ((p == 4 || p == 1) && best == 0) p = 0;

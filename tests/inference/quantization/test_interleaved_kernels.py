@@ -81,13 +81,16 @@ def test_default_dispatch_and_float_switch(ext):
         q8, s8 = ref.quantize_int8(torch.randn(8, 172))
         assert ext.quant_resolved_path([q8, s8], 172, 172, 1) not in (6, 7)  # K % 32 != 0: no 8-row int8 kernel
         q8, s8 = ref.quantize_int8(torch.randn(8, 576), 32)
-        assert ext.quant_resolved_path([q8, s8], 32, 576, 1) == 4  # int8: float activations by default
-        assert ext.quant_resolved_path([q8, s8], 32, 576, 8) == 3
-        assert ext.quant_resolved_path([q8, s8], 32, 576, 65) == 0  # int8 prefill: dequantized, float GEMM
+        if t8 == 6:  # int8 on VNNI: the 4-row integer kernel at 1 row (memory-bound), the 8-row one from 2 rows
+            assert [ext.quant_resolved_path([q8, s8], 32, 576, m) for m in (1, 2, 8, 64)] == [2, 6, 6, 6]
+        else:  # AVX2 without VNNI: no 8-row int8 kernel, float activations
+            assert [ext.quant_resolved_path([q8, s8], 32, 576, m) for m in (1, 8)] == [4, 3]
+        assert ext.quant_resolved_path([q8, s8], 32, 576, 65) == (8 if t8 == 6 else 0)  # int8 prefill: as decode
         assert not kernels.float_activations()
         kernels.float_activations(True)
         assert ext.quant_resolved_path(tensors, g, 576, 1) == 4 and ext.quant_resolved_path(tensors, g, 576, 8) == 3
         assert ext.quant_resolved_path(tensors, g, 576, 65) == 0
+        assert [ext.quant_resolved_path([q8, s8], 32, 576, m) for m in (1, 8)] == [4, 3]
         torch.testing.assert_close(ext.quant_linear(x, tensors, g), x @ wd.t(), rtol=1e-5, atol=1e-5)
     finally:
         kernels.float_activations(previous)
