@@ -211,8 +211,8 @@ def step_bound(step: tuple, model, gflops: float, gbps: float) -> float:
     weights stream once from memory or the GEMM FLOPs run at `gflops`, whichever is longer, plus the decode rows'
     K/V read at `gbps`. Attention FLOPs and every other cost count as zero."""
     c = model.config
-    head = model.output_weight.numel()
-    body = sum(p.numel() for p in model.layers.parameters())
+    head = c.vocab_size * c.d_model
+    body = sum(t.numel() for t in [*model.layers.parameters(), *model.layers.buffers()])  # packed weights: buffers
     weight_bytes = (body + head) * 4
     kv_bytes_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
     rows, sampled, context = step[:3]

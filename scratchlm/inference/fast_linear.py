@@ -72,8 +72,6 @@ class _Panels(torch.nn.Module):
     """A float32 (rows, cols) matrix held only as panels (P, cols, 16); state_dict saves / loads it plain as
     `weight`."""
 
-    panels: Tensor
-
     def _plain_shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
@@ -111,7 +109,8 @@ class PanelLinear(_Panels):
         if panels.shape != (-(-d_out // LANES), d_in, LANES) or panels.dtype != torch.float32:
             raise ValueError(f"panels for a ({d_out}, {d_in}) weight must be float32 "
                              f"({-(-d_out // LANES)}, {d_in}, {LANES}), got {tuple(panels.shape)} {panels.dtype}")
-        self.d_in, self.d_out, self.panels = d_in, d_out, panels
+        self.d_in, self.d_out = d_in, d_out
+        self.register_buffer("panels", panels, persistent=False)  # counted by .buffers(), moved by .to()
 
     in_features = property(lambda self: self.d_in, doc="CS336 / torch name of d_in")
     out_features = property(lambda self: self.d_out, doc="CS336 / torch name of d_out")
@@ -121,7 +120,8 @@ class PanelLinear(_Panels):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.d_in
-        if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled() and x.requires_grad:
+        if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.panels.device.type != "cpu"
+                or torch.is_grad_enabled() and x.requires_grad):
             return x @ self.weight.t()
         ext = load_kernels()
         (y,) = ext.panel_linear(x.reshape(rows, self.d_in), self.panels, [self.d_out])  # (rows, d_out)
@@ -141,7 +141,8 @@ class PanelEmbedding(_Panels):
         if panels.shape != (-(-num_embeddings // LANES), dim, LANES) or panels.dtype != torch.float32:
             raise ValueError(f"panels for a ({num_embeddings}, {dim}) table must be float32 "
                              f"({-(-num_embeddings // LANES)}, {dim}, {LANES}), got {tuple(panels.shape)}")
-        self.num_embeddings, self.dim, self.panels = num_embeddings, dim, panels
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.register_buffer("panels", panels, persistent=False)
 
     embedding_dim = property(lambda self: self.dim, doc="CS336 / torch name of dim")
 
