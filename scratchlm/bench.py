@@ -83,6 +83,8 @@ BENCHES: dict[str, Bench] = {
     "quant_speed": Bench(full=("--threads", "1", "--rounds", "3"), why="quantizes SmolLM2-135M six ways (minutes)"),
     "quant_fidelity": Bench(full=("--windows", "4", "--threads", "1", "--no-gguf"),
                             why="perplexity windows of SmolLM2-135M per variant (minutes)"),
+    "quant_rounding": Bench(full=("--tokens", "48", "--windows", "8", "--rounds", "3"),
+                            why="SmolLM2-135M: 8 engines for greedy ids, WikiText-2 windows, a decode A/B (minutes)"),
     "hf_batch_sweep": Bench(full=("--repeats", "1"), why="HF generate on SmolLM2-135M at four batch sizes (minutes)"),
     "llamacpp_decode": Bench(full=("--rounds", "5", "--tokens", "64"),
                              why="needs the llama.cpp peer in .peers/llamacpp (--setup-peers builds it)"),
