@@ -233,10 +233,10 @@ def prefill_e2e(args) -> Report:
     engines = {name: LLMEngine(m, tok, cfg, EngineConfig(max_num_seqs=4, kv_cache_memory=64 << 20,
                                                          enable_prefix_caching=False))
                for name, m in models.items()}
-    default_float = kernels.float_activations()
-    contenders = {}  # label -> (engine name, float activations)
+    default_integer = kernels.integer_prefill()
+    contenders = {}  # label -> (engine name, whether the prefill is the dequantize + fp32 one)
     for name in engines:
-        contenders[name] = (name, default_float)
+        contenders[name] = (name, not default_integer)
         if name != "fp32":
             contenders[f"{name} [dequant+fp32 prefill]"] = (name, True)
     peers = {}
@@ -249,9 +249,9 @@ def prefill_e2e(args) -> Report:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def scratchlm_prefill(label: str, ids: list[int]) -> tuple[float, float]:
-        name, float_x = contenders[label]
+        name, dequant = contenders[label]
         engine = engines[name]
-        kernels.float_activations(float_x)
+        kernels.integer_prefill(not dequant)
         try:
             engine.add_request(str(next(counter)), ids, one)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -259,7 +259,7 @@ def prefill_e2e(args) -> Report:
                 engine.step()
             return time.perf_counter() - t0, time.process_time() - c0
         finally:
-            kernels.float_activations(default_float)
+            kernels.integer_prefill(default_integer)
 
     res: dict[tuple[str, int], list[tuple[float, float]]] = {}
     rng = torch.Generator().manual_seed(0)
@@ -289,8 +289,8 @@ def prefill_e2e(args) -> Report:
                f"(the prefill step, the head on the last position, one sampled token); llama.cpp: `Llama.eval` of the "
                f"same ids (logits of the last position). tok/s = prompt tokens / wall seconds (median); CPU: prompt "
                f"tokens / process CPU seconds (median). `[dequant+fp32 prefill]`: the same engine with "
-               f"float activations (kernels.float_activations(True)): every quantized weight dequantized to float32 "
-               f"per call above 64 rows and the fp32 GEMM, the previous default. {_prefill_note()}")
+               f"kernels.integer_prefill(False): every quantized weight dequantized to float32 per call above 64 "
+               f"rows and the fp32 GEMM, the previous default (other kernels unchanged). {_prefill_note()}")
     rows = []
     for label in list(contenders) + list(peers):
         for length in args.prompt_lens:
@@ -330,12 +330,12 @@ def prefill_e2e(args) -> Report:
                 add_window(stats["fp32"], ref_logp, ref_logp, targets)
                 for name in [n for n in models if n != "fp32"]:
                     logps = {}
-                    for float_x in (True, False):
-                        kernels.float_activations(float_x)
+                    for float_x in (True, False):  # True: the dequantize + fp32 prefill
+                        kernels.integer_prefill(not float_x)
                         try:
                             logps[float_x] = torch.log_softmax(models[name](tokens)[0, :-1].float(), -1)  # (T-1, V)
                         finally:
-                            kernels.float_activations(default_float)
+                            kernels.integer_prefill(default_integer)
                     for float_x, tag in ((True, "dequant+fp32 prefill"), (False, "integer prefill")):
                         s = stats.setdefault((name, tag), {"nll": 0.0, "kl": 0.0, "top1": 0.0, "n": 0})
                         add_window(s, logps[float_x], ref_logp, targets)

@@ -109,8 +109,8 @@ struct QLinear {
     // dequantized and ATen multiplies (portable, exact). Paths 1, 5 (integer, AVX2 / scalar, 4 rows per tile) are
     // there to be measured and tested.
     // Above kMaxRows rows (prefill chunks) a weight whose decode kernel has integer activations (path 6 / 7) runs
-    // the panel kernels (path 8 on AVX512-VNNI, 9 on AVX2: 2.7-7x dequantize + fp32 at 65-512 rows,
-    // benchmarks/quant_speed.py --prefill-kernels), so prefill and decode round x the same way; float
+    // the panel kernels (path 8 on AVX512-VNNI, 9 on AVX2: 2.4-5.4x / 1.3-2.7x dequantize + fp32 per layer at
+    // 65-512 rows, benchmarks/quant_speed.py --prefill-kernels), so prefill and decode round x the same way; float
     // activations dequantize the weight once per call for oneDNN / MKL (path 0).
     int p = path;
     if (p < 0 && M > kMaxRows) {
