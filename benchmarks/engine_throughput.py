@@ -464,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
                 peer_rates.append(worker.decode_tok_s(64)[0])
         if worker is not None:
             worker.close()
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        model = engine.runner.model
+        rope = {id(t) for t in model.rope.buffers()} if hasattr(model, "rope") else set()
+        weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                           if id(t) not in rope)  # packed fp32 weights are buffers
         roof_bw = max(bw)
         rate = max(rates)
         roof = roof_bw * 1e9 / weight_bytes
