@@ -66,8 +66,10 @@ def _kernel_note(default_float: bool) -> str:
     if eng is None:
         return ""
     vnni = eng.quant_best_path() == 2
+    int8 = "int8 activations, 8-row VNNI kernels (1 row: path 2)" if vnni else "float activations"
     kind = ("float activations" if default_float else
-            f"int4: int8 activations, 8-row {'VNNI' if vnni else 'AVX2'} kernels; int8: float activations")
+            f"int4: int8 activations, 8-row {'VNNI' if vnni else 'AVX2'} kernels; int8: {int8}; above 64 rows the "
+            f"integer panel kernels where the decode kernel rounds x")
     return f"; quantized matmuls by default: {kind}; `[float x]`: the float-activation kernels, same engine"
 
 
