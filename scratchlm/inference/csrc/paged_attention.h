@@ -1,14 +1,17 @@
-// Paged decode attention on the CPU (scratchlm.inference.attention): one query token per sequence
-// attends to its context in the block-table KV cache, read in place (no gather copy).
+// Paged attention on the CPU (scratchlm.inference.attention): each row's query token attends to its context in the
+// block-table KV cache, read in place (no gather copy). A row is a decode token or one token of a prefill chunk
+// (its context: the tokens up to its own, the causal mask); consecutive rows that share a block table are
+// computed as one tile (row_tiles, tile_avx2), so a chunk's K/V blocks come from memory once per tile of query
+// rows instead of once per row, with the same floats as row by row.
 //
-//   q            (B, H, D)  float32
+//   q            (B, H, D)  float32, B rows
 //   k/v_cache    (num_blocks, block_size, Hkv, D)  float32, bfloat16, float16 or int8; slot s = block * block_size
 //                + offset
 //   k/v_scale    (num_blocks, block_size, Hkv) float32, int8 caches only: x = q * scale per (token, KV head)
 //   block_tables (B, max_blocks) int64;  context_lens (B,) int64
 //   out          (B, H, D)  float32
 //
-// Work item = (sequence b, kv head h): its G = H / Hkv query heads read the same K/V rows (grouped-query
+// Work item = (tile of rows, kv head h): the rows' G = H / Hkv query heads read the same K/V rows (grouped-query
 // attention without repeating K/V: each block's rows come from memory once and serve the G heads from L1). Per query
 // head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. Items are split across threads
 // with at::parallel_for.
@@ -29,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "simd_common.h"
@@ -54,7 +58,8 @@ struct Args {
   const float* v_scale = nullptr;
 };
 
-using ItemFn = void (*)(const Args&, int64_t, int64_t, float*);
+// A tile: rows b0 .. b0 + R - 1 (one block table, non-decreasing lengths), KV head h, a work buffer.
+using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*);
 
 // Element i of a cache of type T as float.
 template <KV T> inline float elem(const void* p, int64_t i) {
@@ -148,12 +153,18 @@ void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
   }
 }
 
-inline ItemFn scalar_item_for(KV kv) {
+// The portable path has no tiling: each row of a tile on its own.
+template <KV T>
+void tile_scalar(const Args& a, int64_t b0, int64_t R, int64_t h, float* scores) {
+  for (int64_t r = 0; r < R; ++r) item_scalar<T>(a, b0 + r, h, scores);
+}
+
+inline TileFn scalar_item_for(KV kv) {
   switch (kv) {
-    case KV::BF16: return item_scalar<KV::BF16>;
-    case KV::F16: return item_scalar<KV::F16>;
-    case KV::I8: return item_scalar<KV::I8>;
-    default: return item_scalar<KV::F32>;
+    case KV::BF16: return tile_scalar<KV::BF16>;
+    case KV::F16: return tile_scalar<KV::F16>;
+    case KV::I8: return tile_scalar<KV::I8>;
+    default: return tile_scalar<KV::F32>;
   }
 }
 
@@ -248,13 +259,15 @@ KV_FN inline void block_scores(const float* qs, const float* base, int64_t strid
       _mm_storeu_ps(sg + j * T + i, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
     }
   }
-  for (; i < n; ++i) {
+  for (; i < n; ++i) {  // reduced in the 4-row path's order, so a score's bits do not depend on where it falls
     const float* kr = base + i * stride;
     for (int j = 0; j < GT; ++j) {
       __m256 s0 = _mm256_setzero_ps();
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + j * D + 8 * c), _mm256_loadu_ps(kr + 8 * c), s0);
-      sg[j * T + i] = hsum256(s0);
+      const __m256 h1 = _mm256_hadd_ps(s0, s0);
+      const __m256 hh = _mm256_hadd_ps(h1, h1);
+      sg[j * T + i] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
     }
   }
 }
@@ -288,63 +301,78 @@ KV_FN inline void block_values(const float* sg, int64_t T, const float* base, in
   }
 }
 
-// Head dim D = 8 * NC, cache element type T. Walks the block table block by block (no division per token); each
-// block's K (then V) rows of head h come from memory once (prefetched one block ahead), are converted to float32
-// once (compact caches: into an L1 buffer), and serve all G query heads from L1, in tiles of up to 3 heads whose
-// scores / outputs share every K / V load (block_scores, block_values). Softmax: vectorised max, exp (exp256) and
-// sum per head; the 1/sum is applied to the output at the end.
-// `scores` holds G * T scores, then G * D outputs, G * D scaled queries, G sums and block_size * D converted rows.
+// Head dim D = 8 * NC, cache element type T; one tile: rows b0 .. b0 + R - 1 that share a block table (prefix) and
+// have non-decreasing context lengths T_r (a prefill chunk's rows: T_r = T_0 + r, the causal mask), one KV head h.
+// Its V = R * G query vectors (row r, head g: vector r * G + g) walk the block table block by block; each block's
+// K (then V) rows of head h come from memory once per tile (prefetched ahead), are converted to float32 once per
+// tile (compact caches: into an L1 buffer), and serve every vector whose row reaches the block, in groups of up to
+// 3 vectors that share every K / V load (block_scores, block_values). A decode row is a tile of one.
+// Two passes (all scores, then the outputs) rather than an online softmax: each vector's floats are then exactly
+// those of its row alone (scores of keys past T_r are computed but not used, their probabilities are 0 and add
+// 0 * v = +0 to the output), so the result does not depend on how rows are tiled: chunked prefill, the fused and
+// the unfused step agree bit for bit. Softmax: vectorised max, exp (exp256) and sum per vector over its T_r; the
+// 1/sum is applied to the output at the end.
+// `buf` holds V * Tmax scores (Tmax = T_{R-1}), then V * D outputs, V * D scaled queries, V sums and
+// block_size * D converted rows.
 template <int NC, KV T>
-KV_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) {
+KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, float* buf) {
   constexpr int64_t D = 8 * NC;
-  const int64_t G = a.H / a.Hkv, T_len = a.lens[b], Hkv = a.Hkv;
+  const int64_t G = a.H / a.Hkv, Hkv = a.Hkv, V = R * G;
+  const int64_t* lens = a.lens + b0;
+  const int64_t T_max = lens[R - 1];
   const int64_t row_bytes = D * kv_itemsize(T);
-  const int64_t* table = a.tables + b * a.max_blocks;
-  const int64_t n_blocks = (T_len + a.bs - 1) / a.bs;
-  float* obuf = scores + G * T_len;  // (G, D) unnormalised outputs
-  float* qbuf = obuf + G * D;        // (G, D) q * scale
-  float* sums = qbuf + G * D;        // (G,)
-  float* rows = sums + G;            // (block_size, D) converted K or V rows
+  const int64_t* table = a.tables + b0 * a.max_blocks;
+  const int64_t n_blocks = (T_max + a.bs - 1) / a.bs;
+  float* scores = buf;               // (V, T_max)
+  float* obuf = scores + V * T_max;  // (V, D) unnormalised outputs
+  float* qbuf = obuf + V * D;        // (V, D) q * scale
+  float* sums = qbuf + V * D;        // (V,)
+  float* rows = sums + V;            // (block_size, D) converted K or V rows
   const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = a.q + (b * a.H + h * G + g) * D;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = a.q + ((b0 + r) * a.H + h * G + g) * D;
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(qbuf + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale));
-  }
+      for (int c = 0; c < NC; ++c)
+        _mm256_storeu_ps(qbuf + (r * G + g) * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale));
+    }
   for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
     const void* cache = pass == 0 ? a.k : a.v;
     const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
-    if (pass == 1) std::fill(obuf, obuf + G * D, 0.f);
+    if (pass == 1) std::fill(obuf, obuf + V * D, 0.f);
     for (int64_t blk = 0; blk < std::min<int64_t>(PREFETCH_BLOCKS, n_blocks); ++blk)
-      prefetch_rows(cache, table[blk] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_len - blk * a.bs), row_bytes);
+      prefetch_rows(cache, table[blk] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_max - blk * a.bs), row_bytes);
+    int64_t r_first = 0;  // the first row whose context reaches the block (rows are sorted by length)
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       const int64_t t0 = blk * a.bs;
       const int64_t r0 = table[blk] * a.bs * Hkv + h;  // row index of the block's first token
-      const int64_t n = std::min(a.bs, T_len - t0);
+      const int64_t n = std::min(a.bs, T_max - t0);
+      while (lens[r_first] <= t0) ++r_first;
       if (const int64_t ahead = blk + PREFETCH_BLOCKS; ahead < n_blocks)
-        prefetch_rows(cache, table[ahead] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_len - ahead * a.bs), row_bytes);
+        prefetch_rows(cache, table[ahead] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_max - ahead * a.bs), row_bytes);
       int64_t stride;
       const float* base = block_rows<NC, T>(cache, cscale, r0, Hkv, n, rows, stride);
-      for (int64_t g = 0; g < G;) {
-        const int64_t gt = G - g >= 3 ? 3 : G - g;
-        float* sg = scores + g * T_len + t0;
+      for (int64_t v = r_first * G; v < V;) {
+        const int64_t gt = V - v >= 3 ? 3 : V - v;
+        float* sg = scores + v * T_max + t0;
         if (pass == 0) {
-          const float* qs = qbuf + g * D;
-          if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_len);
-          else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_len);
-          else block_scores<NC, 1>(qs, base, stride, n, sg, T_len);
+          const float* qs = qbuf + v * D;
+          if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_max);
+          else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_max);
+          else block_scores<NC, 1>(qs, base, stride, n, sg, T_max);
         } else {
-          float* og = obuf + g * D;
-          if (gt == 3) block_values<NC, 3>(sg, T_len, base, stride, n, og);
-          else if (gt == 2) block_values<NC, 2>(sg, T_len, base, stride, n, og);
-          else block_values<NC, 1>(sg, T_len, base, stride, n, og);
+          float* og = obuf + v * D;
+          if (gt == 3) block_values<NC, 3>(sg, T_max, base, stride, n, og);
+          else if (gt == 2) block_values<NC, 2>(sg, T_max, base, stride, n, og);
+          else block_values<NC, 1>(sg, T_max, base, stride, n, og);
         }
-        g += gt;
+        v += gt;
       }
     }
     if (pass == 1) break;
-    for (int64_t g = 0; g < G; ++g) {  // softmax numerator in place; the normaliser is applied to the output
-      float* sg = scores + g * T_len;
+    for (int64_t v = 0; v < V; ++v) {  // softmax numerator in place; the normaliser is applied to the output
+      float* sg = scores + v * T_max;
+      const int64_t T_len = lens[v / G];
       __m256 mv = _mm256_set1_ps(-INFINITY);
       int64_t t = 0;
       for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
@@ -362,30 +390,31 @@ KV_FN inline void item_avx2(const Args& a, int64_t b, int64_t h, float* scores) 
         sg[t] = std::exp(sg[t] - mx);
         sum += sg[t];
       }
-      sums[g] = sum;
+      std::fill(sg + T_len, sg + T_max, 0.f);  // the causal mask: keys past the row's own context
+      sums[v] = sum;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
-    float* out = a.out + (b * a.H + h * G + g) * D;
+  for (int64_t v = 0; v < V; ++v) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[v]);
+    float* out = a.out + ((b0 + v / G) * a.H + h * G + v % G) * D;
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(obuf + g * D + 8 * c), inv));
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(obuf + v * D + 8 * c), inv));
   }
 }
 
 template <KV T>
-inline ItemFn avx2_item_for_type(int64_t D) {
+inline TileFn avx2_item_for_type(int64_t D) {
   switch (D) {
-    case 32: return item_avx2<4, T>;
-    case 64: return item_avx2<8, T>;
-    case 80: return item_avx2<10, T>;
-    case 96: return item_avx2<12, T>;
-    case 128: return item_avx2<16, T>;
+    case 32: return tile_avx2<4, T>;
+    case 64: return tile_avx2<8, T>;
+    case 80: return tile_avx2<10, T>;
+    case 96: return tile_avx2<12, T>;
+    case 128: return tile_avx2<16, T>;
     default: return nullptr;
   }
 }
 
-inline ItemFn avx2_item_for(int64_t D, KV kv) {
+inline TileFn avx2_item_for(int64_t D, KV kv) {
   switch (kv) {
     case KV::BF16: return avx2_item_for_type<KV::BF16>(D);
     case KV::F16: return avx2_item_for_type<KV::F16>(D);
@@ -401,23 +430,56 @@ inline bool cpu_has_f16c() {
 
 #endif
 
-// out = attention of every (sequence, kv head) item of `a`; items split across threads.
-inline void paged_decode(const Args& a, bool use_simd) {
+#ifndef PREFILL_TILE_ROWS
+#define PREFILL_TILE_ROWS 8  // query rows per tile (each with its G query heads)
+#endif
+
+// The tiles of a step's rows: runs of up to `max_rows` consecutive rows whose block tables agree on every block
+// the run's longest context uses and whose context lengths do not decrease (a prefill chunk's rows; rows of
+// sequences that share a cached prefix too), as (first row, rows) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> row_tiles(const Args& a, int64_t max_rows) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t b = 0; b < a.B;) {
+    const int64_t* t0 = a.tables + b * a.max_blocks;
+    int64_t e = b + 1;
+    while (e < a.B && e - b < max_rows && a.lens[e] >= a.lens[e - 1]) {
+      const int64_t used = (a.lens[e] + a.bs - 1) / a.bs;
+      if (!std::equal(t0, t0 + used, a.tables + e * a.max_blocks)) break;
+      ++e;
+    }
+    tiles.emplace_back(b, e - b);
+    b = e;
+  }
+  return tiles;
+}
+
+// out = attention of every row of `a` (one query per row over its own context), in tiles of rows that share a
+// block table (row_tiles; `tile_rows` <= 1: every row alone); (tile, kv head) items split across threads. A row's
+// result does not depend on the tiling.
+inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS) {
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max(max_len, a.lens[b]);
   const int64_t G = a.H / a.Hkv;
-  ItemFn item = scalar_item_for(a.kv);
+  TileFn item = scalar_item_for(a.kv);
 #ifdef SCRATCHLM_X86
   static const bool simd_ok = cpu_has_avx2() && cpu_has_f16c();
   if (use_simd && simd_ok && avx2_item_for(a.D, a.kv) != nullptr) item = avx2_item_for(a.D, a.kv);
 #else
   (void)use_simd;
 #endif
+  const auto tiles = row_tiles(a, std::max<int64_t>(1, tile_rows));
+  int64_t max_rows = 1;
+  for (const auto& t : tiles) max_rows = std::max(max_rows, t.second);
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   // Grain: enough items per thread that small batches stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, max_len * a.D));
-  at::parallel_for(0, a.B * a.Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len * G + 2 * G * a.D + G + a.bs * a.D);  // item_avx2's layout (the scalar: G * T)
-    for (int64_t i = begin; i < end; ++i) item(a, i / a.Hkv, i % a.Hkv, scores.data());
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, max_len * a.D * max_rows));
+  at::parallel_for(0, n_tiles * a.Hkv, grain, [&](int64_t begin, int64_t end) {
+    const int64_t V = max_rows * G;  // tile_avx2's layout (the scalar: G * T)
+    std::vector<float> buf(V * max_len + 2 * V * a.D + V + a.bs * a.D);
+    for (int64_t i = begin; i < end; ++i) {
+      const auto& t = tiles[i / a.Hkv];
+      item(a, t.first, t.second, i % a.Hkv, buf.data());
+    }
   });
 }
 

@@ -1,0 +1,107 @@
+"""Prefill attention over the paged cache: the tiled kernel against the row-by-row decode kernel and torch SDPA.
+
+The engine's prefill chunks attend through csrc/paged_attention.h: every row of a chunk is one query over its own
+causal context. Contenders, on the same chunks (SmolLM2-135M's attention shapes: 9 query / 3 KV heads of 64,
+block size 16, every layer its own cache so nothing stays in cache across layers), interleaved per repeat, thread
+CPU time, one pinned thread:
+
+- `tiled 8` (the engine's default), `tiled 4`, `tiled 16`: rows of one block table in tiles of that many rows,
+  each K/V block read once per tile;
+- `row by row`: `tile_rows=1`, the kernel of before (each row streams its whole prefix);
+- `torch SDPA`: gather the sequence's K/V out of the blocks, then `scaled_dot_product_attention(is_causal)` on
+  the contiguous tensors (what an unpaged prefill runs; the gather is part of the time).
+
+Every contender's output is checked against `tiled 8` first (SDPA to 1e-4; the tiled kernels bit for bit).
+
+    python -m benchmarks.prefill_attention                       # 2 x 256-token prompts, 30 layers
+    python -m benchmarks.prefill_attention --prompts 1 --len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import Report, compare, set_threads
+
+H, HKV, HD, BS = 9, 3, 64, 16
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=30, help="layers, each with its own cache (30: SmolLM2-135M)")
+    ap.add_argument("--prompts", type=int, default=2, help="fresh prompts in the chunk (one step)")
+    ap.add_argument("--len", type=int, default=256, help="tokens per prompt")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
+    args = ap.parse_args(argv)
+    for name in ("layers", "prompts", "len", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    set_threads(1)
+    from scratchlm.inference.attention import load_kernels
+
+    ext = load_kernels()
+    if ext is None:
+        raise SystemExit("the C++ kernels did not build: nothing to measure")
+    torch.manual_seed(0)
+    per_seq = -(-args.len // BS)
+    num_blocks = per_seq * args.prompts
+    caches = [(torch.randn(num_blocks, BS, HKV, HD), torch.randn(num_blocks, BS, HKV, HD)) for _ in range(args.layers)]
+    perm = torch.randperm(num_blocks)
+    seq_tables = [perm[i * per_seq : (i + 1) * per_seq] for i in range(args.prompts)]
+    tables = torch.cat([t[None].expand(args.len, -1) for t in seq_tables])  # (N, per_seq): a row's table
+    lens = torch.arange(1, args.len + 1).repeat(args.prompts)  # (N,): row j of a prompt sees j + 1 tokens
+    n_rows = len(lens)
+    qs = [torch.randn(n_rows, H, HD) for _ in range(args.layers)]
+    scale = HD**-0.5
+
+    def kernel(tile_rows: int):
+        def run():
+            return [ext.paged_decode_attention(q, k, v, tables, lens, scale, True, tile_rows=tile_rows)
+                    for q, (k, v) in zip(qs, caches)]
+        return run
+
+    def sdpa():
+        outs = []
+        for q, (k, v) in zip(qs, caches):
+            parts = []
+            for i, t in enumerate(seq_tables):
+                kk, vv = (c[t].reshape(-1, HKV, HD)[: args.len].transpose(0, 1) for c in (k, v))  # (Hkv, T, D)
+                qq = q[i * args.len : (i + 1) * args.len].transpose(0, 1)  # (H, T, D)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+                parts.append(o.transpose(0, 1))
+            outs.append(torch.cat(parts))  # (N, H, D)
+        return outs
+
+    contenders = {"tiled 8": kernel(8), "row by row": kernel(1), "tiled 4": kernel(4), "tiled 16": kernel(16),
+                  "torch SDPA": sdpa}
+    ref = contenders["tiled 8"]()
+    for name, fn in contenders.items():
+        got = fn()
+        for a, b in zip(ref, got):
+            if name == "torch SDPA":
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            elif not torch.equal(a, b):
+                raise SystemExit(f"{name} differs from tiled 8: the tiling must not change a bit")
+    cmp = compare(contenders, warmup=1, repeats=args.repeats, clock="thread_cpu")
+    flop = 4 * HD * H * int(lens.sum()) * args.layers  # q.k and p.v per (row, head, key)
+    rep = Report("prefill_attention", "Prefill attention: tiled paged kernel vs row by row vs torch SDPA",
+                 argv=sys.argv[1:] if argv is None else argv)
+    rep.add(f"{args.prompts} fresh prompt(s) of {args.len} tokens in one chunk ({n_rows} rows), {args.layers} "
+            f"layers, {H} query / {HKV} KV heads of {HD}, block size {BS}, float32 cache; thread CPU time, 1 "
+            f"thread, {args.repeats} interleaved repeats; GFLOP/s counts the causal work (4 * D per row, head "
+            f"and key: {flop / 1e9:.2f} GFLOP).")
+    rep.table(cmp.headers("GFLOP"), [r[:3] + [f"{flop / 1e9 / cmp[r[0]].median:.1f}"] + r[3:]
+                                     for r in cmp.rows()])
+    rep.add(f"row by row / tiled 8 = {cmp.ratio('row by row', 'tiled 8'):.2f}x (median), "
+            f"{cmp.ratio('row by row', 'tiled 8', 'best'):.2f}x (best); torch SDPA / tiled 8 = "
+            f"{cmp.ratio('torch SDPA', 'tiled 8'):.2f}x (median).")
+    rep.write()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

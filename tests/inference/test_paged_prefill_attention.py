@@ -1,0 +1,119 @@
+"""The paged attention kernel on prefill chunks (csrc/paged_attention.h's tiles of query rows).
+
+A chunk's rows share a block table and attend causally (row j: the tokens up to its own). The kernel groups such
+rows into tiles that read each K/V block once per tile. Checked here: against torch SDPA in float64 on the
+cache's (dequantized) values, for every KV dtype, GQA ratios 1/3/4, head dims 64/128, block sizes 16/32, ragged
+prefixes and chunks; and that a row's floats do not depend on the tiling (tiled == one row at a time, bit for
+bit), which keeps the fused and the unfused engine step and differently chunked prefills equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scratchlm.inference.attention import load_kernels
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if os.environ.get("SCRATCHLM_QUANT_NO_EXTENSION") == "1":
+        pytest.skip("C++ extensions turned off (SCRATCHLM_QUANT_NO_EXTENSION=1)")
+    kernels = load_kernels()
+    assert kernels is not None, "the C++ paged-attention kernel failed to build: this test checks that kernel"
+    return kernels
+
+
+def _cache(ext, dtype: torch.dtype, num_blocks: int, bs: int, hkv: int, d: int, gen: torch.Generator):
+    """A random cache of `dtype` written through the kernel's own store (rounded / quantized as the engine does),
+    its scales (int8) and its values as float64 (num_blocks, bs, hkv, d)."""
+    k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = (torch.zeros(num_blocks, bs, hkv), torch.zeros(num_blocks, bs, hkv)) if dtype == torch.int8 else (None,
+                                                                                                             None)
+    slots = torch.arange(num_blocks * bs)
+    for cache, sc in zip((k_cache, v_cache), scales, strict=True):
+        ext.kv_store(cache, sc, slots, torch.randn(num_blocks * bs, hkv, d, generator=gen))
+    values = [c.double() * (s.double()[..., None] if s is not None else 1.0) for c, s in
+              zip((k_cache, v_cache), scales, strict=True)]
+    return k_cache, v_cache, scales, values
+
+
+def _sdpa_chunk(q: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, table: list[int], prefix: int) -> torch.Tensor:
+    """float64 causal SDPA of a chunk's queries q (C, H, D) after `prefix` cached tokens -> (C, H, D)."""
+    c, h, d = q.shape
+    hkv = k64.shape[2]
+    n = prefix + c
+    k = k64[table].reshape(-1, hkv, d)[:n]  # (n, Hkv, D)
+    v = v64[table].reshape(-1, hkv, d)[:n]
+    k, v = (x.repeat_interleave(h // hkv, dim=1).transpose(0, 1) for x in (k, v))  # (H, n, D)
+    mask = torch.arange(n)[None, :] <= prefix + torch.arange(c)[:, None]  # (C, n): the causal mask
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+
+def _step(seqs: list[tuple[int, int]], bs: int, num_blocks: int, gen: torch.Generator):
+    """Rows of a step: per (prefix, chunk) sequence, its chunk's rows (lens prefix+1 .. prefix+chunk) on its own
+    random blocks. Returns per-row tables (N, width), lens (N,), and each sequence's (table, first row)."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-(p + c) // bs) for p, c in seqs)
+    tables, lens, layout = [], [], []
+    for prefix, chunk in seqs:
+        table = [perm.pop() for _ in range(-(-(prefix + chunk) // bs))]
+        layout.append((table, len(lens)))
+        for j in range(chunk):
+            tables.append(table + [0] * (width - len(table)))
+            lens.append(prefix + j + 1)
+    return torch.tensor(tables), torch.tensor(lens), layout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["gqa1", "gqa3", "gqa4"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_prefill_chunks_match_sdpa_float64(ext, dtype: torch.dtype, heads: tuple[int, int], d: int, bs: int) -> None:
+    """A mixed step (a decode row, chunks with and without a cached prefix, ragged lengths) against float64 SDPA;
+    the AVX2 tiles and the scalar path."""
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(d * 1000 + bs * 10 + h)
+    seqs = [(40, 1), (0, 37), (bs + 3, 21), (2 * bs, 1), (5, 2 * bs + 7)]  # (cached prefix, chunk rows)
+    num_blocks = 24
+    k_cache, v_cache, scales, (k64, v64) = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    tables, lens, layout = _step(seqs, bs, num_blocks, gen)
+    q = torch.randn(len(lens), h, d, generator=gen)
+    for use_simd in (True, False):
+        got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, use_simd, *scales)
+        for (prefix, chunk), (table, first) in zip(seqs, layout, strict=True):
+            want = _sdpa_chunk(q[first : first + chunk], k64, v64, table, prefix)
+            torch.testing.assert_close(got[first : first + chunk].double(), want, atol=2e-5, rtol=1e-5,
+                                       msg=lambda m, p=prefix, c=chunk, s=use_simd: f"prefix {p} chunk {c} "
+                                                                                    f"simd {s}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int) -> None:
+    """Tiled rows == the same rows one tile of one at a time == each row in its own call == the chunk split in
+    two calls (torch.equal); rows of sequences sharing cached blocks are tiled together too."""
+    h, hkv, bs, num_blocks = 9, 3, 16, 40
+    gen = torch.Generator().manual_seed(d)
+    k_cache, v_cache, scales, _ = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    tables, lens, _ = _step([(0, 45), (17, 30), (3, 1), (50, 9)], bs, num_blocks, gen)
+    shared = tables[45].clone()  # two decode rows on the second sequence's blocks (a shared prefix), then more
+    tables = torch.cat([tables, shared[None].expand(3, -1)])
+    lens = torch.cat([lens, torch.tensor([20, 33, 47])])
+    q = torch.randn(len(lens), h, d, generator=gen)
+
+    def attend(rows: slice, tile_rows: int = 8) -> torch.Tensor:
+        return ext.paged_decode_attention(q[rows], k_cache, v_cache, tables[rows], lens[rows], d ** -0.5, True,
+                                          *scales, tile_rows=tile_rows)
+
+    tiled = attend(slice(None))
+    assert torch.equal(tiled, attend(slice(None), tile_rows=1))
+    assert torch.equal(tiled, attend(slice(None), tile_rows=16))
+    assert torch.equal(tiled, torch.cat([attend(slice(i, i + 1)) for i in range(len(lens))]))
+    assert torch.equal(tiled, torch.cat([attend(slice(0, 13)), attend(slice(13, None))]))
