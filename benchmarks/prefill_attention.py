@@ -7,11 +7,12 @@ CPU time, one pinned thread:
 
 - `tiled 8` (the engine's default), `tiled 4`, `tiled 16`: rows of one block table in tiles of that many rows,
   each K/V block read once per tile;
-- `row by row`: `tile_rows=1`, the kernel of before (each row streams its whole prefix);
+- `row by row`: `tile_rows=1` (each row streams its whole prefix, as before the tiles);
+- `..., AVX2`: the same with 8-lane FMAs (`avx512=False`; `row by row, AVX2` is the kernel of before);
 - `torch SDPA`: gather the sequence's K/V out of the blocks, then `scaled_dot_product_attention(is_causal)` on
   the contiguous tensors (what an unpaged prefill runs; the gather is part of the time).
 
-Every contender's output is checked against `tiled 8` first (SDPA to 1e-4; the tiled kernels bit for bit).
+Every contender's output is checked against `tiled 8` first (SDPA to 1e-4, AVX2 to 1e-5; the other tilings bit for bit).
 
     python -m benchmarks.prefill_attention                       # 2 x 256-token prompts, 30 layers
     python -m benchmarks.prefill_attention --prompts 1 --len 512
@@ -58,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     qs = [torch.randn(n_rows, H, HD) for _ in range(args.layers)]
     scale = HD**-0.5
 
-    def kernel(tile_rows: int):
+    def kernel(tile_rows: int, avx512: bool = True):
         def run():
-            return [ext.paged_decode_attention(q, k, v, tables, lens, scale, True, tile_rows=tile_rows)
+            return [ext.paged_decode_attention(q, k, v, tables, lens, scale, True, tile_rows=tile_rows, avx512=avx512)
                     for q, (k, v) in zip(qs, caches)]
         return run
 
@@ -77,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         return outs
 
     contenders = {"tiled 8": kernel(8), "row by row": kernel(1), "tiled 4": kernel(4), "tiled 16": kernel(16),
-                  "torch SDPA": sdpa}
+                  "tiled 8, AVX2": kernel(8, False), "row by row, AVX2": kernel(1, False), "torch SDPA": sdpa}
     ref = contenders["tiled 8"]()
     for name, fn in contenders.items():
         got = fn()
         for a, b in zip(ref, got):
             if name == "torch SDPA":
                 torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            elif "AVX2" in name:
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
             elif not torch.equal(a, b):
                 raise SystemExit(f"{name} differs from tiled 8: the tiling must not change a bit")
     cmp = compare(contenders, warmup=1, repeats=args.repeats, clock="thread_cpu")
@@ -98,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                                      for r in cmp.rows()])
     rep.add(f"row by row / tiled 8 = {cmp.ratio('row by row', 'tiled 8'):.2f}x (median), "
             f"{cmp.ratio('row by row', 'tiled 8', 'best'):.2f}x (best); torch SDPA / tiled 8 = "
-            f"{cmp.ratio('torch SDPA', 'tiled 8'):.2f}x (median).")
+            f"{cmp.ratio('torch SDPA', 'tiled 8'):.2f}x (median); AVX2 / AVX-512 tiles = "
+            f"{cmp.ratio('tiled 8, AVX2', 'tiled 8'):.2f}x; row by row AVX2 (the kernel of before) / tiled 8 = "
+            f"{cmp.ratio('row by row, AVX2', 'tiled 8'):.2f}x (median), "
+            f"{cmp.ratio('row by row, AVX2', 'tiled 8', 'best'):.2f}x (best).")
     rep.write()
     return 0
 

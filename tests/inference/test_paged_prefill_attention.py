@@ -77,7 +77,7 @@ def _step(seqs: list[tuple[int, int]], bs: int, num_blocks: int, gen: torch.Gene
 @pytest.mark.parametrize("bs", [16, 32])
 def test_prefill_chunks_match_sdpa_float64(ext, dtype: torch.dtype, heads: tuple[int, int], d: int, bs: int) -> None:
     """A mixed step (a decode row, chunks with and without a cached prefix, ragged lengths) against float64 SDPA;
-    the AVX2 tiles and the scalar path."""
+    the AVX-512 and AVX2 tiles and the scalar path."""
     h, hkv = heads
     gen = torch.Generator().manual_seed(d * 1000 + bs * 10 + h)
     seqs = [(40, 1), (0, 37), (bs + 3, 21), (2 * bs, 1), (5, 2 * bs + 7)]  # (cached prefix, chunk rows)
@@ -85,18 +85,20 @@ def test_prefill_chunks_match_sdpa_float64(ext, dtype: torch.dtype, heads: tuple
     k_cache, v_cache, scales, (k64, v64) = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     tables, lens, layout = _step(seqs, bs, num_blocks, gen)
     q = torch.randn(len(lens), h, d, generator=gen)
-    for use_simd in (True, False):
-        got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, use_simd, *scales)
+    for use_simd, avx512 in ((True, True), (True, False), (False, False)):  # AVX-512 (where the CPU has it), AVX2
+        got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, use_simd, *scales,
+                                         avx512=avx512)
         for (prefix, chunk), (table, first) in zip(seqs, layout, strict=True):
             want = _sdpa_chunk(q[first : first + chunk], k64, v64, table, prefix)
             torch.testing.assert_close(got[first : first + chunk].double(), want, atol=2e-5, rtol=1e-5,
-                                       msg=lambda m, p=prefix, c=chunk, s=use_simd: f"prefix {p} chunk {c} "
-                                                                                    f"simd {s}: {m}")
+                                       msg=lambda m, p=prefix, c=chunk, s=use_simd, w=avx512: f"prefix {p} "
+                                       f"chunk {c} simd {s} avx512 {w}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 80, 128])
-def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int, avx512: bool) -> None:
     """Tiled rows == the same rows one tile of one at a time == each row in its own call == the chunk split in
     two calls (torch.equal); rows of sequences sharing cached blocks are tiled together too."""
     h, hkv, bs, num_blocks = 9, 3, 16, 40
@@ -110,7 +112,7 @@ def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int) -> None:
 
     def attend(rows: slice, tile_rows: int = 8) -> torch.Tensor:
         return ext.paged_decode_attention(q[rows], k_cache, v_cache, tables[rows], lens[rows], d ** -0.5, True,
-                                          *scales, tile_rows=tile_rows)
+                                          *scales, tile_rows=tile_rows, avx512=avx512)
 
     tiled = attend(slice(None))
     assert torch.equal(tiled, attend(slice(None), tile_rows=1))

@@ -72,7 +72,7 @@ scratchlm_attn::KV kv_type(const torch::Tensor& cache) {
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      bool use_simd, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale, int64_t tile_rows) {
+                                     c10::optional<torch::Tensor> v_scale, int64_t tile_rows, bool avx512) {
   TORCH_CHECK(q.dim() == 3, "q must be (B, H, D), got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k/v caches must be (num_blocks, block_size, Hkv, D) and equal in shape");
@@ -113,7 +113,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* tp = a.tables;
   for (int64_t i = 0; i < block_tables.numel(); ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < nb, "block ", tp[i], " outside the cache of ", nb, " blocks");
-  scratchlm_attn::paged_decode(a, use_simd, tile_rows);
+  scratchlm_attn::paged_decode(a, use_simd, tile_rows, avx512);
   return out;
 }
 
@@ -248,7 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("use_simd") = true, py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("tile_rows") = PREFILL_TILE_ROWS,
+        py::arg("v_scale") = py::none(), py::arg("tile_rows") = PREFILL_TILE_ROWS, py::arg("avx512") = true,
         py::call_guard<py::gil_scoped_release>());
   m.def("kv_store", &kv_store, "write float32 K or V rows into a paged cache of any KV dtype (as the fused step does)",
         py::arg("cache"), py::arg("scales"), py::arg("slots"), py::arg("k"), py::call_guard<py::gil_scoped_release>());

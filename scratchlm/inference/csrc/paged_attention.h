@@ -301,6 +301,109 @@ KV_FN inline void block_values(const float* sg, int64_t T, const float* base, in
   }
 }
 
+#define KV512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
+
+inline bool cpu_has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
+  }();
+  return has;
+}
+
+// The 4 sums of a0 .. a3's 16 lanes, [sum a0, sum a1, sum a2, sum a3], each in the same order of additions (so
+// a key's score has the same bits wherever it sits in a group of 4, or alone: reduce4(a, a, a, a)[0]).
+KV512_FN inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// block_scores with 16-lane registers (D = 16 * N16): four keys at a time, each K load serving GT vectors.
+template <int N16, int GT>
+KV512_FN void block_scores512(const float* qs, const float* base, int64_t stride, int64_t n, float* sg, int64_t T) {
+  constexpr int64_t D = 16 * N16;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = base + i * stride;
+    __m512 acc[GT][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int r = 0; r < 4; ++r) acc[j][r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < N16; ++c) {
+      __m512 q[GT];
+#pragma GCC unroll 4
+      for (int j = 0; j < GT; ++j) q[j] = _mm512_loadu_ps(qs + j * D + 16 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m512 k = _mm512_loadu_ps(k0 + r * stride + 16 * c);
+#pragma GCC unroll 4
+        for (int j = 0; j < GT; ++j) acc[j][r] = _mm512_fmadd_ps(q[j], k, acc[j][r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j) _mm_storeu_ps(sg + j * T + i, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+  }
+  for (; i < n; ++i) {
+    const float* kr = base + i * stride;
+    for (int j = 0; j < GT; ++j) {
+      __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < N16; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + j * D + 16 * c), _mm512_loadu_ps(kr + 16 * c), a);
+      sg[j * T + i] = _mm_cvtss_f32(reduce4(a, a, a, a));
+    }
+  }
+}
+
+// block_values with 16-lane registers: D in chunks of CH registers, each V load serving GT vectors.
+template <int N16, int GT>
+KV512_FN void block_values512(const float* sg, int64_t T, const float* base, int64_t stride, int64_t n, float* og) {
+  constexpr int64_t D = 16 * N16;
+  constexpr int CH = N16 <= 5 ? N16 : N16 == 6 ? 3 : 4;
+  for (int c0 = 0; c0 < N16; c0 += CH) {
+    __m512 o[GT][CH];
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int c = 0; c < CH; ++c) o[j][c] = _mm512_loadu_ps(og + j * D + 16 * (c0 + c));
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = base + i * stride + 16 * c0;
+      __m512 p[GT];
+#pragma GCC unroll 4
+      for (int j = 0; j < GT; ++j) p[j] = _mm512_set1_ps(sg[j * T + i]);
+#pragma GCC unroll 5
+      for (int c = 0; c < CH; ++c) {
+        const __m512 v = _mm512_loadu_ps(vr + 16 * c);
+#pragma GCC unroll 4
+        for (int j = 0; j < GT; ++j) o[j][c] = _mm512_fmadd_ps(p[j], v, o[j][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(og + j * D + 16 * (c0 + c), o[j][c]);
+  }
+}
+
+// One group of gt (1 .. 4) vectors against a block: its scores (pass 0) or its outputs (pass 1), AVX-512.
+template <int N16>
+KV512_FN void group512(int pass, int64_t gt, const float* qs, const float* base, int64_t stride, int64_t n, float* sg,
+                       int64_t T, float* og) {
+  if (pass == 0) {
+    if (gt == 4) block_scores512<N16, 4>(qs, base, stride, n, sg, T);
+    else if (gt == 3) block_scores512<N16, 3>(qs, base, stride, n, sg, T);
+    else if (gt == 2) block_scores512<N16, 2>(qs, base, stride, n, sg, T);
+    else block_scores512<N16, 1>(qs, base, stride, n, sg, T);
+  } else {
+    if (gt == 4) block_values512<N16, 4>(sg, T, base, stride, n, og);
+    else if (gt == 3) block_values512<N16, 3>(sg, T, base, stride, n, og);
+    else if (gt == 2) block_values512<N16, 2>(sg, T, base, stride, n, og);
+    else block_values512<N16, 1>(sg, T, base, stride, n, og);
+  }
+}
+
 // Head dim D = 8 * NC, cache element type T; one tile: rows b0 .. b0 + R - 1 that share a block table (prefix) and
 // have non-decreasing context lengths T_r (a prefill chunk's rows: T_r = T_0 + r, the causal mask), one KV head h.
 // Its V = R * G query vectors (row r, head g: vector r * G + g) walk the block table block by block; each block's
@@ -314,7 +417,7 @@ KV_FN inline void block_values(const float* sg, int64_t T, const float* base, in
 // 1/sum is applied to the output at the end.
 // `buf` holds V * Tmax scores (Tmax = T_{R-1}), then V * D outputs, V * D scaled queries, V sums and
 // block_size * D converted rows.
-template <int NC, KV T>
+template <int NC, KV T, bool W512>
 KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, float* buf) {
   constexpr int64_t D = 8 * NC;
   const int64_t G = a.H / a.Hkv, Hkv = a.Hkv, V = R * G;
@@ -353,9 +456,11 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
       int64_t stride;
       const float* base = block_rows<NC, T>(cache, cscale, r0, Hkv, n, rows, stride);
       for (int64_t v = r_first * G; v < V;) {
-        const int64_t gt = V - v >= 3 ? 3 : V - v;
+        const int64_t gt = std::min<int64_t>(V - v, W512 ? 4 : 3);
         float* sg = scores + v * T_max + t0;
-        if (pass == 0) {
+        if constexpr (W512) {
+          group512<NC / 2>(pass, gt, qbuf + v * D, base, stride, n, sg, T_max, obuf + v * D);
+        } else if (pass == 0) {
           const float* qs = qbuf + v * D;
           if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_max);
           else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_max);
@@ -402,24 +507,26 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
   }
 }
 
-template <KV T>
+template <KV T, bool W512>
 inline TileFn avx2_item_for_type(int64_t D) {
   switch (D) {
-    case 32: return tile_avx2<4, T>;
-    case 64: return tile_avx2<8, T>;
-    case 80: return tile_avx2<10, T>;
-    case 96: return tile_avx2<12, T>;
-    case 128: return tile_avx2<16, T>;
+    case 32: return tile_avx2<4, T, W512>;
+    case 64: return tile_avx2<8, T, W512>;
+    case 80: return tile_avx2<10, T, W512>;
+    case 96: return tile_avx2<12, T, W512>;
+    case 128: return tile_avx2<16, T, W512>;
     default: return nullptr;
   }
 }
 
+// The tile kernel for head dim D and cache type kv: with 16-lane FMAs (AVX-512) or 8-lane (AVX2).
+template <bool W512>
 inline TileFn avx2_item_for(int64_t D, KV kv) {
   switch (kv) {
-    case KV::BF16: return avx2_item_for_type<KV::BF16>(D);
-    case KV::F16: return avx2_item_for_type<KV::F16>(D);
-    case KV::I8: return avx2_item_for_type<KV::I8>(D);
-    default: return avx2_item_for_type<KV::F32>(D);
+    case KV::BF16: return avx2_item_for_type<KV::BF16, W512>(D);
+    case KV::F16: return avx2_item_for_type<KV::F16, W512>(D);
+    case KV::I8: return avx2_item_for_type<KV::I8, W512>(D);
+    default: return avx2_item_for_type<KV::F32, W512>(D);
   }
 }
 
@@ -456,16 +563,17 @@ inline std::vector<std::pair<int64_t, int64_t>> row_tiles(const Args& a, int64_t
 // out = attention of every row of `a` (one query per row over its own context), in tiles of rows that share a
 // block table (row_tiles; `tile_rows` <= 1: every row alone); (tile, kv head) items split across threads. A row's
 // result does not depend on the tiling.
-inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS) {
+inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS, bool avx512 = true) {
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max(max_len, a.lens[b]);
   const int64_t G = a.H / a.Hkv;
   TileFn item = scalar_item_for(a.kv);
 #ifdef SCRATCHLM_X86
   static const bool simd_ok = cpu_has_avx2() && cpu_has_f16c();
-  if (use_simd && simd_ok && avx2_item_for(a.D, a.kv) != nullptr) item = avx2_item_for(a.D, a.kv);
+  if (use_simd && simd_ok && avx2_item_for<false>(a.D, a.kv) != nullptr)
+    item = avx512 && cpu_has_avx512() ? avx2_item_for<true>(a.D, a.kv) : avx2_item_for<false>(a.D, a.kv);
 #else
-  (void)use_simd;
+  (void)use_simd, (void)avx512;
 #endif
   const auto tiles = row_tiles(a, std::max<int64_t>(1, tile_rows));
   int64_t max_rows = 1;
