@@ -110,11 +110,12 @@ def use_engine_ops(model: nn.Module) -> int:
 
 
 class RowPagedAttention(PagedAttention):
-    """The fused step's attention: each of the step's N rows is one query of the paged decode kernel over its own
-    context (a decode row: its sequence's; row j of a prefill chunk: the tokens up to its own), after every K/V
-    of the step is written. `tables` (N, max_blocks) and `lens` (N,) are those rows' block tables and context
-    lengths (`ModelRunner._row_tables`). Float32 queries on a CPU cache with the extension built; other inputs
-    take `PagedAttention`'s path."""
+    """The fused step's attention: each of the step's N rows is one query of the paged attention kernel over its
+    own context (a decode row: its sequence's; row j of a prefill chunk: the tokens up to its own), after every
+    K/V of the step is written; the kernel runs a chunk's rows in tiles that read each K/V block once (the same
+    floats as row by row, csrc/paged_attention.h). `tables` (N, max_blocks) and `lens` (N,) are those rows' block
+    tables and context lengths (`ModelRunner._row_tables`). Float32 queries on a CPU cache with the extension
+    built; other inputs take `PagedAttention`'s path."""
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata, tables: Tensor, lens: Tensor):
         super().__init__(cache, meta)

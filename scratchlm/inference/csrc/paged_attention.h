@@ -21,7 +21,8 @@
 // `store_rows` is the matching writer (the fused decode step's), rounding as torch does (bf16/fp16: to nearest
 // even; int8: scale = max|x| / 127, q = round-half-even(x / scale)), so the C++ and torch paths store identical
 // bytes (kv_cache.py).
-// An AVX2+FMA(+F16C) path (function target attributes, chosen at run time) and a portable scalar path.
+// AVX-512 (16-lane FMAs for the scores and outputs) and AVX2+FMA(+F16C) paths (function target attributes, chosen
+// at run time; `avx512=false` forces AVX2) and a portable scalar path (no tiling: row by row).
 
 #pragma once
 
