@@ -114,6 +114,40 @@ def time_once(fn: Callable[[], object], clock: str = "wall") -> float:
     return now() - t0
 
 
+def tinystories_prompts(n: int = 8, words: int = 40) -> list[str]:
+    """The first `words` words of the first `n` stories of the shared TinyStories validation head."""
+    stories = (shared_data_dir() / "corpora" / "tinystories" / "tinystories_v1_valid_head.txt").read_text()
+    return [" ".join(p.split()[:words]) for p in stories.split("\n\n")[:n]]
+
+
+def engine_decode_tok_s(engine, prompt, max_tokens: int, request_id: str) -> float:
+    """Batch-1 decode rate of an `LLMEngine`: one greedy request of `max_tokens` (`ignore_eos`), its steps after
+    the first (prefill + first token) per wall second."""
+    from scratchlm.inference import SamplingParams
+
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    engine.step()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - t0)
+
+
+def engine_batch_tok_s(engine, prompts: Sequence, max_tokens: int, request_ids: Sequence[str]) -> float:
+    """Output tokens per wall second of an `LLMEngine` given all `prompts` at once, `max_tokens` greedy tokens
+    each (`ignore_eos`), until every request finished."""
+    from scratchlm.inference import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for rid, p in zip(request_ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return max_tokens * len(prompts) / (time.perf_counter() - t0)
+
+
 @dataclass
 class Timing:
     name: str

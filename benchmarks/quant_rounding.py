@@ -32,7 +32,14 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks.common import Report, set_threads, shared_data_dir
+from benchmarks.common import (
+    Report,
+    engine_batch_tok_s,
+    engine_decode_tok_s,
+    set_threads,
+    shared_data_dir,
+    tinystories_prompts,
+)
 
 SHARED_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
                   "List three colors:", "The three laws of thermodynamics are"]
@@ -212,32 +219,18 @@ def speed_rows(models: dict, ref, rounds: int, tokens: int) -> list[list[str]]:
     """Batch-1 decode and 8-request throughput per model, default kernels vs float activations, interleaved."""
     import statistics
 
-    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.inference import EngineConfig, LLMEngine
 
     engines = {name: LLMEngine(m, ref.tokenizer, ref.config, EngineConfig(max_num_seqs=8, kv_cache_memory=64 << 20))
                for name, m in models.items()}
-    stories = (shared_data_dir() / "corpora" / "tinystories" / "tinystories_v1_valid_head.txt").read_text()
-    prompts = [" ".join(p.split()[:40]) for p in stories.split("\n\n")[:8]]
+    prompts = tinystories_prompts()
     counter = iter(range(10**9))
 
     def decode(engine) -> float:
-        engine.add_request(str(next(counter)), list(range(100, 116)),
-                           SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
-        engine.step()  # prefill + first token
-        t0, steps = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        return steps / (time.perf_counter() - t0)
+        return engine_decode_tok_s(engine, list(range(100, 116)), tokens + 1, str(next(counter)))
 
     def batch(engine) -> float:
-        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-        t0 = time.perf_counter()
-        for p in prompts:
-            engine.add_request(str(next(counter)), p, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        return 32 * len(prompts) / (time.perf_counter() - t0)
+        return engine_batch_tok_s(engine, prompts, 32, [str(next(counter)) for _ in prompts])
 
     results = {(n, f, k): [] for n in engines for f in (False, True) for k in ("b1", "b8")}
     for r in range(rounds + 1):  # round 0 warms up

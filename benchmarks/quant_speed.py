@@ -39,7 +39,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Report, set_threads, shared_data_dir
+from benchmarks.common import (
+    Report,
+    engine_batch_tok_s,
+    engine_decode_tok_s,
+    set_threads,
+    shared_data_dir,
+    tinystories_prompts,
+)
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
@@ -475,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     set_threads(args.threads)
     from scratchlm.defaults import default_model_path
-    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.inference import EngineConfig, LLMEngine
     from scratchlm.inference.quantization import kernels, load_gguf_packed, quantize_model
     from scratchlm.model import load
 
@@ -512,29 +519,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             kernels.float_activations(default_float)
     counter = iter(range(10**9))
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    prompts = tinystories_prompts()
 
     def decode_tok_s(engine: LLMEngine) -> float:
-        engine.add_request(str(next(counter)), PROMPT, greedy)
-        engine.step()  # prefill + first token
-        t0, steps = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        return steps / (time.perf_counter() - t0)
-
-    stories = (shared_data_dir() / "corpora" / "tinystories" / "tinystories_v1_valid_head.txt").read_text()
-    prompts = [" ".join(p.split()[:40]) for p in stories.split("\n\n")[:8]]
-    batch_params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        return engine_decode_tok_s(engine, PROMPT, args.tokens, str(next(counter)))
 
     def throughput(engine: LLMEngine) -> float:
-        t0 = time.perf_counter()
-        for p in prompts:
-            engine.add_request(str(next(counter)), p, batch_params)
-        out = 0
-        while engine.has_unfinished_requests():
-            out += sum(1 for r in engine.step() if r.finished) * 32
-        return out / (time.perf_counter() - t0)
+        return engine_batch_tok_s(engine, prompts, 32, [str(next(counter)) for _ in prompts])
 
     for name in engines:  # warm-up (first call builds caches / lazily loads the extension)
         measure(decode_tok_s, name)
