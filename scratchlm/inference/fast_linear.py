@@ -72,6 +72,14 @@ class _Panels(torch.nn.Module):
     """A float32 (rows, cols) matrix held only as panels (P, cols, 16); state_dict saves / loads it plain as
     `weight`."""
 
+    def __init__(self, rows: int, cols: int, panels: Tensor, what: str):
+        super().__init__()
+        want = (-(-rows // LANES), cols, LANES)
+        if panels.shape != want or panels.dtype != torch.float32:
+            raise ValueError(f"panels for a ({rows}, {cols}) {what} must be float32 {want}, "
+                             f"got {tuple(panels.shape)} {panels.dtype}")
+        self.register_buffer("panels", panels, persistent=False)  # counted by .buffers(), moved by .to()
+
     def _plain_shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
@@ -105,12 +113,8 @@ class PanelLinear(_Panels):
     state_dict saves / loads the plain `weight`; the `weight` attribute is an unpacked copy (made per access)."""
 
     def __init__(self, d_in: int, d_out: int, panels: Tensor):
-        super().__init__()
-        if panels.shape != (-(-d_out // LANES), d_in, LANES) or panels.dtype != torch.float32:
-            raise ValueError(f"panels for a ({d_out}, {d_in}) weight must be float32 "
-                             f"({-(-d_out // LANES)}, {d_in}, {LANES}), got {tuple(panels.shape)} {panels.dtype}")
+        super().__init__(d_out, d_in, panels, "weight")
         self.d_in, self.d_out = d_in, d_out
-        self.register_buffer("panels", panels, persistent=False)  # counted by .buffers(), moved by .to()
 
     in_features = property(lambda self: self.d_in, doc="CS336 / torch name of d_in")
     out_features = property(lambda self: self.d_out, doc="CS336 / torch name of d_out")
@@ -137,12 +141,8 @@ class PanelEmbedding(_Panels):
     a second 113 MB copy of SmolLM2's table)."""
 
     def __init__(self, num_embeddings: int, dim: int, panels: Tensor):
-        super().__init__()
-        if panels.shape != (-(-num_embeddings // LANES), dim, LANES) or panels.dtype != torch.float32:
-            raise ValueError(f"panels for a ({num_embeddings}, {dim}) table must be float32 "
-                             f"({-(-num_embeddings // LANES)}, {dim}, {LANES}), got {tuple(panels.shape)}")
+        super().__init__(num_embeddings, dim, panels, "table")
         self.num_embeddings, self.dim = num_embeddings, dim
-        self.register_buffer("panels", panels, persistent=False)
 
     embedding_dim = property(lambda self: self.dim, doc="CS336 / torch name of dim")
 
