@@ -183,7 +183,8 @@ QVNNI_FN inline __m256i dot_u8s8_vnni(__m256i u, __m256i s) {
 #define SCRATCHLM_QMICRO(NAME, ATTR, DOT)                                                                        \
   template <int R>                                                                                               \
   ATTR inline void NAME(const QAct& a, const QMat& w, float* y, int64_t n, int64_t r, const uint8_t* ub,         \
-                        const char* pf, int64_t pf_lines, const float* df, const float* mf, const float* sxg) {  \
+                        const char* pf, int64_t pf_lines, const float* df, const float* mf, const float* sxg,   \
+                        const float* cs = nullptr) {                                                             \
     const int64_t nb = w.K / kBlock, Kp = a.nb * kBlock, bpg = std::max<int64_t>(1, w.gs / kBlock), G = w.G;     \
     const int8_t* xq = a.q.data() + r * Kp;                                                                      \
     const float* dx = a.dx.data() + r * a.nb;                                                                    \
@@ -191,6 +192,19 @@ QVNNI_FN inline __m256i dot_u8s8_vnni(__m256i u, __m256i s) {
     __m256 total[R];                                                                                             \
     for (int i = 0; i < R; ++i) total[i] = _mm256_setzero_ps();                                                  \
     const int64_t per_block = (pf_lines + nb - 1) / std::max<int64_t>(1, nb);                                    \
+    if (cs) { /* int8 in 32-blocks (GGUF Q8_0): cs = s_nb dx_b, one multiply-add per row-block */                \
+      for (int64_t b = 0; b < nb; ++b) {                                                                         \
+        for (int64_t p = 0; p < per_block && pf_lines > 0; ++p, pf += 64, --pf_lines) _mm_prefetch(pf, _MM_HINT_T0); \
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));              \
+        for (int i = 0; i < R; ++i) {                                                                            \
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q8 + (n + i) * w.K + b * kBlock)); \
+          const __m256i p = DOT(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));                             \
+          total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(cs + i * nb + b), total[i]);     \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int i = 0; i < R; ++i) y[r * w.N + n + i] = scratchlm_simd::hsum256(total[i]);                        \
+      return;                                                                                                    \
+    }                                                                                                            \
     for (int64_t b0 = 0, g = 0; b0 < nb; b0 += bpg, ++g) {                                                       \
       const int64_t b1 = std::min(nb, b0 + bpg);                                                                 \
       __m256 acc[R];                                                                                             \
@@ -245,6 +259,9 @@ SCRATCHLM_QMICRO(micro_vnni, QVNNI_FN, dot_u8s8_vnni)
     const int64_t G = w.G, bpg = std::max<int64_t>(1, w.gs / kBlock);                                            \
     /* per tile: the rows' scales (and mins, or -8 d) as float; per x row: its per-group sums dx * sum(xq) */    \
     std::vector<float> df(kTile * G), mf(w.kind == Kind::kInt4 ? kTile * G : 0), sxg(a.M * G, 0.f);             \
+    /* int8 in 32-blocks (GGUF Q8_0): the row-block scales times dx fold into one float per row-block */         \
+    const bool blockwise8 = w.kind == Kind::kInt8 && bpg == 1 && G == w.K / kBlock && w.K % kBlock == 0;         \
+    std::vector<float> cs(blockwise8 ? kTile * G : 0);                                                           \
     for (int64_t r = 0; r < a.M; ++r)                                                                            \
       for (int64_t b = 0; b < a.nb; ++b) sxg[r * G + std::min(G - 1, b / bpg)] += a.sx[r * a.nb + b];           \
     const int64_t row_bytes = w.kind == Kind::kInt4 ? w.K / 2 : w.K;                                             \
@@ -276,7 +293,11 @@ SCRATCHLM_QMICRO(micro_vnni, QVNNI_FN, dot_u8s8_vnni)
       for (int64_t r = 0; r < a.M; ++r) {                                                                        \
         const char* p = r == 0 ? pf : nullptr;                                                                   \
         const int64_t l = r == 0 ? lines : 0;                                                                    \
-        if (R == 4) MICRO<4>(a, w, y, n, r, ub, p, l, df.data(), mp, sxg.data() + r * G);                        \
+        if (blockwise8 && R == 4) {                                                                              \
+          for (int64_t i = 0; i < 4; ++i)                                                                        \
+            for (int64_t b = 0; b < G; ++b) cs[i * G + b] = df[i * G + b] * a.dx[r * a.nb + b];                  \
+          MICRO<4>(a, w, y, n, r, ub, p, l, df.data(), mp, sxg.data() + r * G, cs.data());                       \
+        } else if (R == 4) MICRO<4>(a, w, y, n, r, ub, p, l, df.data(), mp, sxg.data() + r * G);                 \
         else                                                                                                     \
           for (int64_t i = 0; i < R; ++i)                                                                        \
             MICRO<1>(a, w, y, n + i, r, ub ? ub + i * w.K : nullptr, p, l, df.data() + i * G,                    \
