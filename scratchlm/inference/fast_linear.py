@@ -166,16 +166,21 @@ def _packable(m: torch.nn.Module) -> bool:
     return type(m) is Linear and w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
-def pack_linears(ext, group: list[Linear]) -> list[PanelLinear]:
-    """PanelLinears for linears that read the same input, their panels one after another in ONE tensor (the plain
-    weights are not kept)."""
+def pack_linears(ext, groups: list[list[Linear]]) -> list[list[PanelLinear]]:
+    """PanelLinears for groups of linears, the linears of a group reading the same input: a group's panels lie one
+    after another in ONE tensor, and all groups are views of one buffer (`panel_pack_groups`: 2 MiB-aligned,
+    advised as huge pages, which the kernel's prefetching needs to stream at full speed; the plain weights are not
+    kept)."""
     with torch.no_grad():
-        panels = torch.cat([ext.panel_pack(m.weight.detach().contiguous()) for m in group])  # (sum P_i, K, 16)
-    out, p = [], 0
-    for m in group:
-        n = -(-m.d_out // LANES)
-        out.append(PanelLinear(m.d_in, m.d_out, panels[p : p + n]))
-        p += n
+        packed = ext.panel_pack_groups([[m.weight.detach() for m in g] for g in groups])  # each (sum P_i, K, 16)
+    out = []
+    for group, panels in zip(groups, packed):
+        row, p = [], 0
+        for m in group:
+            n = -(-m.d_out // LANES)
+            row.append(PanelLinear(m.d_in, m.d_out, panels[p : p + n]))
+            p += n
+        out.append(row)
     return out
 
 
@@ -196,15 +201,13 @@ def use_skinny_linears(model: torch.nn.Module, pack: bool | None = None) -> int:
             a, f = getattr(block, "attn", None), getattr(block, "ffn", None)
             groups.append([getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj")])
             groups.append([getattr(f, n, None) for n in ("w1", "w3")])
-        grouped = set()
-        for g in groups:
-            if all(m is not None and _packable(m) for m in g) and len({m.d_in for m in g}) == 1:
-                for m, p in zip(g, pack_linears(ext, g)):
-                    packed[id(m)] = p
-                grouped.update(id(m) for m in g)
-        for _, _, child in swaps:
-            if id(child) not in grouped and _packable(child):
-                packed[id(child)] = pack_linears(ext, [child])[0]
+        groups = [g for g in groups if all(m is not None and _packable(m) for m in g) and len({m.d_in for m in g}) == 1]
+        grouped = {id(m) for g in groups for m in g}
+        groups += [[child] for _, _, child in swaps if id(child) not in grouped and _packable(child)]
+        order = {id(child): i for i, (_, _, child) in enumerate(swaps)}
+        groups.sort(key=lambda g: order[id(g[0])])  # the buffer in the order a step reads it: qkv, o, gate/up, down
+        for g, ps in zip(groups, pack_linears(ext, groups)):
+            packed.update((id(m), p) for m, p in zip(g, ps))
     emb = getattr(model, "tok_embeddings", None)
     if ext is not None and getattr(model, "lm_head", 0) is None and type(emb) is Embedding and \
             emb.weight.dtype == torch.float32 and emb.weight.device.type == "cpu":  # a tied head: pack the table

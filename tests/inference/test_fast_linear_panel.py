@@ -60,6 +60,48 @@ def test_panel_gemm_ragged_and_grouped(kernels, ns: list[int], k: int) -> None:
         _check(kernels, m, ns, k, seed=m + k)
 
 
+def test_panel_gemm_decode_rows_with_and_without_prefetch(kernels) -> None:
+    """Every decode batch of 1..40 rows over 9 ragged panels (two 4-panel groups, the second prefetched while the
+    first runs, and a leftover panel) and a ragged K, on every ISA path: within float64 rounding of the oracle, and
+    the next-group prefetch never changes a bit."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 16 * 9 - 5, 37
+    w = torch.randn(n, k, dtype=torch.float64, generator=g)
+    wp = kernels.panel_pack(w.float())
+    for m in range(1, 41):
+        x = torch.randn(m, k, dtype=torch.float64, generator=g)
+        want = x @ w.T  # float64 oracle
+        for name, simd, avx512 in _paths(kernels):
+            old, old_pre = kernels.set_fp32_kernels(avx512, True), kernels.panel_prefetch(1)
+            try:
+                (y,) = kernels.panel_linear(x.float(), wp, [n], simd)
+                kernels.panel_prefetch(0)
+                (y0,) = kernels.panel_linear(x.float(), wp, [n], simd)
+            finally:
+                kernels.set_fp32_kernels(*old)
+                kernels.panel_prefetch(old_pre)
+            err = (y.double() - want).abs().max().item()
+            assert err <= 2e-6 * k**0.5 * want.abs().max().item() + 1e-6, (name, m, err)
+            assert torch.equal(y, y0), (name, m)
+    assert kernels.panel_prefetch() == old_pre
+
+
+def test_panel_pack_groups_one_buffer(kernels) -> None:
+    """panel_pack_groups packs each group's matrices one after another, every group a view of one buffer, the
+    same panels as panel_pack; a buffer of 2 MiB or more starts on a 2 MiB boundary (huge-page advice)."""
+    ws = [[torch.randn(40, 24), torch.randn(9, 24)], [torch.randn(20, 7)], [torch.randn(16 * 1024, 64)]]
+    packed = kernels.panel_pack_groups(ws)
+    assert [tuple(p.shape) for p in packed] == [(4, 24, 16), (2, 7, 16), (1024, 64, 16)]
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+    assert packed[0].untyped_storage().data_ptr() % (2 << 20) == 0
+    for group, p in zip(ws, packed):
+        assert torch.equal(p, torch.cat([kernels.panel_pack(w) for w in group]))
+    with pytest.raises(RuntimeError, match="share K"):
+        kernels.panel_pack_groups([[torch.randn(4, 3), torch.randn(4, 5)]])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.panel_pack_groups([[torch.randn(4, 3, dtype=torch.float64)]])
+
+
 def test_panel_pack_round_trip_and_errors(kernels) -> None:
     w = torch.randn(37, 11)
     p = kernels.panel_pack(w)
@@ -93,6 +135,8 @@ def test_panel_linears_state_dict_stays_plain(kernels, tied: bool) -> None:
     a, f = model.layers[0].attn, model.layers[0].ffn
     assert a.k_proj.panels.data_ptr() == a.q_proj.panels.data_ptr() + a.q_proj.panels.numel() * 4  # one tensor
     assert f.w3.panels.data_ptr() == f.w1.panels.data_ptr() + f.w1.panels.numel() * 4
+    storages = {m.panels.untyped_storage().data_ptr() for m in model.modules() if type(m) is PanelLinear}
+    assert len(storages) == 1  # every layer's panels in one buffer
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
         assert torch.equal(model.tok_embeddings(tokens), plain["tok_embeddings.weight"][tokens])

@@ -30,17 +30,46 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, bool use_simd) {
   return y;
 }
 
-// w (N, K) float32 -> its panels (ceil(N / 16), K, 16), zero-padded (panel_gemm.h).
-torch::Tensor panel_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "panel_pack takes a float32 CPU matrix (N, K), got ", w.sizes(), " ", w.scalar_type());
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  auto out = torch::empty({(N + scratchlm_panel::kLanes - 1) / scratchlm_panel::kLanes, K, scratchlm_panel::kLanes},
-                          w.options());
-  scratchlm_panel::pack(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+// Groups of float32 (N, K) matrices -> one (sum ceil(N_i / 16), K, 16) panel tensor per group, the matrices of a
+// group packed one after the other (zero-padded, panel_gemm.h); all groups are views of ONE buffer, in huge pages
+// where the system gives them (panel_gemm.h alloc_panels).
+std::vector<torch::Tensor> panel_pack_groups(const std::vector<std::vector<torch::Tensor>>& groups) {
+  constexpr int64_t L = scratchlm_panel::kLanes;
+  int64_t total = 0;
+  std::vector<int64_t> panels;
+  for (const auto& g : groups) {
+    TORCH_CHECK(!g.empty(), "panel_pack: an empty group of matrices");
+    int64_t p = 0;
+    for (const auto& w : g) {
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+                  "panel_pack takes float32 CPU matrices (N, K), got ", w.sizes(), " ", w.scalar_type());
+      TORCH_CHECK(w.size(1) == g[0].size(1), "panel_pack: the matrices of a group must share K, got ", w.size(1),
+                  " and ", g[0].size(1));
+      p += (w.size(0) + L - 1) / L;
+    }
+    panels.push_back(p);
+    total += p * g[0].size(1) * L;
+  }
+  auto flat = scratchlm_panel::alloc_panels(total);
+  std::vector<torch::Tensor> out;
+  int64_t off = 0;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const int64_t K = groups[i][0].size(1);
+    auto t = flat.narrow(0, off, panels[i] * K * L).view({panels[i], K, L});
+    float* o = t.data_ptr<float>();
+    for (auto w : groups[i]) {
+      w = w.contiguous();
+      scratchlm_panel::pack(w.data_ptr<float>(), w.size(0), K, o);
+      o += (w.size(0) + L - 1) / L * K * L;
+    }
+    off += panels[i] * K * L;
+    out.push_back(t);
+  }
   return out;
 }
+
+// w (N, K) float32 -> its panels (ceil(N / 16), K, 16), zero-padded (panel_gemm.h).
+torch::Tensor panel_pack(torch::Tensor w) { return panel_pack_groups({{w}})[0]; }
 
 // [x @ W_i^T for each of the matrices packed one after another in wp (panel_pack of each, concatenated)]; widths
 // ns[i] columns each.
@@ -185,6 +214,12 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
+// Whether the panel kernel prefetches the next panel group (panel_gemm.h); `set` 0 / 1 changes it, -1 only reads.
+bool panel_prefetch(int64_t set) {
+  auto& on = scratchlm_panel::prefetch_next();
+  return set >= 0 ? on.exchange(set != 0) : on.load();
+}
+
 // The fp32 kernel choice of skinny_gemm.h (for benchmarks interleaving them); returns the previous one.
 std::vector<bool> set_fp32_kernels(bool avx512, bool onednn) {
   auto& c = scratchlm_gemm::kernel_choice();
@@ -239,6 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   m.def("panel_pack", &panel_pack, "a float32 (N, K) weight as panels (ceil(N/16), K, 16)", py::arg("w"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("panel_pack_groups", &panel_pack_groups, "groups of float32 (N, K) weights as one panel tensor per group, "
+        "all views of one (huge-page) buffer", py::arg("groups"), py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear", &panel_linear, "[x @ W_i.T] for the matrices packed in panels (CPU, float32, any rows)",
         py::arg("x"), py::arg("wp"), py::arg("ns"), py::arg("use_simd") = true,
         py::call_guard<py::gil_scoped_release>());
@@ -270,6 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "the fused step's silu(gate) * up, float32 (M, d_ff)", py::arg("gate"), py::arg("up"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("panel_prefetch", &panel_prefetch, "whether the panel kernel prefetches its next panel group (see "
+        "panel_gemm.h); set = 0 / 1 changes it, -1 reads; returns the previous choice", py::arg("set") = -1);
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
   m.def("set_fp32_kernels", &set_fp32_kernels, "AVX-512 skinny tiles / oneDNN for many rows on or off; the old choice",
         py::arg("avx512"), py::arg("onednn"));

@@ -15,6 +15,12 @@
 // sequential stream) are as fast as or faster than 16 x 1 and 14 x 2 at every M from 1 to 512, so every M runs them;
 // W's 4-panel group (K * 256 bytes) stays in L2 while the 6-row blocks of x pass by, and is read once from memory.
 // Leftover panels (P % 4) take 14 x 2 / 16 x 1 tiles; tiles of 20+ rows x 1 panel ran at half speed (spills).
+// Decode batches (7-32 rows: 2-6 row tiles per group) are bound by memory and FMAs about equally, so the two must
+// overlap: while a group's row tiles run, the kernel prefetches the NEXT group into L2 (prefetcht1, spread evenly
+// over the k steps of the tiles), so the first tile of every group finds its panels in L2 instead of waiting on
+// memory while the other tiles leave memory idle; one tile (<= 6 rows) is left to the hardware prefetchers (there
+// the extra stream cost 3-20 %). The panels lie in 2 MiB huge pages (alloc_panels): in 4 KiB pages the prefetches
+// gained nothing (the hardware streams stop at every page). Measured (benchmarks/fp32_gemm.py --decode):
 // Paths: AVX-512 (function target attributes, chosen at run time), AVX2+FMA (6 x 16-column tiles), portable scalar.
 // Threads split the panels.
 
@@ -25,12 +31,18 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 #include <vector>
 
 #include "simd_common.h"
 #include "skinny_gemm.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace scratchlm_panel {
 
@@ -41,6 +53,25 @@ struct PanelOut {
   float* y;
   int64_t ld, p0, p1, n;
 };
+
+// A float32 tensor of `numel` floats for packed panels: at least 2 MiB go into 2 MiB-aligned memory advised as
+// transparent huge pages (MADV_HUGEPAGE; the kernel decides), so the kernel's 4-panel streams do not cross a 4 KiB
+// page (and a TLB miss) every 64 lines and the hardware prefetchers run across whole panels. Smaller: at::empty.
+inline at::Tensor alloc_panels(int64_t numel) {
+#if defined(__linux__)
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+  if (bytes >= kHuge) {
+    const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = nullptr;
+    if (posix_memalign(&p, kHuge, len) == 0) {
+      madvise(p, len, MADV_HUGEPAGE);  // advice only: without THP the memory stays in 4 KiB pages
+      return at::from_blob(p, {numel}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
+    }
+  }
+#endif
+  return at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
+}
 
 // w (N, K) row-major -> out (ceil(N/16), K, 16).
 inline void pack(const float* w, int64_t N, int64_t K, float* out) {
@@ -92,14 +123,31 @@ inline void tile_scalar(const float* x, int64_t ldx, int64_t M, int64_t K, const
 
 constexpr int64_t kPrefetchLines = 24;  // how far ahead (64-byte lines = k steps) a panel is prefetched
 
+// Whether a 4-panel group prefetches the next group into L2 while its row tiles run (on unless
+// $SCRATCHLM_PANEL_PREFETCH is "0"; settable so that a benchmark can interleave with and without).
+inline std::atomic<bool>& prefetch_next() {
+  static std::atomic<bool> on{!scratchlm_gemm::env_off("SCRATCHLM_PANEL_PREFETCH")};
+  return on;
+}
+
+// Software prefetch (into L2) of `n` 64-byte lines per k step from `pf` on: spreads the next group over the tiles.
+struct Prefetch {
+  const char* pf;
+  int64_t n;
+};
+
 // Rows m .. m+MR-1 of x against panels p .. p+NV-1 (w points at panel p; panels are K * 16 floats apart).
 template <int MR, int NV>
-PANEL512_FN void tile512(const float* x, int64_t ldx, int64_t K, const float* w, const Dest* d, int64_t m) {
+PANEL512_FN void tile512(const float* x, int64_t ldx, int64_t K, const float* w, const Dest* d, int64_t m,
+                         Prefetch pre) {
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const float* xr = x + m * ldx;
+  const char* pf = pre.pf;
   for (int64_t k = 0; k < K; ++k) {
+    for (int64_t i = 0; i < pre.n; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
+    pf += pre.n * 64;
     __m512 b[NV];
     for (int v = 0; v < NV; ++v) {
       const float* wv = w + v * K * kLanes + k * kLanes;
@@ -118,7 +166,7 @@ PANEL512_FN void tile512(const float* x, int64_t ldx, int64_t K, const float* w,
   }
 }
 
-using Tile512 = void (*)(const float*, int64_t, int64_t, const float*, const Dest*, int64_t);
+using Tile512 = void (*)(const float*, int64_t, int64_t, const float*, const Dest*, int64_t, Prefetch);
 
 template <int NV, size_t... I>
 constexpr std::array<Tile512, sizeof...(I)> tiles512(std::index_sequence<I...>) {
@@ -130,18 +178,25 @@ constexpr int kWideRows = 14;    // NV = 2 tiles: 28 accumulators
 constexpr int kQuadRows = 6;     // NV = 4 tiles: 24 accumulators
 
 // The rows of one NV-panel column block: M split into tiles of at most `rows` (as even as possible).
+// `next`, `next_lines`: the next group's panels (prefetched over the first tiles; nullptr: none).
 template <int NV>
 PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const Dest* d,
-                          int rows) {
+                          int rows, const float* next = nullptr, int64_t next_lines = 0) {
   static constexpr auto tab1 = tiles512<1>(std::make_index_sequence<kSkinnyRows>{});
   static constexpr auto tab2 = tiles512<2>(std::make_index_sequence<kWideRows>{});
   static constexpr auto tab4 = tiles512<4>(std::make_index_sequence<kQuadRows>{});
   const int64_t nt = (M + rows - 1) / rows;
   const int64_t base = M / nt, extra = M % nt;  // the first `extra` tiles get one more row
+  // One tile (M <= 6) is memory-bound by itself: prefetching the next group there only competes with its own
+  // stream (measured 0.8-0.97x); from 2 tiles on, the tiles after the first would leave memory idle without it.
+  const bool pre = next != nullptr && nt > 1 && prefetch_next().load(std::memory_order_relaxed);
+  const int64_t per_k = pre ? (next_lines + nt * K - 1) / (nt * K) : 0;  // lines per k step, spread over the tiles
   int64_t m = 0;
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t r = base + (t < extra ? 1 : 0);
-    (NV == 1 ? tab1[r - 1] : NV == 2 ? tab2[r - 1] : tab4[r - 1])(x, ldx, K, w, d, m);
+    const int64_t done = t * K * per_k;
+    const Prefetch ahead{reinterpret_cast<const char*>(next) + done * 64, done < next_lines ? per_k : 0};
+    (NV == 1 ? tab1[r - 1] : NV == 2 ? tab2[r - 1] : tab4[r - 1])(x, ldx, K, w, d, m, ahead);
     m += r;
   }
 }
@@ -255,7 +310,9 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
         const int64_t have = std::min<int64_t>(nv, P - p);
         for (int64_t v = 0; v < have; ++v) d[v] = dest_of(outs, nouts, p + v);
         if (have == 4) {
-          block512<4>(x, ldx, M, K, wp, d, kQuadRows);
+          const int64_t next = std::min<int64_t>(nv, P - p - nv);  // panels of the next group, if this thread runs it
+          block512<4>(x, ldx, M, K, wp, d, kQuadRows, g + 1 < g1 ? wp + nv * K * kLanes : nullptr,
+                      g + 1 < g1 ? next * K : 0);
         } else if (have >= 2) {
           block512<2>(x, ldx, M, K, wp, d, kWideRows);
           if (have == 3) block512<1>(x, ldx, M, K, wp + 2 * K * kLanes, d + 2, kSkinnyRows);
