@@ -255,7 +255,7 @@ class ScratchlmRun:
             for b in model.layers:
                 a, f = b.attn, b.ffn
                 for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (f.w1, f.w3), (f.w2,)):
-                    panels = torch.cat([m.panels for m in group])  # the group's one tensor (a copy, same layout)
+                    panels = _group_panels([m.panels for m in group])  # the group's one tensor, as the step runs it
                     calls.append((group[0].d_in, panels, [m.d_out for m in group]))
 
             def one_pass(xs):
@@ -283,6 +283,16 @@ class ScratchlmRun:
                 h = torch.randn(m, model.output_weight.shape[1])
                 head[str(m)] = best(lambda h=h: self.engine.runner._logits(h))
         return {"body": body, "head": head}
+
+
+def _group_panels(parts):
+    """The one panel tensor that a group's adjacent views (q/k/v, gate/up: `fast_linear.pack_linears`) span, the
+    very memory the fused step multiplies (a copy would lose its huge pages); a copy if they are not adjacent."""
+    import torch
+
+    first, n = parts[0], sum(p.shape[0] for p in parts)
+    adjacent = all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:]))
+    return first.as_strided((n, *first.shape[1:]), first.stride()) if adjacent else torch.cat(parts)
 
 
 def phase_split(steps: list[list[float]]) -> dict[str, list[list[float]]]:
