@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from scratchlm.inference import huge_pages
+
 KV_STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 INT8_SCALE_DTYPE = torch.float32
 
@@ -84,7 +86,7 @@ class KVCache:
         if dtype not in KV_STORAGE_DTYPES:
             raise ValueError(f"KV cache dtype {dtype} is not one of {[str(d) for d in KV_STORAGE_DTYPES]}")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        k, v = huge_pages.zeros(shape, dtype, device), huge_pages.zeros(shape, dtype, device)  # 2 MiB pages on CPU
         if dtype != torch.int8:
             return cls(k, v)
         scales = [torch.zeros(shape[:-1], dtype=INT8_SCALE_DTYPE, device=device) for _ in range(2)]

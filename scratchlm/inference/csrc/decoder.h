@@ -20,6 +20,10 @@
 
 #include <torch/extension.h>
 
+#include <time.h>
+
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -130,6 +134,42 @@ inline void silu_mul_out(const torch::Tensor& g, const torch::Tensor& u, torch::
   s.mul_(g).mul_(u);
 }
 
+// Where a fused step's time goes, for benchmarks/decode_step.py: with profiling on, forward adds the calling
+// thread's CPU seconds of each stage (all layers) into one process-wide table (off: one flag test per stage).
+enum Stage : int { kSetup, kAttnNorm, kQKV, kRope, kStore, kAttention, kO, kResidual, kFfnNorm, kGateUp, kSiluMul,
+                   kDown, kStages };
+inline const char* const kStageNames[kStages] = {"setup", "attn_norm", "qkv_gemm", "rope", "kv_store", "attention",
+                                                 "o_gemm", "residual", "ffn_norm", "gate_up_gemm", "silu_mul",
+                                                 "down_gemm"};
+struct StageProfile {
+  std::atomic<bool> on{false};
+  std::array<double, kStages> seconds{};
+  int64_t steps = 0;
+};
+inline StageProfile& stage_profile() {
+  static StageProfile p;
+  return p;
+}
+inline double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+// Charges the time since the last mark to a stage (nothing when profiling is off).
+struct StageClock {
+  StageProfile* p;
+  double t = 0.0;
+  explicit StageClock(StageProfile& prof) : p(prof.on.load(std::memory_order_relaxed) ? &prof : nullptr) {
+    if (p) t = thread_seconds(), ++p->steps;
+  }
+  void mark(Stage s) {
+    if (!p) return;
+    const double now = thread_seconds();
+    p->seconds[s] += now - t;
+    t = now;
+  }
+};
+
 class FusedDecoder {
  public:
   // layers[i] = [attn_norm, wq, wk, wv, wo, ffn_norm, w1 (gate), w2 (down), w3 (up)] (+ [bq, bk, bv]), float32.
@@ -216,6 +256,7 @@ class FusedDecoder {
                         torch::Tensor cos, torch::Tensor sin, torch::Tensor tables, torch::Tensor lens,
                         c10::optional<torch::Tensor> k_scale = c10::nullopt,
                         c10::optional<torch::Tensor> v_scale = c10::nullopt) {
+    StageClock clock(stage_profile());
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(x.dim() == 2 && x.size(1) == d_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "x must be contiguous float32 (B, ", d_, "), got ", x.sizes());
@@ -268,9 +309,11 @@ class FusedDecoder {
     char* kc = static_cast<char*>(k_cache.data_ptr());
     char* vc = static_cast<char*>(v_cache.data_ptr());
     QAct hq;  // h quantized for the integer kernels, shared by the matmuls that read it
+    clock.mark(kSetup);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
       rmsnorm_rows(x, w.attn_norm, h, eps_);
+      clock.mark(kAttnNorm);
       hq.valid = false;
       if (w.panel) {
         panel_linear(h, w.qkv, {&q, &k, &v});
@@ -281,8 +324,10 @@ class FusedDecoder {
         linear(h, w.wk, w.bk, k, &hq);
         linear(h, w.wv, w.bv, v, &hq);
       }
+      clock.mark(kQKV);
       rope_rows(q, H_, D_, cos, sin, rope_half_);
       rope_rows(k, Hkv_, D_, cos, sin, rope_half_);
+      clock.mark(kRope);
       char* kl = kc + l * layer_stride * item;  // this layer's caches and scales
       char* vl = vc + l * layer_stride * item;
       float* ksl = ksc ? ksc + l * nb * bs * Hkv_ : nullptr;
@@ -291,13 +336,18 @@ class FusedDecoder {
         scratchlm_attn::store_rows(kv, kl, ksl, sp[b] * Hkv_, k.data_ptr<float>() + b * row, Hkv_, D_);
         scratchlm_attn::store_rows(kv, vl, vsl, sp[b] * Hkv_, v.data_ptr<float>() + b * row, Hkv_, D_);
       }
+      clock.mark(kStore);
       scratchlm_attn::Args a{q.data_ptr<float>(), kl, vl, tp, lp, att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
                              static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_))), kv, ksl, vsl};
       scratchlm_attn::paged_decode(a, simd_);
+      clock.mark(kAttention);
       if (w.panel) w.po.forward(att, {&o}, simd_);
       else linear(att, w.wo, torch::Tensor(), o, nullptr);
+      clock.mark(kO);
       x.add_(o);
+      clock.mark(kResidual);
       rmsnorm_rows(x, w.ffn_norm, h, eps_);
+      clock.mark(kFfnNorm);
       hq.valid = false;
       if (w.panel) {
         panel_linear(h, w.gu, {&g, &u});
@@ -305,10 +355,14 @@ class FusedDecoder {
         linear(h, w.w1, torch::Tensor(), g, &hq);
         linear(h, w.w3, torch::Tensor(), u, &hq);
       }
+      clock.mark(kGateUp);
       silu_mul_out(g, u, s);
+      clock.mark(kSiluMul);
       if (w.panel) w.p2.forward(s, {&o}, simd_);
       else linear(s, w.w2, torch::Tensor(), o, nullptr);
+      clock.mark(kDown);
       x.add_(o);
+      clock.mark(kResidual);
     }
     return x;
   }

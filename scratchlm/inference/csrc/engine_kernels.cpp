@@ -10,6 +10,9 @@
 
 #include <torch/extension.h>
 
+#include <map>
+#include <string>
+
 #include "decoder.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
@@ -212,6 +215,25 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   return s;
 }
 
+// The fused step's stage profile (decoder.h): {stage: thread CPU seconds} summed over every forward since the
+// last reset, plus "steps"; `enable` 1 / 0 switches profiling on / off, -1 leaves it; `reset` zeroes the table.
+std::map<std::string, double> decoder_profile(int64_t enable, bool reset) {
+  auto& p = scratchlm_decoder::stage_profile();
+  std::map<std::string, double> out;
+  for (int i = 0; i < scratchlm_decoder::kStages; ++i) out[scratchlm_decoder::kStageNames[i]] = p.seconds[i];
+  out["steps"] = static_cast<double>(p.steps);
+  if (reset) p.seconds.fill(0.0), p.steps = 0;
+  if (enable >= 0) p.on.store(enable != 0);
+  return out;
+}
+
+// Whether decode rows run paged_attention.h's decode_row_avx2 (1) or the tile kernel per KV head (0); -1 only
+// reads. Returns the previous choice (benchmarks/decode_step.py interleaves the two; both give the same floats).
+bool set_decode_rows(int64_t set) {
+  auto& f = scratchlm_attn::decode_rows_flag();
+  return set >= 0 ? f.exchange(set != 0) : f.load();
+}
+
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
 // Whether the panel kernel prefetches the next panel group (panel_gemm.h); `set` 0 / 1 changes it, -1 only reads.
@@ -309,6 +331,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_prefetch", &panel_prefetch, "whether the panel kernel prefetches its next panel group (see "
         "panel_gemm.h); set = 0 / 1 changes it, -1 reads; returns the previous choice", py::arg("set") = -1);
+  m.def("decoder_profile", &decoder_profile, "the fused step's per-stage thread CPU seconds since the last reset "
+        "(enable 1 / 0 turns profiling on / off, -1 leaves it)", py::arg("enable") = -1, py::arg("reset") = false);
+  m.def("set_decode_rows", &set_decode_rows, "decode rows through the all-heads row kernel (1) or the tile kernel "
+        "per KV head (0), -1 reads; returns the previous choice", py::arg("set") = -1);
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
   m.def("set_fp32_kernels", &set_fp32_kernels, "AVX-512 skinny tiles / oneDNN for many rows on or off; the old choice",
         py::arg("avx512"), py::arg("onednn"));

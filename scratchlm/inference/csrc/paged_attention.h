@@ -13,8 +13,10 @@
 //
 // Work item = (tile of rows, kv head h): the rows' G = H / Hkv query heads read the same K/V rows (grouped-query
 // attention without repeating K/V: each block's rows come from memory once and serve the G heads from L1). Per query
-// head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. Items are split across threads
-// with at::parallel_for.
+// head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. A decode row (a tile of one) is one
+// work item over all its KV heads instead (decode_row_avx2: each block's K / V rows of every head, one contiguous
+// run of the cache, read front to back and prefetched into L2 a block ahead; the same floats). Items are split
+// across threads with at::parallel_for.
 // Compact caches are converted to float32 in registers as they are read (bf16: shift into the high half;
 // fp16: F16C vcvtph2ps; int8: sign-extend, convert, times the row's scale), one block of one head at a time into
 // an L1 buffer that the G query heads then read, so attention reads 2 or ~3.8 times fewer bytes from memory.
@@ -31,6 +33,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -508,6 +511,121 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
   }
 }
 
+// A decode row (a tile of one row, rows of other block tables beside it): the row's H = Hkv * G query vectors
+// against its whole context, every KV head in one pass over each block, so a block's K (then V) rows of all heads,
+// one contiguous bs * Hkv * D run of the cache, are prefetched and read once, front to back, instead of one
+// strided head slice per work item. The arithmetic is tile_avx2's for R = 1 op for op (the same block_scores /
+// block_values per head and group, the same softmax and normaliser): the floats equal the tile kernel's bit for
+// bit, so a decode row agrees with the same row inside a prefill tile. `buf`: H * T scores, H * D outputs,
+// H * D scaled queries, H sums, then bs * D converted rows per KV head (compact caches).
+#ifndef DECODE_PREFETCH_BLOCKS
+#define DECODE_PREFETCH_BLOCKS 1  // whole blocks (all KV heads: 12 KiB for SmolLM2's fp32) of prefetch distance
+#endif
+// Prefetches part `part` of `parts` of cache rows [first_row, first_row + n_rows) (element size `row_bytes` each)
+// into L2 (T1: into L1 the prefetches of a whole block fill its miss buffers and stall the loads; measured 2x
+// slower on Zen 4).
+KV_FN inline void prefetch_part(const void* cache, int64_t first_row, int64_t n_rows, int64_t row_bytes, int64_t part,
+                                int64_t parts) {
+  const char* p = static_cast<const char*>(cache) + first_row * row_bytes;
+  const int64_t lines = (n_rows * row_bytes + 63) / 64;
+  for (int64_t i = lines * part / parts, e = lines * (part + 1) / parts; i < e; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+}
+
+template <int NC, KV T, bool W512>
+KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, float* buf) {
+  constexpr int64_t D = 8 * NC;
+  const int64_t G = a.H / a.Hkv, Hkv = a.Hkv, H = a.H;
+  const int64_t T_len = a.lens[b];
+  const int64_t row_bytes = D * kv_itemsize(T);
+  const int64_t* table = a.tables + b * a.max_blocks;
+  const int64_t n_blocks = (T_len + a.bs - 1) / a.bs;
+  float* scores = buf;               // (H, T_len)
+  float* obuf = scores + H * T_len;  // (H, D) unnormalised outputs
+  float* qbuf = obuf + H * D;        // (H, D) q * scale
+  float* sums = qbuf + H * D;        // (H,)
+  float* rows = sums + H;            // (Hkv, bs, D) converted K or V rows
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  const float* qrow = a.q + b * H * D;
+  for (int64_t v = 0; v < H; ++v)
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_ps(qbuf + v * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qrow + v * D + 8 * c), scale));
+  auto prefetch_first = [&](const void* cache) {  // the first blocks of a pass, ahead of it
+    for (int64_t blk = 0; blk < std::min<int64_t>(DECODE_PREFETCH_BLOCKS, n_blocks); ++blk)
+      prefetch_part(cache, table[blk] * a.bs * Hkv, std::min(a.bs, T_len - blk * a.bs) * Hkv, row_bytes, 0, 1);
+  };
+  prefetch_first(a.k);
+  for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
+    const void* cache = pass == 0 ? a.k : a.v;
+    const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
+    if (pass == 1) std::fill(obuf, obuf + H * D, 0.f);
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      const int64_t t0 = blk * a.bs;
+      const int64_t n = std::min(a.bs, T_len - t0);
+      const int64_t ahead = blk + DECODE_PREFETCH_BLOCKS;
+      const int64_t ahead_rows = ahead < n_blocks ? std::min(a.bs, T_len - ahead * a.bs) * Hkv : 0;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (ahead_rows)  // a block ahead, a KV head's share at a time: spread between the loads
+          prefetch_part(cache, table[ahead] * a.bs * Hkv, ahead_rows, row_bytes, h, Hkv);
+        else if (pass == 1 && next >= 0 && blk + 1 == n_blocks)  // the next row's first K block
+          prefetch_part(a.k, a.tables[next * a.max_blocks] * a.bs * Hkv, std::min(a.bs, a.lens[next]) * Hkv,
+                        row_bytes, h, Hkv);
+        int64_t stride;
+        const float* base = block_rows<NC, T>(cache, cscale, table[blk] * a.bs * Hkv + h, Hkv, n,
+                                              rows + h * a.bs * D, stride);
+        for (int64_t g0 = 0; g0 < G;) {  // tile_avx2's groups of the head's vectors
+          const int64_t gt = std::min<int64_t>(G - g0, W512 ? 4 : 3);
+          const int64_t v = h * G + g0;
+          float* sg = scores + v * T_len + t0;
+          if constexpr (W512) {
+            group512<NC / 2>(pass, gt, qbuf + v * D, base, stride, n, sg, T_len, obuf + v * D);
+          } else if (pass == 0) {
+            const float* qs = qbuf + v * D;
+            if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_len);
+            else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_len);
+            else block_scores<NC, 1>(qs, base, stride, n, sg, T_len);
+          } else {
+            float* og = obuf + v * D;
+            if (gt == 3) block_values<NC, 3>(sg, T_len, base, stride, n, og);
+            else if (gt == 2) block_values<NC, 2>(sg, T_len, base, stride, n, og);
+            else block_values<NC, 1>(sg, T_len, base, stride, n, og);
+          }
+          g0 += gt;
+        }
+      }
+    }
+    if (pass == 1) break;
+    prefetch_first(a.v);  // V's first blocks come in during the softmax
+    for (int64_t v = 0; v < H; ++v) {  // tile_avx2's softmax numerator and sum
+      float* sg = scores + v * T_len;
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      int64_t t = 0;
+      for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+      float mx = hmax256(mv);
+      for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
+      mv = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      for (t = 0; t + 8 <= T_len; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        _mm256_storeu_ps(sg + t, e);
+        sv = _mm256_add_ps(sv, e);
+      }
+      float sum = hsum256(sv);
+      for (; t < T_len; ++t) {
+        sg[t] = std::exp(sg[t] - mx);
+        sum += sg[t];
+      }
+      sums[v] = sum;
+    }
+  }
+  for (int64_t v = 0; v < H; ++v) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[v]);
+    float* out = a.out + (b * H + v) * D;
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(obuf + v * D + 8 * c), inv));
+  }
+}
+
 template <KV T, bool W512>
 inline TileFn avx2_item_for_type(int64_t D) {
   switch (D) {
@@ -528,6 +646,31 @@ inline TileFn avx2_item_for(int64_t D, KV kv) {
     case KV::F16: return avx2_item_for_type<KV::F16, W512>(D);
     case KV::I8: return avx2_item_for_type<KV::I8, W512>(D);
     default: return avx2_item_for_type<KV::F32, W512>(D);
+  }
+}
+
+using RowFn = void (*)(const Args&, int64_t, int64_t, float*);  // (args, row, the next row or -1, buffer)
+
+template <KV T, bool W512>
+inline RowFn decode_row_for_type(int64_t D) {
+  switch (D) {
+    case 32: return decode_row_avx2<4, T, W512>;
+    case 64: return decode_row_avx2<8, T, W512>;
+    case 80: return decode_row_avx2<10, T, W512>;
+    case 96: return decode_row_avx2<12, T, W512>;
+    case 128: return decode_row_avx2<16, T, W512>;
+    default: return nullptr;
+  }
+}
+
+// The decode-row kernel for head dim D and cache type kv (the twin of avx2_item_for).
+template <bool W512>
+inline RowFn decode_row_for(int64_t D, KV kv) {
+  switch (kv) {
+    case KV::BF16: return decode_row_for_type<KV::BF16, W512>(D);
+    case KV::F16: return decode_row_for_type<KV::F16, W512>(D);
+    case KV::I8: return decode_row_for_type<KV::I8, W512>(D);
+    default: return decode_row_for_type<KV::F32, W512>(D);
   }
 }
 
@@ -561,33 +704,58 @@ inline std::vector<std::pair<int64_t, int64_t>> row_tiles(const Args& a, int64_t
   return tiles;
 }
 
+// Whether rows that form a tile alone (decode rows) run decode_row_avx2 (all KV heads per item) rather than
+// tile_avx2 per KV head: the same floats, so only speed differs (benchmarks/decode_step.py interleaves the two).
+inline std::atomic<bool>& decode_rows_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 // out = attention of every row of `a` (one query per row over its own context), in tiles of rows that share a
-// block table (row_tiles; `tile_rows` <= 1: every row alone); (tile, kv head) items split across threads. A row's
-// result does not depend on the tiling.
+// block table (row_tiles; `tile_rows` <= 1: every row alone); work items (a tile and one KV head, or a one-row
+// tile and all its KV heads) split across threads. A row's result does not depend on the tiling.
 inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS, bool avx512 = true) {
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max(max_len, a.lens[b]);
   const int64_t G = a.H / a.Hkv;
   TileFn item = scalar_item_for(a.kv);
+  RowFn row = nullptr;
 #ifdef SCRATCHLM_X86
   static const bool simd_ok = cpu_has_avx2() && cpu_has_f16c();
-  if (use_simd && simd_ok && avx2_item_for<false>(a.D, a.kv) != nullptr)
-    item = avx512 && cpu_has_avx512() ? avx2_item_for<true>(a.D, a.kv) : avx2_item_for<false>(a.D, a.kv);
+  if (use_simd && simd_ok && avx2_item_for<false>(a.D, a.kv) != nullptr) {
+    const bool w512 = avx512 && cpu_has_avx512();
+    item = w512 ? avx2_item_for<true>(a.D, a.kv) : avx2_item_for<false>(a.D, a.kv);
+    if (decode_rows_flag().load(std::memory_order_relaxed))
+      row = w512 ? decode_row_for<true>(a.D, a.kv) : decode_row_for<false>(a.D, a.kv);
+  }
 #else
   (void)use_simd, (void)avx512;
 #endif
   const auto tiles = row_tiles(a, std::max<int64_t>(1, tile_rows));
   int64_t max_rows = 1;
   for (const auto& t : tiles) max_rows = std::max(max_rows, t.second);
-  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+  std::vector<std::pair<int64_t, int64_t>> items;  // (tile, KV head; -1: every head, decode_row_avx2)
+  items.reserve(tiles.size() * a.Hkv);
+  for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
+    if (row != nullptr && tiles[i].second == 1) items.emplace_back(i, -1);
+    else for (int64_t h = 0; h < a.Hkv; ++h) items.emplace_back(i, h);
+  }
   // Grain: enough items per thread that small batches stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, max_len * a.D * max_rows));
-  at::parallel_for(0, n_tiles * a.Hkv, grain, [&](int64_t begin, int64_t end) {
-    const int64_t V = max_rows * G;  // tile_avx2's layout (the scalar: G * T)
-    std::vector<float> buf(V * max_len + 2 * V * a.D + V + a.bs * a.D);
+  const int64_t grain = std::max<int64_t>(
+      1, (1 << 15) / std::max<int64_t>(1, max_len * a.D * std::max(max_rows, row != nullptr ? a.Hkv : 1)));
+  const int64_t V = max_rows * G;  // tile_avx2's layout (the scalar: G * T)
+  const int64_t buf_size = std::max(V * max_len + 2 * V * a.D + V + a.bs * a.D,
+                                    row != nullptr ? a.H * (max_len + 2 * a.D + 1) + a.Hkv * a.bs * a.D : 0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(buf_size);
     for (int64_t i = begin; i < end; ++i) {
-      const auto& t = tiles[i / a.Hkv];
-      item(a, t.first, t.second, i % a.Hkv, buf.data());
+      const auto& t = tiles[items[i].first];
+      if (items[i].second < 0) {
+        const bool next_row = i + 1 < end && items[i + 1].second < 0;
+        row(a, t.first, next_row ? tiles[items[i + 1].first].first : -1, buf.data());
+      } else {
+        item(a, t.first, t.second, items[i].second, buf.data());
+      }
     }
   });
 }
