@@ -532,7 +532,7 @@ KV_FN inline void prefetch_part(const void* cache, int64_t first_row, int64_t n_
 }
 
 template <int NC, KV T, bool W512>
-KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, float* buf) {
+KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool first, float* buf) {
   constexpr int64_t D = 8 * NC;
   const int64_t G = a.H / a.Hkv, Hkv = a.Hkv, H = a.H;
   const int64_t T_len = a.lens[b];
@@ -550,11 +550,9 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, float*
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c)
       _mm256_storeu_ps(qbuf + v * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qrow + v * D + 8 * c), scale));
-  auto prefetch_first = [&](const void* cache) {  // the first blocks of a pass, ahead of it
+  if (first)  // the first row of a thread's run; the others' first K blocks came with the previous row's V pass
     for (int64_t blk = 0; blk < std::min<int64_t>(DECODE_PREFETCH_BLOCKS, n_blocks); ++blk)
-      prefetch_part(cache, table[blk] * a.bs * Hkv, std::min(a.bs, T_len - blk * a.bs) * Hkv, row_bytes, 0, 1);
-  };
-  prefetch_first(a.k);
+      prefetch_part(a.k, table[blk] * a.bs * Hkv, std::min(a.bs, T_len - blk * a.bs) * Hkv, row_bytes, 0, 1);
   for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
     const void* cache = pass == 0 ? a.k : a.v;
     const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
@@ -562,14 +560,22 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, float*
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       const int64_t t0 = blk * a.bs;
       const int64_t n = std::min(a.bs, T_len - t0);
+      // The block DECODE_PREFETCH_BLOCKS ahead in the stream this thread reads: this pass's blocks, then V's
+      // (after K), then the next row's K blocks (after V).
       const int64_t ahead = blk + DECODE_PREFETCH_BLOCKS;
-      const int64_t ahead_rows = ahead < n_blocks ? std::min(a.bs, T_len - ahead * a.bs) * Hkv : 0;
+      const void* pf_cache = cache;
+      const int64_t* pf_table = table;
+      int64_t pf_blk = ahead, pf_len = T_len;
+      if (ahead >= n_blocks) {
+        pf_blk = ahead - n_blocks;
+        if (pass == 0) pf_cache = a.v;
+        else if (next >= 0) pf_cache = a.k, pf_table = a.tables + next * a.max_blocks, pf_len = a.lens[next];
+        else pf_cache = nullptr;
+      }
+      const int64_t pf_rows = pf_cache && pf_blk * a.bs < pf_len ? std::min(a.bs, pf_len - pf_blk * a.bs) * Hkv : 0;
       for (int64_t h = 0; h < Hkv; ++h) {
-        if (ahead_rows)  // a block ahead, a KV head's share at a time: spread between the loads
-          prefetch_part(cache, table[ahead] * a.bs * Hkv, ahead_rows, row_bytes, h, Hkv);
-        else if (pass == 1 && next >= 0 && blk + 1 == n_blocks)  // the next row's first K block
-          prefetch_part(a.k, a.tables[next * a.max_blocks] * a.bs * Hkv, std::min(a.bs, a.lens[next]) * Hkv,
-                        row_bytes, h, Hkv);
+        if (pf_rows)  // a KV head's share of the block at a time: spread between the loads
+          prefetch_part(pf_cache, pf_table[pf_blk] * a.bs * Hkv, pf_rows, row_bytes, h, Hkv);
         int64_t stride;
         const float* base = block_rows<NC, T>(cache, cscale, table[blk] * a.bs * Hkv + h, Hkv, n,
                                               rows + h * a.bs * D, stride);
@@ -595,7 +601,6 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, float*
       }
     }
     if (pass == 1) break;
-    prefetch_first(a.v);  // V's first blocks come in during the softmax
     for (int64_t v = 0; v < H; ++v) {  // tile_avx2's softmax numerator and sum
       float* sg = scores + v * T_len;
       __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -649,7 +654,8 @@ inline TileFn avx2_item_for(int64_t D, KV kv) {
   }
 }
 
-using RowFn = void (*)(const Args&, int64_t, int64_t, float*);  // (args, row, the next row or -1, buffer)
+// (args, row, the next row of this thread or -1, whether the previous item was not a decode row, buffer)
+using RowFn = void (*)(const Args&, int64_t, int64_t, bool, float*);
 
 template <KV T, bool W512>
 inline RowFn decode_row_for_type(int64_t D) {
@@ -752,7 +758,8 @@ inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFI
       const auto& t = tiles[items[i].first];
       if (items[i].second < 0) {
         const bool next_row = i + 1 < end && items[i + 1].second < 0;
-        row(a, t.first, next_row ? tiles[items[i + 1].first].first : -1, buf.data());
+        const bool first = i == begin || items[i - 1].second >= 0;
+        row(a, t.first, next_row ? tiles[items[i + 1].first].first : -1, first, buf.data());
       } else {
         item(a, t.first, t.second, items[i].second, buf.data());
       }
