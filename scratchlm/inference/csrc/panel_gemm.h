@@ -20,7 +20,12 @@
 // over the k steps of the tiles), so the first tile of every group finds its panels in L2 instead of waiting on
 // memory while the other tiles leave memory idle; one tile (<= 6 rows) is left to the hardware prefetchers (there
 // the extra stream cost 3-20 %). The panels lie in 2 MiB huge pages (alloc_panels): in 4 KiB pages the prefetches
-// gained nothing (the hardware streams stop at every page). Measured (benchmarks/fp32_gemm.py --decode):
+// gained nothing (the hardware streams stop at every page). The head's logits (larger than L2, behind 113 MB of
+// weights) go out with non-temporal stores (streaming()). Measured (benchmarks/fp32_gemm.py --decode, one core,
+// ~30 GB/s streaming read): a decode step's GEMMs 1.09-1.39x the kernel without these at 1-32 rows (1.13x at 17),
+// ~100 GFLOP/s (86 % of peak) from 16 rows on, 77-89 % of the streaming read at 1-8 rows. Tried and dropped:
+// prefetching 2-3 groups ahead, capping the prefetch, and the next call's first group (o -> gate/up -> down ->
+// q/k/v in the fused step): no gain.
 // Paths: AVX-512 (function target attributes, chosen at run time), AVX2+FMA (6 x 16-column tiles), portable scalar.
 // Threads split the panels.
 
@@ -95,6 +100,7 @@ inline void pack(const float* w, int64_t N, int64_t K, float* out) {
 struct Dest {
   float* y;
   int64_t ld, valid;
+  bool stream = false;  // non-temporal stores where a row of 16 columns is one aligned 64-byte line
 };
 
 inline Dest dest_of(const PanelOut* outs, int nouts, int64_t p) {
@@ -123,10 +129,15 @@ inline void tile_scalar(const float* x, int64_t ldx, int64_t M, int64_t K, const
 
 constexpr int64_t kPrefetchLines = 24;  // how far ahead (64-byte lines = k steps) a panel is prefetched
 
-// Whether a 4-panel group prefetches the next group into L2 while its row tiles run (on unless
-// $SCRATCHLM_PANEL_PREFETCH is "0"; settable so that a benchmark can interleave with and without).
-inline std::atomic<bool>& prefetch_next() {
-  static std::atomic<bool> on{!scratchlm_gemm::env_off("SCRATCHLM_PANEL_PREFETCH")};
+// The kernel's memory hints for decode batches (on unless $SCRATCHLM_PANEL_STREAMING is "0"; settable so that a
+// benchmark can interleave with and without): a 4-panel group prefetches the next group into L2 while its row
+// tiles run, and a call whose output is larger than L2 while its weights are larger than L3 (the tied head: 113 MB
+// of panels, 3.3 MB of logits at 17 rows) writes whole 16-column vectors with non-temporal stores: the weight
+// stream would evict those lines before anyone reads them, and a normal store first reads each line from memory.
+constexpr int64_t kStreamOutBytes = int64_t{2} << 20, kStreamWeightBytes = int64_t{32} << 20;
+
+inline std::atomic<bool>& streaming() {
+  static std::atomic<bool> on{!scratchlm_gemm::env_off("SCRATCHLM_PANEL_STREAMING")};
   return on;
 }
 
@@ -162,7 +173,12 @@ PANEL512_FN void tile512(const float* x, int64_t ldx, int64_t K, const float* w,
   for (int v = 0; v < NV; ++v) {
     const __mmask16 mask = static_cast<__mmask16>((1u << d[v].valid) - 1u);
     if (mask == 0) continue;
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(d[v].y + (m + r) * d[v].ld, mask, acc[r][v]);
+    const bool stream = d[v].stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(d[v].y) % 64 == 0 &&
+                        d[v].ld % 16 == 0;
+    for (int r = 0; r < MR; ++r) {
+      if (stream) _mm512_stream_ps(d[v].y + (m + r) * d[v].ld, acc[r][v]);
+      else _mm512_mask_storeu_ps(d[v].y + (m + r) * d[v].ld, mask, acc[r][v]);
+    }
   }
 }
 
@@ -189,7 +205,7 @@ PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, con
   const int64_t base = M / nt, extra = M % nt;  // the first `extra` tiles get one more row
   // One tile (M <= 6) is memory-bound by itself: prefetching the next group there only competes with its own
   // stream (measured 0.8-0.97x); from 2 tiles on, the tiles after the first would leave memory idle without it.
-  const bool pre = next != nullptr && nt > 1 && prefetch_next().load(std::memory_order_relaxed);
+  const bool pre = next != nullptr && nt > 1;
   const int64_t per_k = pre ? (next_lines + nt * K - 1) / (nt * K) : 0;  // lines per k step, spread over the tiles
   int64_t m = 0;
   for (int64_t t = 0; t < nt; ++t) {
@@ -302,6 +318,8 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     const int nv = 4;  // measured (benchmarks/fp32_gemm.py): 6 x 4 tiles at least as fast as 16 x 1 / 14 x 2 at any M
     const int64_t groups = (P + nv - 1) / nv;
     const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * kLanes * nv));
+    const bool hints = streaming().load(std::memory_order_relaxed);
+    const bool stream = hints && M * P * kLanes * 4 >= kStreamOutBytes && P * K * kLanes * 4 >= kStreamWeightBytes;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t p = g * nv;
@@ -309,10 +327,11 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
         const float* wp = w + p * K * kLanes;
         const int64_t have = std::min<int64_t>(nv, P - p);
         for (int64_t v = 0; v < have; ++v) d[v] = dest_of(outs, nouts, p + v);
+        for (int64_t v = 0; v < have; ++v) d[v].stream = stream;
         if (have == 4) {
           const int64_t next = std::min<int64_t>(nv, P - p - nv);  // panels of the next group, if this thread runs it
-          block512<4>(x, ldx, M, K, wp, d, kQuadRows, g + 1 < g1 ? wp + nv * K * kLanes : nullptr,
-                      g + 1 < g1 ? next * K : 0);
+          const bool ahead = hints && g + 1 < g1;
+          block512<4>(x, ldx, M, K, wp, d, kQuadRows, ahead ? wp + nv * K * kLanes : nullptr, ahead ? next * K : 0);
         } else if (have >= 2) {
           block512<2>(x, ldx, M, K, wp, d, kWideRows);
           if (have == 3) block512<1>(x, ldx, M, K, wp + 2 * K * kLanes, d + 2, kSkinnyRows);
@@ -320,6 +339,7 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
           block512<1>(x, ldx, M, K, wp, d, kSkinnyRows);
         }
       }
+      if (stream) _mm_sfence();  // the non-temporal stores visible before the call returns
     });
     return;
   }
