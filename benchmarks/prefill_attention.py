@@ -1,4 +1,4 @@
-"""Prefill attention over the paged cache: the tiled kernel against the row-by-row decode kernel and torch SDPA.
+"""Prefill attention over the paged cache: the tiled kernel against its tiles of before, row by row and torch SDPA.
 
 The engine's prefill chunks attend through csrc/paged_attention.h: every row of a chunk is one query over its own
 causal context. Contenders, on the same chunks (SmolLM2-135M's attention shapes: 9 query / 3 KV heads of 64,
@@ -6,13 +6,18 @@ block size 16, every layer its own cache so nothing stays in cache across layers
 CPU time, one pinned thread:
 
 - `tiled 8` (the engine's default), `tiled 4`, `tiled 16`: rows of one block table in tiles of that many rows,
-  each K/V block read once per tile;
+  each K/V block read once per tile, the scores with keys in lanes (each K block transposed once per chunk, one
+  FMA per feature for 16 keys);
+- `tiled 8, lanes over D (before)`: the same tiles with the score kernel of before (`prefill_keys_in_lanes(0)`:
+  dot products over D reduced across lanes, 8-lane exp, no query prefetch), the same floats;
 - `row by row`: `tile_rows=1` (each row streams its whole prefix, as before the tiles);
 - `..., AVX2`: the same with 8-lane FMAs (`avx512=False`; `row by row, AVX2` is the kernel of before);
 - `torch SDPA`: gather the sequence's K/V out of the blocks, then `scaled_dot_product_attention(is_causal)` on
   the contiguous tensors (what an unpaged prefill runs; the gather is part of the time).
 
-Every contender's output is checked against `tiled 8` first (SDPA to 1e-4, AVX2 to 1e-5; the other tilings bit for bit).
+Every contender's output is checked against `tiled 8` first (SDPA to 1e-4, AVX2 to 1e-5; the others bit for bit).
+GFLOP/s counts the causal work only (4 * D FLOP per row, query head and key of its context); the fraction of peak
+is against the core's register-only FMA loop (`fp32_peak_fmas`, as benchmarks/fp32_gemm.py), measured in the run.
 
     python -m benchmarks.prefill_attention                       # 2 x 256-token prompts, 30 layers
     python -m benchmarks.prefill_attention --prompts 1 --len 512
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Report, compare, set_threads
+from benchmarks.fp32_gemm import peak_gflops
 
 H, HKV, HD, BS = 9, 3, 64, 16
 
@@ -59,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     qs = [torch.randn(n_rows, H, HD) for _ in range(args.layers)]
     scale = HD**-0.5
 
-    def kernel(tile_rows: int, avx512: bool = True):
+    def kernel(tile_rows: int, avx512: bool = True, keys_in_lanes: bool = True):
         def run():
-            return [ext.paged_decode_attention(q, k, v, tables, lens, scale, True, tile_rows=tile_rows, avx512=avx512)
-                    for q, (k, v) in zip(qs, caches)]
+            old = ext.prefill_keys_in_lanes(int(keys_in_lanes))
+            try:
+                return [ext.paged_decode_attention(q, k, v, tables, lens, scale, True, tile_rows=tile_rows,
+                                                   avx512=avx512) for q, (k, v) in zip(qs, caches)]
+            finally:
+                ext.prefill_keys_in_lanes(int(old))
         return run
 
     def sdpa():
@@ -77,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             outs.append(torch.cat(parts))  # (N, H, D)
         return outs
 
-    contenders = {"tiled 8": kernel(8), "row by row": kernel(1), "tiled 4": kernel(4), "tiled 16": kernel(16),
-                  "tiled 8, AVX2": kernel(8, False), "row by row, AVX2": kernel(1, False), "torch SDPA": sdpa}
+    before = "tiled 8, lanes over D (before)"
+    contenders = {"tiled 8": kernel(8), before: kernel(8, keys_in_lanes=False), "row by row": kernel(1),
+                  "tiled 4": kernel(4), "tiled 16": kernel(16), "tiled 8, AVX2": kernel(8, False),
+                  "row by row, AVX2": kernel(1, False), "torch SDPA": sdpa}
     ref = contenders["tiled 8"]()
     for name, fn in contenders.items():
         got = fn()
@@ -90,16 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             elif not torch.equal(a, b):
                 raise SystemExit(f"{name} differs from tiled 8: the tiling must not change a bit")
     cmp = compare(contenders, warmup=1, repeats=args.repeats, clock="thread_cpu")
+    peak = peak_gflops(ext, True)
     flop = 4 * HD * H * int(lens.sum()) * args.layers  # q.k and p.v per (row, head, key)
-    rep = Report("prefill_attention", "Prefill attention: tiled paged kernel vs row by row vs torch SDPA",
-                 argv=sys.argv[1:] if argv is None else argv)
+    rep = Report("prefill_attention", "Prefill attention: tiled paged kernel vs its tiles of before, row by row, "
+                 "torch SDPA", argv=sys.argv[1:] if argv is None else argv)
     rep.add(f"{args.prompts} fresh prompt(s) of {args.len} tokens in one chunk ({n_rows} rows), {args.layers} "
             f"layers, {H} query / {HKV} KV heads of {HD}, block size {BS}, float32 cache; thread CPU time, 1 "
             f"thread, {args.repeats} interleaved repeats; GFLOP/s counts the causal work (4 * D per row, head "
             f"and key: {flop / 1e9:.2f} GFLOP).")
-    rep.table(cmp.headers("GFLOP"), [r[:3] + [f"{flop / 1e9 / cmp[r[0]].median:.1f}"] + r[3:]
-                                     for r in cmp.rows()])
-    rep.add(f"row by row / tiled 8 = {cmp.ratio('row by row', 'tiled 8'):.2f}x (median), "
+    gf = {name: flop / 1e9 / cmp[name].median for name in contenders}
+    heads = cmp.headers("GFLOP")
+    rep.table(heads[:4] + ["of peak"] + heads[4:], [r[:3] + [f"{gf[r[0]]:.1f}", f"{gf[r[0]] / peak:.0%}"] + r[3:]
+                                                    for r in cmp.rows()])
+    rep.add(f"Core peak (register-only FMA loop, best of 5, in this run): {peak:.1f} GFLOP/s (16-lane AVX-512).")
+    rep.add(f"**tiles of before / tiled 8 = {cmp.ratio(before, 'tiled 8'):.3f}x (median), "
+            f"{cmp.ratio(before, 'tiled 8', 'best'):.3f}x (best)**; "
+            f"row by row / tiled 8 = {cmp.ratio('row by row', 'tiled 8'):.2f}x (median), "
             f"{cmp.ratio('row by row', 'tiled 8', 'best'):.2f}x (best); torch SDPA / tiled 8 = "
             f"{cmp.ratio('torch SDPA', 'tiled 8'):.2f}x (median); AVX2 / AVX-512 tiles = "
             f"{cmp.ratio('tiled 8, AVX2', 'tiled 8'):.2f}x; row by row AVX2 (the kernel of before) / tiled 8 = "

@@ -119,3 +119,37 @@ def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int, avx512: b
     assert torch.equal(tiled, attend(slice(None), tile_rows=16))
     assert torch.equal(tiled, torch.cat([attend(slice(i, i + 1)) for i in range(len(lens))]))
     assert torch.equal(tiled, torch.cat([attend(slice(0, 13)), attend(slice(13, None))]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,d,bs", [((9, 3), 64, 16), ((8, 2), 128, 32), ((4, 4), 128, 16), ((6, 2), 80, 16)],
+                         ids=["gqa3-d64-bs16", "gqa4-d128-bs32", "gqa1-d128-bs16", "gqa3-d80-bs16"])
+def test_keys_in_lanes_equal_the_tiles_of_before(ext, dtype: torch.dtype, heads: tuple[int, int], d: int,
+                                                 bs: int) -> None:
+    """The AVX-512 tiles with keys in lanes (K transposed, shared by a chunk's tiles) give the floats of the
+    lanes-over-D tiles and of each row alone, bit for bit: chunks with and without a cached prefix, a chunk whose
+    context is long enough that its transposed blocks are not kept (d 128, 4 KV heads, 300 tokens), a decode row
+    between chunks, sequences sharing cached blocks."""
+    if not ext.has_avx2():
+        pytest.skip("no AVX2 on this CPU")
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(d + bs + h)
+    num_blocks = 64 if bs == 16 else 40
+    k_cache, v_cache, scales, _ = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    tables, lens, _ = _step([(0, 45), (3 * bs + 5, 30), (200, 1), (260, 40)], bs, num_blocks, gen)
+    q = torch.randn(len(lens), h, d, generator=gen)
+
+    def attend(tile_rows: int) -> torch.Tensor:
+        return ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, True, *scales,
+                                          tile_rows=tile_rows)
+
+    before = ext.prefill_keys_in_lanes(-1)
+    try:
+        ext.prefill_keys_in_lanes(1)
+        lanes = attend(8)
+        assert torch.equal(lanes, attend(16))
+        assert torch.equal(lanes, attend(1))
+        ext.prefill_keys_in_lanes(0)
+        assert torch.equal(lanes, attend(8))
+    finally:
+        ext.prefill_keys_in_lanes(int(before))

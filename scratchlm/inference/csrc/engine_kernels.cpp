@@ -289,6 +289,12 @@ bool quant_integer_prefill(int64_t set) {
   return scratchlm_qgemm::integer_prefill_flag().load();
 }
 
+// Whether the AVX-512 prefill tiles put keys in lanes (paged_attention.h, keys_in_lanes_flag); as above.
+bool prefill_keys_in_lanes(int64_t set) {
+  if (set >= 0) scratchlm_attn::keys_in_lanes_flag().store(set != 0);
+  return scratchlm_attn::keys_in_lanes_flag().load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -353,4 +359,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_integer_prefill", &quant_integer_prefill,
         "whether prefill chunks (> 64 rows) run the integer panel kernels; set = 0 / 1 changes it, -1 reads",
         py::arg("set") = -1);
+  m.def("prefill_keys_in_lanes", &prefill_keys_in_lanes,
+        "whether AVX-512 prefill tiles compute scores with keys in lanes (off: the tiles of before, the same floats); "
+        "set = 0 / 1 changes it, -1 reads", py::arg("set") = -1);
 }

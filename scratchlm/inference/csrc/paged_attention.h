@@ -24,7 +24,10 @@
 // even; int8: scale = max|x| / 127, q = round-half-even(x / scale)), so the C++ and torch paths store identical
 // bytes (kv_cache.py).
 // AVX-512 (16-lane FMAs for the scores and outputs) and AVX2+FMA(+F16C) paths (function target attributes, chosen
-// at run time; `avx512=false` forces AVX2) and a portable scalar path (no tiling: row by row).
+// at run time; `avx512=false` forces AVX2) and a portable scalar path (no tiling: row by row). With AVX-512, a tile
+// of several rows (a prefill chunk) computes its scores with keys in lanes: each K block is transposed once per
+// chunk (KtCache) and one FMA gives a feature's term for 16 keys (scores_t512), summed in the order of the lanes-
+// over-D dot products (block_scores512) that a lone row (a decode row) runs, so both give the same bits.
 
 #pragma once
 
@@ -60,6 +63,7 @@ struct Args {
   KV kv = KV::F32;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  uint64_t call = 0;  // paged_decode's call number: per-thread caches of one call (KtCache) are valid only within it
 };
 
 // A tile: rows b0 .. b0 + R - 1 (one block table, non-decreasing lengths), KV head h, a work buffer.
@@ -408,19 +412,256 @@ KV512_FN void group512(int pass, int64_t gt, const float* qs, const float* base,
   }
 }
 
+// Keys in lanes, for tiles of several rows (AVX-512): a block's K rows transposed to kt[kg][d][16] (key group kg of
+// 16 keys, zero past the block's n), so one FMA computes one feature of 16 keys' scores for a query vector (its
+// element broadcast) with no reduction across lanes. The sum over d keeps the order of block_scores512's: lane
+// partial x_l = sum over c of q[16c + l] k[16c + l] (an FMA chain from 0), then reduce4's tree over l = 4 quarter
+// + i, ((Q0 + Q2) + (Q1 + Q3)) with Qq = (x_4q + x_4q+2) + (x_4q+1 + x_4q+3), here with vertical adds; so a score
+// has the same bits here as in a tile of one row (the decode path), and the tiling changes nothing.
+// 16 consecutive cache elements of type T from element index i as float32 (int8: times sc), AVX-512.
+template <KV T>
+KV512_FN inline __m512 load16(const void* p, int64_t i, float sc) {
+  if constexpr (T == KV::F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (T == KV::BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (T == KV::F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(sc));
+  }
+}
+
+// r[i] = 16 features of key i -> r[j] = feature j of the 16 keys (an in-register 16 x 16 transpose).
+KV512_FN inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // [a0 b0 c0 d0], [a1 ..], [a2 ..], [a3 ..] per lane, keys 4i/4 .. + 3
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4k + j] (keys 4k .. 4k + 3): lane L holds feature 4L + j
+  for (int j = 0; j < 4; ++j) {  // lanes [L0 L2 | L0 L2] and [L1 L3 | L1 L3] of keys 0-3 | 4-7, then of 8-11 | 12-15
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);        // feature j
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);    // feature 8 + j
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);   // feature 4 + j
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);  // feature 12 + j
+  }
+}
+
+// Keys [i0, i0 + nk) (nk <= 16) of a block (row index r0) as kt[d][16] (float32; lanes past nk are 0).
+template <int N16, KV T>
+KV512_FN inline void transpose_keys(const void* cache, const float* scales, int64_t r0, int64_t Hkv, int64_t i0,
+                                    int64_t nk, float* kt) {
+  constexpr int64_t D = 16 * N16;
+  for (int c = 0; c < N16; ++c) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t row = r0 + (i0 + i) * Hkv;
+      r[i] = i < nk ? load16<T>(cache, row * D + 16 * c, T == KV::I8 ? scales[row] : 1.f) : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (16 * c + j) * 16, r[j]);
+  }
+}
+
+// A thread's transposed K blocks of one KV head (transpose_keys' layout, ceil(bs / 16) key groups per block),
+// kept across the tiles of one paged_decode call: the tiles of a prefill chunk share its blocks, so each block
+// is transposed once per chunk instead of once per tile. Valid only within the call (`call`): between calls a
+// block's rows change (appended tokens, a freed block reused).
+struct KtCache {
+  uint64_t call = 0;
+  const void* k = nullptr;
+  std::vector<int64_t> block;  // per context block: the cache block whose keys are transposed there (-1: none)
+  std::vector<int64_t> keys;   // per context block: how many of its keys are
+  std::vector<float> kt;       // (context blocks * groups per block, D, 16)
+};
+
+inline KtCache& kt_cache(int64_t h) {
+  thread_local std::vector<KtCache> caches;
+  if (static_cast<int64_t>(caches.size()) <= h) caches.resize(h + 1);
+  return caches[h];
+}
+
+// The transposed keys [0, n) of context block blk (cache row index r0), from the cache or transposed now.
+template <int N16, KV T>
+KV512_FN inline const float* cached_keys(KtCache& c, const void* cache, const float* scales, int64_t r0, int64_t Hkv,
+                                         int64_t blk, int64_t cache_block, int64_t n, int64_t groups) {
+  constexpr int64_t D = 16 * N16;
+  float* kt = c.kt.data() + blk * groups * 16 * D;
+  if (c.block[blk] != cache_block) c.block[blk] = cache_block, c.keys[blk] = 0;
+  for (int64_t g = c.keys[blk] / 16; g * 16 < n; ++g)  // the groups not (fully) transposed yet
+    transpose_keys<N16, T>(cache, scales, r0, Hkv, g * 16, std::min<int64_t>(16, n - g * 16), kt + g * 16 * D);
+  c.keys[blk] = std::max(c.keys[blk], n);
+  return kt;
+}
+
+// x_l + x_{l+2} (lane partials l and l + 2 of the tree) for VB vectors (q at qs, stride D) against 16 transposed keys.
+template <int N16, int VB>
+KV512_FN __attribute__((always_inline)) inline void pair_t512(const float* qs, const float* kt, int l, __m512* out) {
+  constexpr int64_t D = 16 * N16;
+  __m512 x[2][VB];
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) x[0][v] = x[1][v] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < N16; ++c) {
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      const int64_t d = 16 * c + l + 2 * i;
+      const __m512 k = _mm512_loadu_ps(kt + d * 16);
+#pragma GCC unroll 4
+      for (int v = 0; v < VB; ++v) x[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(qs[v * D + d]), k, x[i][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) {
+    out[v] = _mm512_add_ps(x[0][v], x[1][v]);
+    asm volatile("" : "+v"(out[v]));  // computed here: GCC would otherwise sink the tree's adds to the end
+  }
+}
+
+// Quarter q of the tree: (x_4q + x_4q+2) + (x_4q+1 + x_4q+3).
+template <int N16, int VB>
+KV512_FN __attribute__((always_inline)) inline void quarter_t512(const float* qs, const float* kt, int q, __m512* out) {
+  __m512 a[VB], b[VB];
+  pair_t512<N16, VB>(qs, kt, 4 * q, a);
+  pair_t512<N16, VB>(qs, kt, 4 * q + 1, b);
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) out[v] = _mm512_add_ps(a[v], b[v]);
+}
+
+// Scores of VB vectors against 16 transposed keys (kt: [D][16]) -> s[v], each lane one key.
+template <int N16, int VB>
+KV512_FN __attribute__((always_inline)) inline void scores_t512(const float* qs, const float* kt, __m512* s) {
+  __m512 a[VB], b[VB];
+  quarter_t512<N16, VB>(qs, kt, 0, a);
+  quarter_t512<N16, VB>(qs, kt, 2, b);
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) a[v] = _mm512_add_ps(a[v], b[v]);  // Q0 + Q2
+  quarter_t512<N16, VB>(qs, kt, 1, s);
+  quarter_t512<N16, VB>(qs, kt, 3, b);
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) s[v] = _mm512_add_ps(a[v], _mm512_add_ps(s[v], b[v]));  // (Q0 + Q2) + (Q1 + Q3)
+}
+
+// Vectors [v0, v0 + VB) of a tile (vector v of row v / G, length lens[v / G]) against one key group of a block
+// (keys t0 .. t0 + nk - 1, transposed at kt): scores into sg rows (stride T), the running maxima mx[v] over keys
+// inside each vector's context.
+template <int N16, int VB>
+KV512_FN void group_t512(const float* qs, const float* kt, int64_t nk, float* sg, int64_t T, int64_t t0,
+                         const int64_t* lens, int64_t G, int64_t v0, float* mx) {
+  __m512 s[VB];
+  scores_t512<N16, VB>(qs, kt, s);
+  const __mmask16 keys = static_cast<__mmask16>((1u << nk) - 1);
+#pragma GCC unroll 4
+  for (int v = 0; v < VB; ++v) {
+    _mm512_mask_storeu_ps(sg + v * T, keys, s[v]);
+    const int64_t inside = std::min<int64_t>(nk, lens[(v0 + v) / G] - t0);  // keys of this row's context
+    if (inside > 0) {
+      const __mmask16 m = static_cast<__mmask16>((1u << inside) - 1);
+      mx[v0 + v] = std::max(mx[v0 + v], _mm512_mask_reduce_max_ps(m, s[v]));
+    }
+  }
+}
+
+template <int N16>
+KV512_FN void groups_t512(int64_t gt, const float* qs, const float* kt, int64_t nk, float* sg, int64_t T, int64_t t0,
+                          const int64_t* lens, int64_t G, int64_t v0, float* mx) {
+  if (gt == 4) group_t512<N16, 4>(qs, kt, nk, sg, T, t0, lens, G, v0, mx);
+  else if (gt == 3) group_t512<N16, 3>(qs, kt, nk, sg, T, t0, lens, G, v0, mx);
+  else if (gt == 2) group_t512<N16, 2>(qs, kt, nk, sg, T, t0, lens, G, v0, mx);
+  else group_t512<N16, 1>(qs, kt, nk, sg, T, t0, lens, G, v0, mx);
+}
+
+// exp256 (simd_common.h) on 16 lanes, op for op: each lane's bits equal exp256's.
+KV512_FN inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// sg[t] = exp(sg[t] - mx) for t < T_len, returning their sum: the floats of tile_avx2's 8-lane loop (the same
+// exp per lane, the sum accumulated 8 lanes at a time in the same order, the same scalar tail), 16 lanes at a time.
+KV512_FN inline float exp_sum512(float* sg, int64_t T_len, float mx) {
+  const __m512 m16 = _mm512_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= T_len; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m16));
+    _mm512_storeu_ps(sg + t, e);
+    sv = _mm256_add_ps(sv, _mm512_castps512_ps256(e));
+    sv = _mm256_add_ps(sv, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  if (t + 8 <= T_len) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(sg + t, e);
+    sv = _mm256_add_ps(sv, e);
+    t += 8;
+  }
+  float sum = hsum256(sv);
+  for (; t < T_len; ++t) {
+    sg[t] = std::exp(sg[t] - mx);
+    sum += sg[t];
+  }
+  return sum;
+}
+
+// Whether AVX-512 tiles of several rows compute their scores with keys in lanes (transpose_keys, scores_t512,
+// the maxima fused into the score pass, the transposed blocks shared by a chunk's tiles through KtCache), the
+// exp 16 lanes at a time and prefetch the next item's queries; off: the tiles of before (lanes over D, group512),
+// kept for benchmarks/prefill_attention.py's side-by-side. Both give the same floats.
+inline std::atomic<bool>& keys_in_lanes_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// The transposed K of a context up to this many bytes (all KV heads) is kept for the tiles after the first (KtCache);
+// longer contexts transpose each block per tile instead, so the kept blocks stay in L2.
+#ifndef KT_CACHE_BYTES
+#define KT_CACHE_BYTES (384 << 10)
+#endif
+
 // Head dim D = 8 * NC, cache element type T; one tile: rows b0 .. b0 + R - 1 that share a block table (prefix) and
 // have non-decreasing context lengths T_r (a prefill chunk's rows: T_r = T_0 + r, the causal mask), one KV head h.
 // Its V = R * G query vectors (row r, head g: vector r * G + g) walk the block table block by block; each block's
 // K (then V) rows of head h come from memory once per tile (prefetched ahead), are converted to float32 once per
-// tile (compact caches: into an L1 buffer), and serve every vector whose row reaches the block, in groups of up to
-// 3 vectors that share every K / V load (block_scores, block_values). A decode row is a tile of one.
+// tile (compact caches: into an L1 buffer), and serve every vector whose row reaches the block. Scores: with
+// AVX-512 and R > 1, keys in lanes (scores_t512: one FMA per feature for 16 keys, K transposed once per chunk),
+// else lanes over D in groups of up to 4 (3: AVX2) vectors that share every K load (block_scores512 /
+// block_scores); outputs: each V row's load serves up to 4 (3) vectors (block_values512 / block_values). Both score
+// forms sum in the same order, so a tile of one (a decode row) gives the same bits as the row inside a tile.
 // Two passes (all scores, then the outputs) rather than an online softmax: each vector's floats are then exactly
 // those of its row alone (scores of keys past T_r are computed but not used, their probabilities are 0 and add
 // 0 * v = +0 to the output), so the result does not depend on how rows are tiled: chunked prefill, the fused and
-// the unfused step agree bit for bit. Softmax: vectorised max, exp (exp256) and sum per vector over its T_r; the
-// 1/sum is applied to the output at the end.
-// `buf` holds V * Tmax scores (Tmax = T_{R-1}), then V * D outputs, V * D scaled queries, V sums and
-// block_size * D converted rows.
+// the unfused step agree bit for bit. Softmax: max (exact, so its order is free), exp (exp256 per 8 lanes or
+// exp512 per 16, the same bits) and sum per vector over its T_r; the 1/sum is applied to the output at the end.
+// `buf` holds V * Tmax scores (Tmax = T_{R-1}), then V * D outputs, V * D scaled queries, V sums (first the
+// maxima) and block_size * D converted rows.
 template <int NC, KV T, bool W512>
 KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, float* buf) {
   constexpr int64_t D = 8 * NC;
@@ -434,7 +675,24 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
   float* obuf = scores + V * T_max;  // (V, D) unnormalised outputs
   float* qbuf = obuf + V * D;        // (V, D) q * scale
   float* sums = qbuf + V * D;        // (V,)
-  float* rows = sums + V;            // (block_size, D) converted K or V rows
+  float* rows = sums + V;            // (block_size, D) converted K or V rows; (16 * ceil(block_size / 16), D) K^T
+  const bool v2 = W512 && keys_in_lanes_flag().load(std::memory_order_relaxed);
+  const bool lanes_keys = v2 && R > 1;  // scores with keys in lanes, the maxima fused into the score pass
+  const int64_t groups = (a.bs + 15) / 16;  // key groups of 16 per block
+  KtCache* kc = nullptr;
+  bool keep = false;  // whether the transposed blocks are kept for the next tiles (else one block's room, reused)
+  if (lanes_keys) {
+    std::fill(sums, sums + V, -INFINITY);
+    kc = &kt_cache(h);
+    keep = a.call != 0 && n_blocks * groups * 16 * D * 4 * Hkv <= KT_CACHE_BYTES;
+    if (!keep || kc->call != a.call || kc->k != a.k) {  // another call or layer: nothing to reuse
+      kc->call = a.call, kc->k = a.k;
+      kc->block.assign(kc->block.size(), -1);
+    }
+    const int64_t slots = keep ? n_blocks : 1;
+    if (static_cast<int64_t>(kc->block.size()) < slots) kc->block.resize(slots, -1), kc->keys.resize(slots, 0);
+    if (static_cast<int64_t>(kc->kt.size()) < slots * groups * 16 * D) kc->kt.resize(slots * groups * 16 * D);
+  }
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
@@ -443,6 +701,22 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
       for (int c = 0; c < NC; ++c)
         _mm256_storeu_ps(qbuf + (r * G + g) * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * c), scale));
     }
+  // A tile's query rows and outputs are in L2 or memory: the value pass prefetches the next item's queries (the
+  // next head, or the next tile) and this item's output lines (for writing), a few lines per block.
+  const bool last_head = h + 1 == Hkv;
+  const int64_t next_b0 = last_head ? b0 + R : b0, next_h = last_head ? 0 : h + 1;
+  const int64_t next_rows = lanes_keys ? std::max<int64_t>(0, std::min(R, a.B - next_b0)) : 0;
+  const int64_t row_lines = G * D / 16;  // 64-byte lines of one row's G query vectors
+  const int64_t ahead_lines = (next_rows + (lanes_keys ? R : 0)) * row_lines;
+  const int64_t lines_per_block = (ahead_lines + n_blocks - 1) / std::max<int64_t>(1, n_blocks);
+  int64_t line = 0;
+  auto prefetch_ahead = [&](int64_t count) {
+    for (const int64_t end = std::min(ahead_lines, line + count); line < end; ++line) {
+      const int64_t r = line / row_lines, off = (line % row_lines) * 16;
+      if (r < next_rows) _mm_prefetch(a.q + ((next_b0 + r) * a.H + next_h * G) * D + off, _MM_HINT_T0);
+      else asm volatile("prefetchw %0" ::"m"(a.out[((b0 + r - next_rows) * a.H + h * G) * D + off]));
+    }
+  };
   for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
     const void* cache = pass == 0 ? a.k : a.v;
     const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
@@ -457,6 +731,20 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
       while (lens[r_first] <= t0) ++r_first;
       if (const int64_t ahead = blk + PREFETCH_BLOCKS; ahead < n_blocks)
         prefetch_rows(cache, table[ahead] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_max - ahead * a.bs), row_bytes);
+      if constexpr (W512) {
+        if (lanes_keys && pass == 0) {
+          if (!keep) kc->block[0] = -1;
+          const float* kt = cached_keys<NC / 2, T>(*kc, cache, cscale, r0, Hkv, keep ? blk : 0, table[blk], n, groups);
+          for (int64_t kg = 0; kg * 16 < n; ++kg) {
+            const int64_t nk = std::min<int64_t>(16, n - kg * 16);
+            for (int64_t v = r_first * G; v < V; v += 4)
+              groups_t512<NC / 2>(std::min<int64_t>(V - v, 4), qbuf + v * D, kt + kg * 16 * D, nk,
+                                  scores + v * T_max + t0 + kg * 16, T_max, t0 + kg * 16, lens, G, v, sums);
+          }
+          continue;
+        }
+      }
+      if (pass == 1) prefetch_ahead(lines_per_block);
       int64_t stride;
       const float* base = block_rows<NC, T>(cache, cscale, r0, Hkv, n, rows, stride);
       for (int64_t v = r_first * G; v < V;) {
@@ -482,22 +770,30 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
     for (int64_t v = 0; v < V; ++v) {  // softmax numerator in place; the normaliser is applied to the output
       float* sg = scores + v * T_max;
       const int64_t T_len = lens[v / G];
-      __m256 mv = _mm256_set1_ps(-INFINITY);
       int64_t t = 0;
-      for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
-      float mx = hmax256(mv);
-      for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
-      mv = _mm256_set1_ps(mx);
-      __m256 sv = _mm256_setzero_ps();
-      for (t = 0; t + 8 <= T_len; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-        _mm256_storeu_ps(sg + t, e);
-        sv = _mm256_add_ps(sv, e);
+      float mx = sums[v];  // fused into the score pass (lanes_keys): the same value, a max is exact
+      if (!lanes_keys) {
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+        mx = hmax256(mv);
+        for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
       }
-      float sum = hsum256(sv);
-      for (; t < T_len; ++t) {
-        sg[t] = std::exp(sg[t] - mx);
-        sum += sg[t];
+      float sum;
+      if (v2) {
+        sum = exp_sum512(sg, T_len, mx);
+      } else {
+        __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= T_len; t += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+          _mm256_storeu_ps(sg + t, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        sum = hsum256(sv);
+        for (; t < T_len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
       }
       std::fill(sg + T_len, sg + T_max, 0.f);  // the causal mask: keys past the row's own context
       sums[v] = sum;
@@ -720,7 +1016,10 @@ inline std::atomic<bool>& decode_rows_flag() {
 // out = attention of every row of `a` (one query per row over its own context), in tiles of rows that share a
 // block table (row_tiles; `tile_rows` <= 1: every row alone); work items (a tile and one KV head, or a one-row
 // tile and all its KV heads) split across threads. A row's result does not depend on the tiling.
-inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS, bool avx512 = true) {
+inline void paged_decode(const Args& args, bool use_simd, int64_t tile_rows = PREFILL_TILE_ROWS, bool avx512 = true) {
+  static std::atomic<uint64_t> calls{0};
+  Args a = args;
+  a.call = ++calls;  // the tiles' KtCache entries of this call
   int64_t max_len = 0;
   for (int64_t b = 0; b < a.B; ++b) max_len = std::max(max_len, a.lens[b]);
   const int64_t G = a.H / a.Hkv;
@@ -750,7 +1049,7 @@ inline void paged_decode(const Args& a, bool use_simd, int64_t tile_rows = PREFI
   const int64_t grain = std::max<int64_t>(
       1, (1 << 15) / std::max<int64_t>(1, max_len * a.D * std::max(max_rows, row != nullptr ? a.Hkv : 1)));
   const int64_t V = max_rows * G;  // tile_avx2's layout (the scalar: G * T)
-  const int64_t buf_size = std::max(V * max_len + 2 * V * a.D + V + a.bs * a.D,
+  const int64_t buf_size = std::max(V * max_len + 2 * V * a.D + V + (a.bs + 15) / 16 * 16 * a.D,
                                     row != nullptr ? a.H * (max_len + 2 * a.D + 1) + a.Hkv * a.bs * a.D : 0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(buf_size);
