@@ -192,7 +192,8 @@ def decode_main(ext, args, argv) -> int:
     """Each decode GEMM shape at 1-32 rows: GB/s of weights vs a streaming read of the same bytes, same run."""
     rows = [int(r) for r in args.rows.split(",")] if args.rows != ap_default_rows() else [1, 4, 8, 16, 17, 24, 32]
     names = DECODE_NAMES
-    table, step = [], {m: dict.fromkeys(names, 0.0) for m in rows}
+    peak = peak_gflops(ext, True) * 1e9  # FLOP/s
+    table, step = [], {m: dict.fromkeys(names + ["roof"], 0.0) for m in rows}
     torch.manual_seed(0)
     for shape, ns, k, copies in DECODE_SHAPES:
         copies = copies or args.layers
@@ -200,20 +201,25 @@ def decode_main(ext, args, argv) -> int:
         per_step = 30 if copies > 1 else 1  # a decode step runs each layer shape 30 times (SmolLM2), the head once
         for m in rows:
             best = best_of[m]
+            flops = 2 * m * k * sum(ns) * copies
+            roof = max(best["stream"], flops / peak)  # the roofline: the streaming read or the FMA peak
             for n in names:
                 step[m][n] += best[n] / copies * per_step
+            step[m]["roof"] += roof / copies * per_step
             gbs = {n: nbytes / best[n] / 1e9 for n in names}
-            gflops = 2 * m * k * sum(ns) * copies / best["panel"] / 1e9
+            gflops = flops / best["panel"] / 1e9
             table.append([shape, m] + [f"{gbs[n]:.1f}" for n in names]
                          + [f"{best['stream'] / best['panel']:.0%}", f"{best['stream'] / best['panel before']:.0%}",
-                            f"{gflops:.1f}", f"{best['panel before'] / best['panel']:.2f}x",
+                            f"{gflops:.1f}", f"{roof / best['panel']:.0%}", f"{roof / best['panel before']:.0%}",
+                            f"{best['panel before'] / best['panel']:.2f}x",
                             f"{best['oneDNN prepacked'] / best['panel']:.2f}x"])
             print(table[-1], flush=True)
     steps = []
     for m in rows:
         t = step[m]
         steps.append([m] + [f"{t[n] * 1e3:.1f}" for n in names] + [
-            f"{t['stream'] / t['panel']:.0%}", f"{t['panel before'] / t['panel']:.2f}x",
+            f"{t['stream'] / t['panel']:.0%}", f"{t['roof'] * 1e3:.1f}", f"{t['roof'] / t['panel']:.0%}",
+            f"{t['roof'] / t['panel before']:.0%}", f"{t['panel before'] / t['panel']:.2f}x",
             f"{t['oneDNN prepacked'] / t['panel']:.2f}x"])
     rep = Report("fp32_gemm-decode", "Decode GEMMs (1-32 rows) against the streaming-read roofline: scratchlm's panel "
                  "kernel, before and now, vs oneDNN prepacked", argv=sys.argv[1:] if argv is None else argv)
@@ -226,12 +232,15 @@ def decode_main(ext, args, argv) -> int:
             "run, the head's logits written with non-temporal stores); `panel before`: the same kernel as before "
             "these (torch's allocator: 4 KiB pages, `panel_streaming(0)`: no prefetch of the next group, normal "
             "stores); `oneDNN prepacked`: `mkldnn._linear_pointwise` over "
-            "`_reorder_linear_weight` (vLLM-CPU's fp32 linears). "
+            "`_reorder_linear_weight` (vLLM-CPU's fp32 linears). Roofline: the longer of the streaming read and "
+            f"the FLOPs at the core's FMA peak ({peak / 1e9:.1f} GFLOP/s, `fp32_peak_fmas`); `panel / roofline` is "
+            "the roofline time over the kernel's (100 % = on the roofline). "
             f"Load average at the end: {tuple(round(v, 2) for v in os.getloadavg())}.")
     rep.table(["shape", "M"] + [f"{n} GB/s" for n in names] + [
-        "panel / stream", "before / stream", "panel GFLOP/s", "before / panel (time)", "oneDNN / panel (time)"],
-        table, caption="Per shape")
-    rep.table(["M"] + [f"{n} ms" for n in names] + ["panel / stream", "before / panel", "oneDNN / panel"], steps,
+        "panel / stream", "before / stream", "panel GFLOP/s", "panel / roofline", "before / roofline",
+        "before / panel (time)", "oneDNN / panel (time)"], table, caption="Per shape")
+    rep.table(["M"] + [f"{n} ms" for n in names] + ["panel / stream", "roofline ms", "panel / roofline",
+              "before / roofline", "before / panel", "oneDNN / panel"], steps,
               caption="A decode step's GEMMs (30 layers' 4 GEMMs + the head), the sum of the shapes' best times")
     rep.write()
     return 0
