@@ -1,10 +1,10 @@
 """Large CPU buffers on transparent huge pages (2 MiB) where Linux offers them.
 
 The paged KV cache is read in blocks scattered over hundreds of MB (one 16-token fp32 block of SmolLM2 is 12 KiB,
-three 4 KiB pages): with 4 KiB pages nearly every block costs TLB misses and the hardware prefetcher stops at
-each page boundary. Measured on this machine (one thread, `benchmarks/decode_step.py`): a read of 12 KiB blocks
-in random order ran at ~8 GB/s on 4 KiB pages and ~12 GB/s on huge pages (~20 GB/s with the decode kernel's
-software prefetch), a sequential read at ~22 vs ~30 GB/s.
+three 4 KiB pages): with 4 KiB pages every block costs TLB misses, and the hardware prefetcher stops at each page
+boundary. On this machine (one thread, `benchmarks/decode_step.py`, results/2026-12-01-decode_step.md) the decode
+attention over the workload's own steps read K/V ~5-10 % faster from a cache on huge pages than from the same cache
+on 4 KiB pages (most of its speed-up comes from the decode-row kernel's own prefetching, csrc/paged_attention.h).
 
 Policy: `zeros(shape, dtype)` allocates with torch, asks the kernel for huge pages over the buffer with
 `madvise(MADV_HUGEPAGE)` before the first write touches it (the pages are then faulted in as huge pages where

@@ -15,8 +15,8 @@
 // attention without repeating K/V: each block's rows come from memory once and serve the G heads from L1). Per query
 // head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. A decode row (a tile of one) is one
 // work item over all its KV heads instead (decode_row_avx2: each block's K / V rows of every head, one contiguous
-// run of the cache, read front to back and prefetched into L2 a block ahead; the same floats). Items are split
-// across threads with at::parallel_for.
+// run of the cache, read front to back and prefetched into L2 two blocks ahead, in slices between the loads; the
+// same floats). Items are split across threads with at::parallel_for.
 // Compact caches are converted to float32 in registers as they are read (bf16: shift into the high half;
 // fp16: F16C vcvtph2ps; int8: sign-extend, convert, times the row's scale), one block of one head at a time into
 // an L1 buffer that the G query heads then read, so attention reads 2 or ~3.8 times fewer bytes from memory.
@@ -815,17 +815,20 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
 // bit, so a decode row agrees with the same row inside a prefill tile. `buf`: H * T scores, H * D outputs,
 // H * D scaled queries, H sums, then bs * D converted rows per KV head (compact caches).
 #ifndef DECODE_PREFETCH_BLOCKS
-#define DECODE_PREFETCH_BLOCKS 1  // whole blocks (all KV heads: 12 KiB for SmolLM2's fp32) of prefetch distance
+#define DECODE_PREFETCH_BLOCKS 2  // whole blocks (all KV heads: 12 KiB for SmolLM2's fp32) of prefetch distance
 #endif
 // Prefetches part `part` of `parts` of cache rows [first_row, first_row + n_rows) (element size `row_bytes` each)
-// into L2 (T1: into L1 the prefetches of a whole block fill its miss buffers and stall the loads; measured 2x
-// slower on Zen 4).
+// into L2 (T1: prefetching a whole block into L1 fills its miss buffers and stalls the loads; in a plain read of
+// 12 KiB blocks in random order on this Zen 4, T0 bursts ran at about half the speed of T1 bursts).
 KV_FN inline void prefetch_part(const void* cache, int64_t first_row, int64_t n_rows, int64_t row_bytes, int64_t part,
-                                int64_t parts) {
+                                int64_t parts, int64_t part_end = -1) {
   const char* p = static_cast<const char*>(cache) + first_row * row_bytes;
   const int64_t lines = (n_rows * row_bytes + 63) / 64;
-  for (int64_t i = lines * part / parts, e = lines * (part + 1) / parts; i < e; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+  const int64_t end = part_end < 0 ? part + 1 : part_end;  // parts [part, end)
+  for (int64_t i = lines * part / parts, e = lines * end / parts; i < e; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
 }
+
+constexpr int64_t kDecodeSub = 4;  // keys per sub-block of a decode row: one prefetch slice each
 
 template <int NC, KV T, bool W512>
 KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool first, float* buf) {
@@ -869,30 +872,40 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool f
         else pf_cache = nullptr;
       }
       const int64_t pf_rows = pf_cache && pf_blk * a.bs < pf_len ? std::min(a.bs, pf_len - pf_blk * a.bs) * Hkv : 0;
+      const int64_t pf_first = pf_rows ? pf_table[pf_blk] * a.bs * Hkv : 0;
+      const int64_t subs = (a.bs + kDecodeSub - 1) / kDecodeSub;
       for (int64_t h = 0; h < Hkv; ++h) {
-        if (pf_rows)  // a KV head's share of the block at a time: spread between the loads
-          prefetch_part(pf_cache, pf_table[pf_blk] * a.bs * Hkv, pf_rows, row_bytes, h, Hkv);
         int64_t stride;
         const float* base = block_rows<NC, T>(cache, cscale, table[blk] * a.bs * Hkv + h, Hkv, n,
                                               rows + h * a.bs * D, stride);
-        for (int64_t g0 = 0; g0 < G;) {  // tile_avx2's groups of the head's vectors
-          const int64_t gt = std::min<int64_t>(G - g0, W512 ? 4 : 3);
-          const int64_t v = h * G + g0;
-          float* sg = scores + v * T_len + t0;
-          if constexpr (W512) {
-            group512<NC / 2>(pass, gt, qbuf + v * D, base, stride, n, sg, T_len, obuf + v * D);
-          } else if (pass == 0) {
-            const float* qs = qbuf + v * D;
-            if (gt == 3) block_scores<NC, 3>(qs, base, stride, n, sg, T_len);
-            else if (gt == 2) block_scores<NC, 2>(qs, base, stride, n, sg, T_len);
-            else block_scores<NC, 1>(qs, base, stride, n, sg, T_len);
-          } else {
+        // kDecodeSub keys at a time, a slice of the block ahead prefetched before each, so the memory keeps busy
+        // between the loads (one burst per head or block leaves it idle for most of the block). The same floats
+        // as one call over the block: keys are scored in the same groups of 4, outputs accumulate in key order.
+        for (int64_t i0 = 0; i0 < n; i0 += kDecodeSub) {
+          const int64_t m = std::min(kDecodeSub, n - i0), part = h * subs + i0 / kDecodeSub;
+          if (pf_rows)  // the last sub-block of a short block takes the head's remaining slices
+            prefetch_part(pf_cache, pf_first, pf_rows, row_bytes, part, Hkv * subs,
+                          i0 + kDecodeSub >= n ? (h + 1) * subs : part + 1);
+          const float* kv_rows = base + i0 * stride;
+          for (int64_t g0 = 0; g0 < G;) {  // tile_avx2's groups of the head's vectors
+            const int64_t gt = std::min<int64_t>(G - g0, W512 ? 4 : 3);
+            const int64_t v = h * G + g0;
+            float* sg = scores + v * T_len + t0 + i0;
             float* og = obuf + v * D;
-            if (gt == 3) block_values<NC, 3>(sg, T_len, base, stride, n, og);
-            else if (gt == 2) block_values<NC, 2>(sg, T_len, base, stride, n, og);
-            else block_values<NC, 1>(sg, T_len, base, stride, n, og);
+            if constexpr (W512) {
+              group512<NC / 2>(pass, gt, qbuf + v * D, kv_rows, stride, m, sg, T_len, og);
+            } else if (pass == 0) {
+              const float* qs = qbuf + v * D;
+              if (gt == 3) block_scores<NC, 3>(qs, kv_rows, stride, m, sg, T_len);
+              else if (gt == 2) block_scores<NC, 2>(qs, kv_rows, stride, m, sg, T_len);
+              else block_scores<NC, 1>(qs, kv_rows, stride, m, sg, T_len);
+            } else {
+              if (gt == 3) block_values<NC, 3>(sg, T_len, kv_rows, stride, m, og);
+              else if (gt == 2) block_values<NC, 2>(sg, T_len, kv_rows, stride, m, og);
+              else block_values<NC, 1>(sg, T_len, kv_rows, stride, m, og);
+            }
+            g0 += gt;
           }
-          g0 += gt;
         }
       }
     }
