@@ -21,6 +21,12 @@ is against the core's register-only FMA loop (`fp32_peak_fmas`, as benchmarks/fp
 
     python -m benchmarks.prefill_attention                       # 2 x 256-token prompts, 30 layers
     python -m benchmarks.prefill_attention --prompts 1 --len 512
+    python -m benchmarks.prefill_attention --engine 1024,2048,4000
+
+`--engine LENS`: long prompts through the engine instead (SmolLM2-135M-Instruct, chunks of 512 tokens, one
+prompt of each length, max_tokens 1): the fused C++ step for every chunk (the tiles; the default since
+`runner.FUSED_PREFILL_MAX_CONTEXT` is None) against the limit of before (512: chunks whose context is longer run
+the Python step, torch SDPA), interleaved, thread CPU of the steps; the greedy first token is compared.
 """
 
 from __future__ import annotations
@@ -43,11 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=2, help="fresh prompts in the chunk (one step)")
     ap.add_argument("--len", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
+    ap.add_argument("--engine", default="", metavar="LENS",
+                    help="comma-separated prompt lengths: the engine's fused step vs the Python step (SDPA) instead")
     args = ap.parse_args(argv)
     for name in ("layers", "prompts", "len", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
     set_threads(1)
+    if args.engine:
+        try:
+            lens = [int(x) for x in args.engine.split(",")]
+        except ValueError:
+            raise SystemExit(f"--engine takes comma-separated prompt lengths, got {args.engine!r}") from None
+        if not lens or min(lens) < 1:
+            raise SystemExit(f"--engine lengths must be >= 1, got {args.engine!r}")
+        return engine_long(lens, args.repeats, sys.argv[1:] if argv is None else argv)
     from scratchlm.inference.attention import load_kernels
 
     ext = load_kernels()
@@ -123,6 +139,68 @@ def main(argv: list[str] | None = None) -> int:
             f"{cmp.ratio('tiled 8, AVX2', 'tiled 8'):.2f}x; row by row AVX2 (the kernel of before) / tiled 8 = "
             f"{cmp.ratio('row by row, AVX2', 'tiled 8'):.2f}x (median), "
             f"{cmp.ratio('row by row, AVX2', 'tiled 8', 'best'):.2f}x (best).")
+    rep.write()
+    return 0
+
+
+def engine_long(lens: list[int], repeats: int, argv: list[str]) -> int:
+    """One prompt of each length through the engine: every chunk in the fused step vs the limit of before."""
+    import random
+    import statistics
+    import time
+
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import LLM, EngineConfig, LLMEngine, SamplingParams, runner
+
+    model = default_model_path()
+    engine = LLMEngine.from_pretrained(model, EngineConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                                           max_model_len=max(lens) + 8))
+    if engine.runner.fused_decoder is None:
+        raise SystemExit("the engine has no fused step (C++ kernels not built?): nothing to compare")
+    llm = LLM.from_engine(engine)
+    execute, spent = engine.runner.execute, [0.0]
+
+    def timed(inp):  # the steps' thread CPU time
+        t0 = time.thread_time()
+        out = execute(inp)
+        spent[0] += time.thread_time() - t0
+        return out
+
+    engine.runner.execute = timed
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    paths = {"fused step (tiles)": None, "Python step over 512 (SDPA, before)": 512}
+    default = runner.FUSED_PREFILL_MAX_CONTEXT
+    rows = []
+    try:
+        for n in lens:
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            ids: dict[str, list[int]] = {}
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, limit in paths.items():
+                    runner.FUSED_PREFILL_MAX_CONTEXT = limit
+                    engine.reset_prefix_cache()
+                    spent[0] = 0.0
+                    out = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)
+                    times[name].append(spent[0])
+                    ids[name] = out[0].outputs[0].token_ids
+            (fused, fused_t), (python, python_t) = ((p, sorted(t[1:])) for p, t in times.items())
+            med = [statistics.median(t) for t in (fused_t, python_t)]
+            rows.append([str(n), f"{med[0]:.3f} s", f"{fused_t[0]:.3f} s", f"{med[1]:.3f} s", f"{python_t[0]:.3f} s",
+                         f"{med[1] / med[0]:.3f}x", f"{python_t[0] / fused_t[0]:.3f}x",
+                         "yes" if ids[fused] == ids[python] else "no"])
+            print(rows[-1], flush=True)
+    finally:
+        runner.FUSED_PREFILL_MAX_CONTEXT = default
+    rep = Report("prefill_attention-engine", "Long prefills: the fused step's tiles vs the Python step (SDPA)",
+                 argv=argv)
+    rep.add(f"{model.name}, float32, one prompt of each length (random ids, seed 0), chunks of 512 tokens, "
+            f"max_tokens 1, 1 thread; thread CPU time of the engine's steps, {repeats} interleaved repeats after a "
+            "warm-up. Fused: every chunk in the fused C++ step (runner.FUSED_PREFILL_MAX_CONTEXT = None, the "
+            "default); before: 512 (chunks whose context is longer run the Python step with torch SDPA).")
+    rep.table(["prompt tokens", "fused median", "fused best", "Python median", "Python best",
+               "Python / fused (median)", "(best)", "same greedy token"], rows)
     rep.write()
     return 0
 

@@ -10,9 +10,10 @@ engine runs the fused step's code on its unfused CPU path too:
   subclasses (same parameters, no copies; as `fast_linear.use_skinny_linears` swaps `Linear`) whose forward
   calls the extension's `rms_norm`, `rope_` and `silu_mul` (decoder.h's functions) and adds q/k/v biases after
   the projection as the fused step does (the plain layer folds them into `addmm`);
-- `RowPagedAttention` is the attention backend for steps the fused step would also run (every context at most
-  `FUSED_PREFILL_MAX_CONTEXT`): every row, decode or prefill, is one query of the paged decode kernel over its
-  own causal context, as in the fused step, instead of torch SDPA for prefill chunks.
+- `RowPagedAttention` is the attention backend for steps the fused step would also run (every step, unless
+  `runner.FUSED_PREFILL_MAX_CONTEXT` limits the prefill contexts): every row, decode or prefill, is one query of
+  the paged attention kernel over its own causal context, as in the fused step, instead of torch SDPA for
+  prefill chunks.
 
 Everything else (embedding, linears, residual adds, the head) already runs the same kernels on both paths.
 The swapped modules fall back to their torch parents where the C++ ops do not apply: autograd (training),

@@ -76,16 +76,19 @@ def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInpu
     return inp, rows
 
 
-# Prefill chunks whose context (cached prefix + chunk) is at most this long run in the fused C++ step, where each
-# row is one query of the paged decode-attention kernel. Longer ones take the Python path, whose flash attention
-# (torch SDPA) does the O(T^2) work faster: measured on SmolLM2-135M, one core, the fused step prefills a
-# 256-token prompt 1.1x faster and 1024- and 2048-token prompts 1.05x slower.
-FUSED_PREFILL_MAX_CONTEXT = 512
+# Prefill chunks whose context (cached prefix + chunk) is at most this long run in the fused C++ step (each row one
+# query of the paged attention kernel, a chunk's rows in tiles); None: every chunk, however long its context.
+# Longer ones take the Python path, whose attention is torch SDPA. Since the tiles (csrc/paged_attention.h) the
+# fused step is the faster one at every length measured (benchmarks/prefill_attention.py --engine, SmolLM2-135M,
+# one core: 1024-, 2048- and 4000-token prompts), so there is no limit; the benchmark sets 512, the limit of
+# before, for its side-by-side.
+FUSED_PREFILL_MAX_CONTEXT: int | None = None
 
 
 def _short_contexts(inp: ModelInput) -> bool:
     """Whether every prefill chunk's context is at most FUSED_PREFILL_MAX_CONTEXT (what the fused step runs)."""
-    return all(cl <= FUSED_PREFILL_MAX_CONTEXT for _, _, cl, _ in inp.prefills)
+    limit = FUSED_PREFILL_MAX_CONTEXT
+    return limit is None or all(cl <= limit for _, _, cl, _ in inp.prefills)
 
 
 class ModelRunner:

@@ -153,3 +153,46 @@ def test_keys_in_lanes_equal_the_tiles_of_before(ext, dtype: torch.dtype, heads:
         assert torch.equal(lanes, attend(8))
     finally:
         ext.prefill_keys_in_lanes(int(before))
+
+
+def test_long_context_chunk_runs_in_the_fused_step(ext, monkeypatch) -> None:
+    """A prefill chunk whose context is over 512 tokens (a cached prefix of 560, then 40 rows) runs in the fused
+    C++ step by default (runner.FUSED_PREFILL_MAX_CONTEXT = None) and gives the logits and cache of the Python
+    step with torch SDPA (the limit of before, 512), to float tolerance."""
+    from scratchlm.inference import runner as runner_mod
+    from scratchlm.inference.fast_linear import use_skinny_linears
+    from scratchlm.inference.kv_cache import KVCache
+    from scratchlm.inference.runner import ModelInput, ModelRunner
+    from scratchlm.model import ModelConfig, TransformerLM
+
+    assert runner_mod.FUSED_PREFILL_MAX_CONTEXT is None
+    torch.manual_seed(2)
+    cfg = ModelConfig(vocab_size=50, d_model=384, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=128, max_seq_len=1024)
+    model = TransformerLM(cfg).eval()
+    use_skinny_linears(model)
+    bs, prefix, n = 16, 560, 40
+    cache = KVCache.allocate(cfg.n_layers, 48, bs, cfg.n_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    table = torch.randperm(48, generator=torch.Generator().manual_seed(0))[: -(-(prefix + n) // bs)].tolist()
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+    slots = [table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)]
+    inp = ModelInput(tokens, list(range(prefix, prefix + n)), slots, 0, [], [], [(0, n, prefix + n, table)],
+                     [n - 1, n // 2])
+    fused_runs: list[bool] = []
+    runs_fused = ModelRunner._runs_fused
+    monkeypatch.setattr(ModelRunner, "_runs_fused", lambda self, i: fused_runs.append(runs_fused(self, i)) or
+                        fused_runs[-1])
+    results = []
+    for limit in (None, 512):
+        monkeypatch.setattr(runner_mod, "FUSED_PREFILL_MAX_CONTEXT", limit)
+        run_cache = KVCache(cache.k.clone(), cache.v.clone())
+        runner = ModelRunner(model, run_cache)
+        assert runner.fused_decoder is not None
+        results.append((runner.execute(inp), run_cache))
+    assert fused_runs == [True, False]
+    (got, got_cache), (want, want_cache) = results
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got_cache.k, want_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache.v, want_cache.v, atol=1e-5, rtol=1e-5)
