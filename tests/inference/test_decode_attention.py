@@ -180,3 +180,24 @@ def test_huge_page_zeros(monkeypatch) -> None:
     monkeypatch.delenv(huge_pages.ENV)
     cache = KVCache.allocate(2, 64, 16, 3, 64, torch.bfloat16, "cpu")
     assert cache.k.dtype == torch.bfloat16 and not cache.k.any() and not cache.v.any()
+
+
+@pytest.mark.parametrize("d", [7, 40, 100, 576, 1000])
+def test_rms_norm_rows_match_float64(ext, d: int) -> None:
+    """decoder.h's RMSNorm (8-lane partial sums of squares where the CPU has AVX2, any d: 32-element steps, an 8-lane
+    step, a scalar tail) within 1e-6 of float64 relative to each row's largest value; a row alone gives the same
+    bits as inside a batch."""
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+
+    kernels = load_engine_kernels()
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(9, d, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    x[:, 0] *= 50.0  # an outlier channel, as SmolLM2 has
+    w = torch.randn(d, generator=gen) * 0.5 + 1.0
+    got = kernels.rms_norm(x, w, 1e-5)
+    x64 = x.double()
+    exact = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * w.double()
+    scale = exact.abs().amax(-1, keepdim=True)
+    assert float(((got - exact).abs() / scale).max()) < 1e-6
+    for i in (0, 4, 8):
+        assert torch.equal(kernels.rms_norm(x[i : i + 1], w, 1e-5)[0], got[i])
