@@ -22,16 +22,23 @@ is against the core's register-only FMA loop (`fp32_peak_fmas`, as benchmarks/fp
     python -m benchmarks.prefill_attention                       # 2 x 256-token prompts, 30 layers
     python -m benchmarks.prefill_attention --prompts 1 --len 512
     python -m benchmarks.prefill_attention --engine 1024,2048,4000
+    python -m benchmarks.prefill_attention --workload
 
 `--engine LENS`: long prompts through the engine instead (SmolLM2-135M-Instruct, chunks of 512 tokens, one
 prompt of each length, max_tokens 1): the fused C++ step for every chunk (the tiles; the default since
 `runner.FUSED_PREFILL_MAX_CONTEXT` is None) against the limit of before (512: chunks whose context is longer run
 the Python step, torch SDPA), interleaved, thread CPU of the steps; the greedy first token is compared.
+
+`--workload`: the prefill of engine_throughput's 32-request workload (prompts U[16, 256], seed 0, max_tokens 1:
+9 steps of up to 512 rows, SmolLM2-135M, the fused step) with the tiles' keys in lanes on and off
+(`prefill_keys_in_lanes`), interleaved: the whole prefill's thread CPU, and its attention's share estimated from
+the difference and from the micro benchmark's ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     ap.add_argument("--engine", default="", metavar="LENS",
                     help="comma-separated prompt lengths: the engine's fused step vs the Python step (SDPA) instead")
+    ap.add_argument("--workload", action="store_true",
+                    help="the 32-request workload's prefill in the engine, keys in lanes on vs off, instead")
     args = ap.parse_args(argv)
     for name in ("layers", "prompts", "len", "repeats"):
         if getattr(args, name) < 1:
@@ -64,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if not lens or min(lens) < 1:
             raise SystemExit(f"--engine lengths must be >= 1, got {args.engine!r}")
         return engine_long(lens, args.repeats, sys.argv[1:] if argv is None else argv)
+    if args.workload:
+        return workload_prefill(args.repeats, sys.argv[1:] if argv is None else argv)
     from scratchlm.inference.attention import load_kernels
 
     ext = load_kernels()
@@ -146,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 def engine_long(lens: list[int], repeats: int, argv: list[str]) -> int:
     """One prompt of each length through the engine: every chunk in the fused step vs the limit of before."""
     import random
-    import statistics
     import time
 
     from scratchlm.defaults import default_model_path
@@ -201,6 +211,65 @@ def engine_long(lens: list[int], repeats: int, argv: list[str]) -> int:
             "default); before: 512 (chunks whose context is longer run the Python step with torch SDPA).")
     rep.table(["prompt tokens", "fused median", "fused best", "Python median", "Python best",
                "Python / fused (median)", "(best)", "same greedy token"], rows)
+    rep.write()
+    return 0
+
+
+def workload_prefill(repeats: int, argv: list[str]) -> int:
+    """The 32-request workload's prefill steps, the tiles' keys in lanes on vs off, interleaved."""
+    import time
+
+    from benchmarks.engine_throughput import make_workload
+    from scratchlm.defaults import default_model_path
+    from scratchlm.inference import LLM, EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.inference.attention import load_kernels
+
+    ext = load_kernels()
+    engine = LLMEngine.from_pretrained(default_model_path(), EngineConfig(max_num_seqs=32,
+                                                                          max_num_batched_tokens=512))
+    if ext is None or engine.runner.fused_decoder is None:
+        raise SystemExit("the engine's C++ kernels did not build: nothing to compare")
+    llm = LLM.from_engine(engine)
+    execute, steps = engine.runner.execute, []
+
+    def timed(inp):
+        t0 = time.thread_time()
+        out = execute(inp)
+        steps.append((len(inp.token_ids), time.thread_time() - t0))
+        return out
+
+    engine.runner.execute = timed
+    prompts, _ = make_workload(32, engine.model_config.vocab_size, 0)
+    params = [SamplingParams(temperature=0, max_tokens=1) for _ in prompts]
+    names = {"keys in lanes (now)": 1, "lanes over D (before)": 0}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ids: dict[str, list] = {}
+    old = ext.prefill_keys_in_lanes(-1)
+    try:
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, on in names.items():
+                ext.prefill_keys_in_lanes(on)
+                engine.reset_prefix_cache()
+                steps.clear()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                times[name].append(sum(t for _, t in steps))
+                ids[name] = [o.outputs[0].token_ids for o in outs]
+    finally:
+        ext.prefill_keys_in_lanes(int(old))
+    n_steps, n_rows = len(steps), sum(n for n, _ in steps)
+    now, before = (sorted(times[n][1:]) for n in names)
+    rows = [[n, f"{statistics.median(t):.3f} s", f"{t[0]:.3f} s"] for n, t in zip(names, (now, before))]
+    rep = Report("prefill_attention-workload", "The workload's prefill: the tiles' keys in lanes on vs off",
+                 argv=argv)
+    rep.add(f"engine_throughput's 32-request workload, prefill only (max_tokens 1): {n_steps} steps, {n_rows} rows, "
+            f"SmolLM2-135M (float32), the fused step, 1 thread; thread CPU of the steps, {repeats} interleaved "
+            "repeats after a warm-up.")
+    rep.table(["prefill attention tiles", "median", "best"], rows)
+    saved = statistics.median(before) - statistics.median(now)
+    rep.add(f"before / now = {statistics.median(before) / statistics.median(now):.3f}x (median), "
+            f"{before[0] / now[0]:.3f}x (best): the tiles' change saves {saved:.3f} s of the prefill "
+            f"(median; best {before[0] - now[0]:.3f} s). First tokens identical: "
+            f"{'yes' if ids[list(names)[0]] == ids[list(names)[1]] else 'NO'}.")
     rep.write()
     return 0
 
