@@ -709,12 +709,12 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
   const int64_t row_lines = G * D / 16;  // 64-byte lines of one row's G query vectors
   const int64_t ahead_lines = (next_rows + (lanes_keys ? R : 0)) * row_lines;
   const int64_t lines_per_block = (ahead_lines + n_blocks - 1) / std::max<int64_t>(1, n_blocks);
-  int64_t line = 0;
+  int64_t line = 0, pf_row = 0, pf_off = 0;  // the next line: row pf_row (queries, then outputs), float pf_off
   auto prefetch_ahead = [&](int64_t count) {
     for (const int64_t end = std::min(ahead_lines, line + count); line < end; ++line) {
-      const int64_t r = line / row_lines, off = (line % row_lines) * 16;
-      if (r < next_rows) _mm_prefetch(a.q + ((next_b0 + r) * a.H + next_h * G) * D + off, _MM_HINT_T0);
-      else asm volatile("prefetchw %0" ::"m"(a.out[((b0 + r - next_rows) * a.H + h * G) * D + off]));
+      if (pf_row < next_rows) _mm_prefetch(a.q + ((next_b0 + pf_row) * a.H + next_h * G) * D + pf_off, _MM_HINT_T0);
+      else asm volatile("prefetchw %0" ::"m"(a.out[((b0 + pf_row - next_rows) * a.H + h * G) * D + pf_off]));
+      if ((pf_off += 16) == row_lines * 16) pf_off = 0, ++pf_row;
     }
   };
   for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
