@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     n_steps, n_rows = int(b["steps"]), int(b["rows"])
     report.add(f"Workload: {args.num_requests} requests (engine_throughput's, seed {args.seed}), max "
                f"{args.max_num_batched_tokens} tokens per step, {n_steps} decode steps with {n_rows} rows "
-               f"({n_rows / n_steps:.1f} rows per step); one thread pinned to core {args.core}; the two engines "
-               f"alternate ({args.repeats} pass(es) each after a warm-up). Load average at start "
+               f"({n_rows / n_steps:.1f} rows per step); one thread pinned to core {args.core}; the {len(engines)} "
+               f"engines alternate ({args.repeats} pass(es) each after a warm-up). Load average at start "
                f"{' '.join(f'{x:.1f}' for x in load0)}, at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
                f"(2 cores shared with other agents; the thread CPU clock is the measure).")
     report.table(["decode steps, thread CPU", "before", ROW_4K, "now", "before / now",
