@@ -74,3 +74,19 @@ def run_all(engine: LLMEngine, check=None) -> dict[str, list[int]]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def random_paged_cache(ext, dtype: torch.dtype, num_blocks: int, bs: int, hkv: int, d: int, gen: torch.Generator):
+    """A random paged K/V cache of `dtype` written through the C++ kernels' own store (rounded / quantized as the
+    engine does): k_cache, v_cache (num_blocks, bs, hkv, d), their scales (int8; else None) and their values as
+    float64, the oracle's input."""
+    k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = (torch.zeros(num_blocks, bs, hkv), torch.zeros(num_blocks, bs, hkv)) if dtype == torch.int8 else (
+        None, None)
+    slots = torch.arange(num_blocks * bs)
+    for cache, sc in zip((k_cache, v_cache), scales, strict=True):
+        ext.kv_store(cache, sc, slots, torch.randn(num_blocks * bs, hkv, d, generator=gen))
+    values = [c.double() * (s.double()[..., None] if s is not None else 1.0) for c, s in
+              zip((k_cache, v_cache), scales, strict=True)]
+    return k_cache, v_cache, scales, values

@@ -18,6 +18,7 @@ import torch
 from scratchlm.inference import huge_pages
 from scratchlm.inference.attention import load_kernels
 from scratchlm.inference.kv_cache import KVCache
+from tests.inference.helpers import random_paged_cache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 LENS = [1, 15, 16, 17, 40, 100, 161]  # inside one block, at and across block edges, several blocks
@@ -38,21 +39,6 @@ def decode_rows(ext):
     old = ext.set_decode_rows(-1)
     yield
     ext.set_decode_rows(int(old))
-
-
-def _cache(ext, dtype: torch.dtype, num_blocks: int, bs: int, hkv: int, d: int, gen: torch.Generator):
-    """A random cache of `dtype` written through the kernel's own store, its scales (int8) and its values as
-    float64 (num_blocks, bs, hkv, d)."""
-    k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    scales = (torch.zeros(num_blocks, bs, hkv), torch.zeros(num_blocks, bs, hkv)) if dtype == torch.int8 else (
-        None, None)
-    slots = torch.arange(num_blocks * bs)
-    for cache, sc in zip((k_cache, v_cache), scales, strict=True):
-        ext.kv_store(cache, sc, slots, torch.randn(num_blocks * bs, hkv, d, generator=gen))
-    values = [c.double() * (s.double()[..., None] if s is not None else 1.0) for c, s in
-              zip((k_cache, v_cache), scales, strict=True)]
-    return k_cache, v_cache, scales, values
 
 
 def _rows(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator):
@@ -87,7 +73,7 @@ def test_decode_rows_match_float64(ext, decode_rows, dtype: torch.dtype, heads: 
     h, hkv = heads
     bs, num_blocks = 16, 48
     gen = torch.Generator().manual_seed(d * 100 + h)
-    k_cache, v_cache, scales, (k64, v64) = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    k_cache, v_cache, scales, (k64, v64) = random_paged_cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     tables, lens = _rows(LENS, bs, num_blocks, gen)
     q = torch.randn(len(LENS), h, d, generator=gen)
     want = _attention64(q, k64, v64, tables, lens)
@@ -108,7 +94,7 @@ def test_decode_rows_beside_prefill_tiles(ext, decode_rows, dtype: torch.dtype) 
     row kernel, on 1 and 2 threads; a decode row equals the same row computed inside its chunk's tile."""
     h, hkv, d, bs, num_blocks = 9, 3, 64, 16, 40
     gen = torch.Generator().manual_seed(7)
-    k_cache, v_cache, scales, _ = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    k_cache, v_cache, scales, _ = random_paged_cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     dec_tables, dec_lens = _rows([33, 70, 5], bs, num_blocks // 2, gen)
     chunk_table = torch.arange(num_blocks // 2, num_blocks // 2 + 4)  # a 50-token chunk on blocks of its own
     width = max(dec_tables.shape[1], 4)

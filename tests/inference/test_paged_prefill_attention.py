@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from scratchlm.inference.attention import load_kernels
+from tests.inference.helpers import random_paged_cache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
@@ -27,21 +28,6 @@ def ext():
     kernels = load_kernels()
     assert kernels is not None, "the C++ paged-attention kernel failed to build: this test checks that kernel"
     return kernels
-
-
-def _cache(ext, dtype: torch.dtype, num_blocks: int, bs: int, hkv: int, d: int, gen: torch.Generator):
-    """A random cache of `dtype` written through the kernel's own store (rounded / quantized as the engine does),
-    its scales (int8) and its values as float64 (num_blocks, bs, hkv, d)."""
-    k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    scales = (torch.zeros(num_blocks, bs, hkv), torch.zeros(num_blocks, bs, hkv)) if dtype == torch.int8 else (None,
-                                                                                                             None)
-    slots = torch.arange(num_blocks * bs)
-    for cache, sc in zip((k_cache, v_cache), scales, strict=True):
-        ext.kv_store(cache, sc, slots, torch.randn(num_blocks * bs, hkv, d, generator=gen))
-    values = [c.double() * (s.double()[..., None] if s is not None else 1.0) for c, s in
-              zip((k_cache, v_cache), scales, strict=True)]
-    return k_cache, v_cache, scales, values
 
 
 def _sdpa_chunk(q: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, table: list[int], prefix: int) -> torch.Tensor:
@@ -82,7 +68,7 @@ def test_prefill_chunks_match_sdpa_float64(ext, dtype: torch.dtype, heads: tuple
     gen = torch.Generator().manual_seed(d * 1000 + bs * 10 + h)
     seqs = [(40, 1), (0, 37), (bs + 3, 21), (2 * bs, 1), (5, 2 * bs + 7)]  # (cached prefix, chunk rows)
     num_blocks = 24
-    k_cache, v_cache, scales, (k64, v64) = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    k_cache, v_cache, scales, (k64, v64) = random_paged_cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     tables, lens, layout = _step(seqs, bs, num_blocks, gen)
     q = torch.randn(len(lens), h, d, generator=gen)
     for use_simd, avx512 in ((True, True), (True, False), (False, False)):  # AVX-512 (where the CPU has it), AVX2
@@ -103,7 +89,7 @@ def test_tiling_does_not_change_a_bit(ext, dtype: torch.dtype, d: int, avx512: b
     two calls (torch.equal); rows of sequences sharing cached blocks are tiled together too."""
     h, hkv, bs, num_blocks = 9, 3, 16, 40
     gen = torch.Generator().manual_seed(d)
-    k_cache, v_cache, scales, _ = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    k_cache, v_cache, scales, _ = random_paged_cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     tables, lens, _ = _step([(0, 45), (17, 30), (3, 1), (50, 9)], bs, num_blocks, gen)
     shared = tables[45].clone()  # two decode rows on the second sequence's blocks (a shared prefix), then more
     tables = torch.cat([tables, shared[None].expand(3, -1)])
@@ -135,7 +121,7 @@ def test_keys_in_lanes_equal_the_tiles_of_before(ext, dtype: torch.dtype, heads:
     h, hkv = heads
     gen = torch.Generator().manual_seed(d + bs + h)
     num_blocks = 64 if bs == 16 else 40
-    k_cache, v_cache, scales, _ = _cache(ext, dtype, num_blocks, bs, hkv, d, gen)
+    k_cache, v_cache, scales, _ = random_paged_cache(ext, dtype, num_blocks, bs, hkv, d, gen)
     tables, lens, _ = _step([(0, 45), (3 * bs + 5, 30), (200, 1), (260, 40)], bs, num_blocks, gen)
     q = torch.randn(len(lens), h, d, generator=gen)
 
