@@ -10,7 +10,8 @@ Policy: `zeros(shape, dtype)` allocates with torch, asks the kernel for huge pag
 `madvise(MADV_HUGEPAGE)` before the first write touches it (the pages are then faulted in as huge pages where
 the kernel has them: /sys/kernel/mm/transparent_hugepage/enabled `always` or `madvise`), and zeroes it. Buffers
 under `MIN_BYTES`, non-Linux systems, a failing madvise, or `SCRATCHLM_HUGE_PAGES=0` get ordinary pages; the
-contents are the same either way. Nothing here is needed for correctness.
+contents are the same either way. Nothing here is needed for correctness. The packed fp32 weights get the same
+treatment in C++ (`panel_gemm.h` `alloc_panels`: 2 MiB-aligned, advised before packing), under the same switch.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -61,12 +62,14 @@ struct PanelOut {
 
 // A float32 tensor of `numel` floats for packed panels: at least 2 MiB go into 2 MiB-aligned memory advised as
 // transparent huge pages (MADV_HUGEPAGE; the kernel decides), so the kernel's 4-panel streams do not cross a 4 KiB
-// page (and a TLB miss) every 64 lines and the hardware prefetchers run across whole panels. Smaller: at::empty.
+// page (and a TLB miss) every 64 lines and the hardware prefetchers run across whole panels. Smaller, or with
+// $SCRATCHLM_HUGE_PAGES=0 (the switch inference/huge_pages.py reads for the KV cache): at::empty.
 inline at::Tensor alloc_panels(int64_t numel) {
 #if defined(__linux__)
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
-  if (bytes >= kHuge) {
+  const char* env = std::getenv("SCRATCHLM_HUGE_PAGES");
+  if (bytes >= kHuge && !(env != nullptr && std::string(env) == "0")) {
     const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
     void* p = nullptr;
     if (posix_memalign(&p, kHuge, len) == 0) {
