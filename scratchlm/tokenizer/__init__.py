@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer (training, encoding, decoding, file formats) and llama2.c's tokenizer.
+"""Byte-level BPE tokenizer (training, encoding, decoding, file formats), SentencePiece-style BPE with byte
+fallback (Llama 2, Mistral, Phi-3, Gemma; from tokenizer.json or GGUF) and llama2.c's tokenizer.
 
 Quick start::
 
@@ -15,9 +16,12 @@ from typing import Any
 
 from scratchlm.tokenizer.bpe import Tokenizer
 from scratchlm.tokenizer.llama2c import Llama2cTokenizer
+from scratchlm.tokenizer.normalize import Normalizer
 from scratchlm.tokenizer.pretokenize import PreTokenizer
+from scratchlm.tokenizer.spm import SentencePieceBPE
 
-__all__ = ["Tokenizer", "Llama2cTokenizer", "PreTokenizer", "train_bpe", "tokenizer_to_state", "tokenizer_from_state"]
+__all__ = ["Tokenizer", "SentencePieceBPE", "Llama2cTokenizer", "PreTokenizer", "train_bpe", "tokenizer_to_state",
+           "tokenizer_from_state"]
 
 
 def train_bpe(input_path, vocab_size, special_tokens=None, **kwargs):
@@ -27,7 +31,7 @@ def train_bpe(input_path, vocab_size, special_tokens=None, **kwargs):
     return _train(input_path, vocab_size, special_tokens, **kwargs)
 
 
-def tokenizer_to_state(tok: Tokenizer | Llama2cTokenizer) -> dict[str, Any]:
+def tokenizer_to_state(tok: Tokenizer | SentencePieceBPE | Llama2cTokenizer) -> dict[str, Any]:
     """A plain dict (str/bytes/int/float/list/dict only) to store a tokenizer inside a checkpoint;
     it loads with ``torch.load(weights_only=True)``."""
     if isinstance(tok, Tokenizer):
@@ -42,16 +46,19 @@ def tokenizer_to_state(tok: Tokenizer | Llama2cTokenizer) -> dict[str, Any]:
             "chat_template": tok.chat_template,
             "add_bos": tok.add_bos,
             "ignore_merges": tok.ignore_merges,
+            "normalizer": tok.normalizer.spec if tok.normalizer is not None else None,
         }
+    if isinstance(tok, SentencePieceBPE):
+        return tok.to_state()
     if isinstance(tok, Llama2cTokenizer):
         return {"kind": "llama2c", "pieces": list(tok.pieces), "scores": list(tok.scores)}
-    raise TypeError(f"cannot store a {type(tok).__name__} (expected Tokenizer or Llama2cTokenizer)")
+    raise TypeError(f"cannot store a {type(tok).__name__} (expected Tokenizer, SentencePieceBPE or Llama2cTokenizer)")
 
 
-def tokenizer_from_state(d: dict[str, Any]) -> Tokenizer | Llama2cTokenizer:
+def tokenizer_from_state(d: dict[str, Any]) -> Tokenizer | SentencePieceBPE | Llama2cTokenizer:
     """Inverse of :func:`tokenizer_to_state`."""
     if not isinstance(d, dict) or "kind" not in d:
-        raise ValueError("a tokenizer state must be a dict with a 'kind' key ('bpe' or 'llama2c')")
+        raise ValueError("a tokenizer state must be a dict with a 'kind' key ('bpe', 'spm' or 'llama2c')")
     if d["kind"] == "bpe":
         stages = d.get("pretokenizer")
         return Tokenizer(
@@ -59,7 +66,10 @@ def tokenizer_from_state(d: dict[str, Any]) -> Tokenizer | Llama2cTokenizer:
             pretokenizer=PreTokenizer(tuple(stages)) if stages else None,
             bos_id=d.get("bos_id"), eos_id=d.get("eos_id"), chat_template=d.get("chat_template"),
             add_bos=bool(d.get("add_bos", False)), ignore_merges=bool(d.get("ignore_merges", False)),
+            normalizer=Normalizer(d["normalizer"]) if d.get("normalizer") else None,
         )
+    if d["kind"] == "spm":
+        return SentencePieceBPE.from_state(d)
     if d["kind"] == "llama2c":
         return Llama2cTokenizer(d["pieces"], d["scores"])
-    raise ValueError(f"unknown tokenizer kind {d['kind']!r} (expected 'bpe' or 'llama2c')")
+    raise ValueError(f"unknown tokenizer kind {d['kind']!r} (expected 'bpe', 'spm' or 'llama2c')")

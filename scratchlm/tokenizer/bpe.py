@@ -1,9 +1,9 @@
 """The byte-level BPE tokenizer: encode, decode, encode_iterable.
 
-Encoding = split on special tokens (longest first) -> pre-tokenize (regex stages) -> byte-level BPE
-inside each pre-token, merges applied in rank order. Pre-token results are cached in a dict whose
-``__missing__`` runs BPE, so the hot loop (`map(cache.__getitem__, pieces)`) runs in C for every
-pre-token seen before: that is where the speed comes from.
+Encoding = split on special tokens (longest first) -> normalize (optional, e.g. Qwen2's NFC) -> pre-tokenize
+(regex stages) -> byte-level BPE inside each pre-token, merges applied in rank order. Pre-token results are
+cached in a dict whose ``__missing__`` runs BPE, so the hot loop (`map(cache.__getitem__, pieces)`) runs in C
+for every pre-token seen before: that is where the speed comes from.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
 from pathlib import Path
 
+from scratchlm.tokenizer.normalize import Normalizer
 from scratchlm.tokenizer.pretokenize import PreTokenizer, SpecialSplitter
 
 # Pre-token strings longer than this skip the cache (runs of whitespace, base64 blobs, ...).
@@ -53,6 +54,8 @@ class Tokenizer:
         bos_id, eos_id, chat_template, add_bos: metadata used by the model and inference layers.
         ignore_merges: a pre-token that is itself a vocabulary entry is emitted whole (HF
             ``ignore_merges``, used by Llama-3).
+        normalizer: applied to the text between special tokens before pre-tokenization (HF
+            ``normalizer``; Qwen2's NFC).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos: bool = False,
         ignore_merges: bool = False,
+        normalizer: Normalizer | None = None,
     ):
         self.vocab: dict[int, bytes] = {int(i): bytes(b) for i, b in vocab.items()}
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
@@ -75,6 +79,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = bool(add_bos)
         self.ignore_merges = bool(ignore_merges)
+        self.normalizer = normalizer
 
         self.token_to_id: dict[bytes, int] = {}
         for i in sorted(self.vocab):  # on duplicate bytes, the lowest id wins
@@ -213,6 +218,8 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode text with no special-token handling (special strings become ordinary bytes)."""
+        if self.normalizer is not None:
+            text = self.normalizer(text)
         return list(chain.from_iterable(map(self._cache.__getitem__, self.pretokenizer.split(text))))
 
     def encode(self, text: str) -> list[int]:
@@ -266,12 +273,16 @@ class Tokenizer:
         # and a cut right after whitespace would turn that whitespace into a trailing run (which
         # `\s+(?!\S)` splits differently): cut only after a pre-token ending in non-whitespace.
         limit = min(len(segment.rstrip()) - 4, horizon - start)
+        norm = self.normalizer
+        if norm is not None and not norm.unicode_only:
+            return start  # cut only after a special token
         cut, pos = 0, 0
         for piece in self.pretokenizer.split(segment):
             pos += len(piece)
             if pos > limit:
                 break
-            if not piece[-1].isspace():
+            # With NFC & co., cut only between ASCII pieces: NFC(a + b) == NFC(a) + NFC(b) then.
+            if not piece[-1].isspace() and (norm is None or (piece.isascii() and segment[pos].isascii())):
                 cut = pos
         return start + cut
 
