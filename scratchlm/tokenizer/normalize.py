@@ -8,7 +8,7 @@ text (the text between two added tokens). Only the kinds that real LLM tokenizer
 
 Semantics follow HF's ``NormalizedString``: ``Prepend`` adds its string to every non-empty segment;
 ``Lowercase`` maps character by character (no final-sigma rule, unlike ``str.lower``); ``Strip`` removes
-Unicode whitespace.
+Unicode White_Space.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import regex
 
 _UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+#: Unicode White_Space (Rust's ``char::is_whitespace``; ``str.isspace`` also counts U+001C..U+001F).
+WHITESPACE = "".join(map(chr, [*range(9, 14), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029,
+                               0x202F, 0x205F, 0x3000]))
 
 
 def hf_regex(pattern: str) -> regex.Pattern:
@@ -65,8 +68,8 @@ def _compile(spec: dict, where: str) -> list[Callable[[str], str]]:
         left, right = spec.get("strip_left", True), spec.get("strip_right", True)
 
         def strip(s: str) -> str:
-            s = s.lstrip() if left else s
-            return s.rstrip() if right else s
+            s = s.lstrip(WHITESPACE) if left else s
+            return s.rstrip(WHITESPACE) if right else s
         return [strip]
     raise ValueError(f"{where}: normalizer {kind!r} is not supported (supported: Sequence, Prepend, Replace, "
                      "NFC, NFD, NFKC, NFKD, Lowercase, Strip)")

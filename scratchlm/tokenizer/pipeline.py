@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import regex
 
-from scratchlm.tokenizer.normalize import pattern_of
+from scratchlm.tokenizer.normalize import WHITESPACE, pattern_of
 
 _BYTE_TOKEN = regex.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -85,10 +85,10 @@ class AddedSplitter:
                                     or (stop < len(text) and _is_word_char(text[stop]))):
                 continue
             if tok.lstrip:
-                while start > pos and text[start - 1].isspace():
+                while start > pos and text[start - 1] in WHITESPACE:
                     start -= 1
             if tok.rstrip:
-                while stop < len(text) and text[stop].isspace():
+                while stop < len(text) and text[stop] in WHITESPACE:
                     stop += 1
             if start > pos:
                 yield text[pos:start], None, base + pos

@@ -138,6 +138,8 @@ class SentencePieceBPE:
         self._raw_splitter = AddedSplitter(raw)
         norm = self.normalizer or (lambda s: s)
         self._norm_splitter = AddedSplitter(normalized, [norm(t.content) for t in normalized])
+        # HF decodes a `normalized` added token as its normalized content.
+        self._decode_pieces = self.pieces | {t.id: norm(t.content) for t in normalized}
         self._byte_ids = [self.token_to_id.get(f"<0x{b:02X}>") for b in range(256)]
         self._word_cut = self._word_cut_pattern()
         self._cache: dict[str, tuple[int, ...]] = {}
@@ -154,7 +156,7 @@ class SentencePieceBPE:
 
     def id_to_token(self, i: int) -> bytes:
         """The bytes token `i` stands for in the middle of a text (``▁`` as a space, ``<0xNN>`` as its byte)."""
-        return self.decoder.token_text(self.pieces[i]).encode("utf-8", errors="surrogateescape")
+        return self.decoder.token_text(self._decode_pieces[i]).encode("utf-8", errors="surrogateescape")
 
     @cached_property
     def vocab(self) -> dict[int, bytes]:
@@ -275,7 +277,7 @@ class SentencePieceBPE:
     def _tokens(self, ids: Iterable[int], skip_special_tokens: bool) -> list[str]:
         ids = list(ids)
         try:
-            tokens = [self.pieces[i] for i in ids if not (skip_special_tokens and i in self._special_set)]
+            tokens = [self._decode_pieces[i] for i in ids if not (skip_special_tokens and i in self._special_set)]
         except (KeyError, TypeError):
             bad = [i for i in ids if not isinstance(i, int) or i not in self.pieces]
             raise ValueError(f"token id(s) {bad[:5]} not in the vocabulary (0..{self.vocab_size - 1})") from None
@@ -304,10 +306,11 @@ class SentencePieceBPE:
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> SentencePieceBPE:
-        merges = d.get("merges")
+        merges, scores = d.get("merges"), d.get("scores")
         return cls(
             {int(i): p for i, p in d["pieces"].items()}, None if merges is None else [tuple(m) for m in merges],
-            d.get("scores"), added_tokens=[AddedToken.from_hf(t) for t in d.get("added_tokens", [])],
+            None if scores is None else {int(i): s for i, s in scores.items()},
+            added_tokens=[AddedToken.from_hf(t) for t in d.get("added_tokens", [])],
             unk_id=d.get("unk_id"), byte_fallback=d.get("byte_fallback", True), fuse_unk=d.get("fuse_unk", True),
             ignore_merges=d.get("ignore_merges", False), normalizer=d.get("normalizer"),
             pre_tokenizer=d.get("pre_tokenizer"), decoder=d.get("decoder"), bos_id=d.get("bos_id"),
