@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.kv_cache import KVCache
+from scratchlm.model.layers import AttentionSpec, spec_attention
 
 
 def load_kernels(verbose: bool = False):
@@ -64,35 +65,36 @@ class PagedAttention:
     def __init__(self, cache: KVCache, meta: AttentionMetadata, use_kernel: bool = True):
         self.cache = cache
         self.meta = meta
-        self._decode_mask: torch.Tensor | None = None
         self._kernel = load_kernels() if use_kernel and cache.k.device.type == "cpu" else None
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 spec: AttentionSpec | None = None) -> torch.Tensor:
         if q.shape[0] != 1:
             raise ValueError(f"paged attention expects one flattened batch (B=1), got q of shape {tuple(q.shape)}")
         q, k, v = q[0], k[0], v[0]  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         meta = self.meta
         self.cache.write(layer, meta.slot_mapping, k, v)
 
+        spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
         nd = meta.num_decode_tokens
         if nd == q.shape[0] and not meta.prefills:
-            return self._decode(layer, q).unsqueeze(0)
+            return self._decode(layer, q, spec).unsqueeze(0)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd])
+            out[:nd] = self._decode(layer, q[:nd], spec)
         for p in meta.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
-            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], p)
+            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], p, spec)
         return out.unsqueeze(0)  # (1, N, H, D)
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, spec: AttentionSpec | None = None) -> torch.Tensor:
         """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""
         meta, cache = self.meta, self.cache
-        if self._kernel is not None and q.dtype == torch.float32:
+        spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
+        if self._kernel is not None and q.dtype == torch.float32 and spec.softcap is None and spec.window is None:
             scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
             return self._kernel.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_block_tables,
-                                                       meta.decode_context_lens, 1.0 / math.sqrt(q.shape[-1]),
-                                                       True, *scales)
+                                                       meta.decode_context_lens, spec.scale, True, *scales)
         b, h, d = q.shape
         bs, hkv = cache.k.shape[2], cache.k.shape[3]
         tables = meta.decode_block_tables
@@ -101,15 +103,20 @@ class PagedAttention:
         keys = keys.view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
         values = values.view(b, length, hkv, d).transpose(1, 2)  # (B, Hkv, L, D)
         qg = q.view(b, hkv, h // hkv, d).to(keys.dtype)  # (B, Hkv, G, D)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))  # (B, Hkv, G, L)
-        if self._decode_mask is None:
-            pos = torch.arange(length, device=q.device)
-            self._decode_mask = (pos[None, :] >= meta.decode_context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
-        scores.masked_fill_(self._decode_mask, float("-inf"))
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(spec.scale)  # (B, Hkv, G, L)
+        if spec.softcap is not None:
+            scores = torch.tanh(scores / spec.softcap).mul_(spec.softcap)
+        pos = torch.arange(length, device=q.device)
+        lens = meta.decode_context_lens[:, None]
+        mask = pos[None, :] >= lens  # (B, L)
+        if spec.window is not None:
+            mask = mask | (pos[None, :] < lens - spec.window)  # the query sits at lens - 1
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # (B, H, D)
 
-    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillChunk,
+                 spec: AttentionSpec | None = None) -> torch.Tensor:
         """q (T, H, D), this chunk's k/v (T, Hkv, D); keys = cached prefix + chunk -> (T, H, D).
         A chunk without a cached prefix attends to its own K/V as computed; one with a prefix reads the prefix
         and itself back from the cache (dequantized), as decode will."""
@@ -123,6 +130,9 @@ class PagedAttention:
             keys, values = self.cache.gather(layer, p.block_table[:n_blocks], q.dtype)  # (n_blocks, bs, Hkv, D)
             keys = keys.reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
             values = values.reshape(-1, hkv, d)[: p.context_len]  # (S, Hkv, D)
+        spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(d))
+        if not spec.is_plain(d):  # soft-cap, window or another scale: the model's reference attention
+            return spec_attention(q[None], keys[None].to(q.dtype), values[None].to(q.dtype), spec, offset)[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
         kh = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)
         vh = values.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, S, D)

@@ -6,7 +6,7 @@ implementations of a norm differ by a few ulps, and the integer kernels round x 
 code, and greedy ids of the two paths drift apart (docs/quantization.md, "Rounding x, and greedy ids"). So the
 engine runs the fused step's code on its unfused CPU path too:
 
-- `use_engine_ops(model)` swaps the model's `RMSNorm`, `RotaryEmbedding`, `SwiGLU` and `Attention` modules for
+- `use_engine_ops(model)` swaps the model's `RMSNorm`, `RotaryEmbedding`, `MLP` and `Attention` modules for
   subclasses (same parameters, no copies; as `fast_linear.use_skinny_linears` swaps `Linear`) whose forward
   calls the extension's `rms_norm`, `rope_` and `silu_mul` (decoder.h's functions) and adds q/k/v biases after
   the projection as the fused step does (the plain layer folds them into `addmm`);
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.kv_cache import KVCache
-from scratchlm.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from scratchlm.model.layers import MLP, Attention, AttentionSpec, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 def _cpu_f32(*ts: Tensor) -> bool:
@@ -66,12 +66,14 @@ class EngineRotaryEmbedding(RotaryEmbedding):
         return t.view(x.shape)
 
 
-class EngineSwiGLU(SwiGLU):
-    """`SwiGLU` whose silu(gate) * up is decoder.h's `silu_mul_out`."""
+class EngineMLP(MLP):
+    """`MLP` whose SwiGLU silu(gate) * up is decoder.h's `silu_mul_out` (other activations, plain MLPs and biases:
+    the parent's torch ops)."""
 
     def forward(self, x: Tensor) -> Tensor:
         ext = load_engine_kernels()
-        if ext is None or torch.is_grad_enabled() or not _cpu_f32(x) or x.numel() == 0:
+        if (ext is None or torch.is_grad_enabled() or not _cpu_f32(x) or x.numel() == 0 or self.act != "silu"
+                or not self.gated or self.b1 is not None):
             return super().forward(x)
         gate, up = self.w1(x), self.w3(x)
         if not _cpu_f32(gate, up):
@@ -89,7 +91,7 @@ class EngineAttention(Attention):
         return proj(x).add_(bias).view(*x.shape[:-1], heads, self.head_dim)  # (B, T, heads, D)
 
 
-_SWAPS = {RMSNorm: EngineRMSNorm, RotaryEmbedding: EngineRotaryEmbedding, SwiGLU: EngineSwiGLU,
+_SWAPS = {RMSNorm: EngineRMSNorm, RotaryEmbedding: EngineRotaryEmbedding, MLP: EngineMLP, SwiGLU: EngineMLP,
           Attention: EngineAttention}
 
 
@@ -101,7 +103,7 @@ def _swapped(module: nn.Module) -> nn.Module:
 
 
 def use_engine_ops(model: nn.Module) -> int:
-    """Swap `model`'s plain RMSNorm / RotaryEmbedding / SwiGLU / Attention modules for the `Engine*` ones
+    """Swap `model`'s plain RMSNorm / RotaryEmbedding / MLP / Attention modules for the `Engine*` ones
     (sharing their parameters); returns how many. Subclasses of those layers (other models' variants) are left."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) in _SWAPS]
@@ -122,12 +124,14 @@ class RowPagedAttention(PagedAttention):
         super().__init__(cache, meta)
         self.tables, self.lens = tables, lens
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self._kernel is None or q.dtype != torch.float32 or q.shape[0] != 1 or q.shape[1] != self.lens.numel():
-            return super().__call__(layer, q, k, v)
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+        spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
+        if (self._kernel is None or q.dtype != torch.float32 or q.shape[0] != 1 or q.shape[1] != self.lens.numel()
+                or spec.softcap is not None or spec.window is not None):
+            return super().__call__(layer, q, k, v, spec)
         cache = self.cache
         cache.write(layer, self.meta.slot_mapping, k[0], v[0])
         scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
         out = self._kernel.paged_decode_attention(q[0], cache.k[layer], cache.v[layer], self.tables, self.lens,
-                                                  1.0 / math.sqrt(q.shape[-1]), True, *scales)  # (N, H, D)
+                                                  spec.scale, True, *scales)  # (N, H, D)
         return out.unsqueeze(0)  # (1, N, H, D)

@@ -8,6 +8,7 @@ and returns logits only for the positions that are sampled.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from scratchlm.inference.fast_linear import PanelEmbedding, PanelLinear, SkinnyL
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
 from scratchlm.model.transformer import TransformerLM
+
+log = logging.getLogger("scratchlm.inference.runner")
 
 
 @dataclass
@@ -145,13 +148,13 @@ class ModelRunner:
         positions = self._tensor(inp.positions)  # (N,)
         index = self._tensor(inp.logits_indices)
         if self._runs_fused(inp):
-            x = self.model.tok_embeddings(tokens[0])  # (N, d)
+            x = self.model.embed(tokens[0], positions)  # (N, d)
             cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
             tables, lens = self._row_tables(inp, meta)
             c = self.cache
             h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos[:, 0], sin[:, 0], tables, lens,
                                            c.k_scale, c.v_scale)  # (N, d)
-            return self._logits(self.model.norm(h.index_select(0, index)))
+            return self.model.finish_logits(self._logits(self.model.norm(h.index_select(0, index))))
         if _short_contexts(inp) and self.cache.k.device.type == "cpu":  # the fused step's attention, row by row
             attn = RowPagedAttention(self.cache, meta, *self._row_tables(inp, meta))
         else:
@@ -160,7 +163,7 @@ class ModelRunner:
             return self.model(tokens, positions, attn=attn, logits_index=index)
         h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)
         h = self.model.norm(h.reshape(-1, h.shape[-1]).index_select(0, index))  # (len(index), d)
-        return self._logits(h)  # (len(index), vocab)
+        return self.model.finish_logits(self._logits(h))  # (len(index), vocab)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """(rows, d) normed hidden states -> (rows, vocab): a quantized head through its kernel, else skinny GEMM."""
@@ -199,12 +202,42 @@ def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None
     return ts, m.group_size
 
 
+def fused_step_unsupported(config) -> list[str]:
+    """The model features the C++ fused step (csrc/decoder.h) does not implement; empty when it runs the model.
+    A model with any of them takes the Python step (the same paged-attention kernels, one layer op at a time)."""
+    missing = []
+    r, a, n, m = config.rope, config.attn, config.norm, config.mlp
+    if r.scaling != "none" and r.scaling not in ("linear", "llama3", "yarn"):
+        missing.append(f"RoPE scaling {r.scaling!r} (cos/sin depend on the step's longest sequence)")
+    if r.rotary_dim is not None:
+        missing.append("partial rotary dims")
+    if r.local_theta is not None or r.nope_layers or not r.local_scaling:
+        missing.append("per-layer RoPE")
+    if a.o_bias or a.qk_norm != "none" or a.logit_softcap is not None or a.sliding_window is not None:
+        missing.append("attention features (o bias / q-k norm / soft-cap / window)")
+    if a.query_scale is not None:
+        missing.append("a query scale other than 1/sqrt(head_dim)")
+    if n != type(n)():
+        missing.append(f"norms ({n.kind}, {n.placement})")
+    if m != type(m)():
+        missing.append(f"MLP ({m.act}, gated={m.gated}, bias={m.bias})")
+    if config.learned_positions or config.embedding_scale != 1.0 or config.residual_multiplier != 1.0:
+        missing.append("embedding scale / learned positions / residual multiplier")
+    return missing
+
+
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
     """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
-    where it does not apply: a model that is not a plain or quantized `TransformerLM`, layers the kernels do
-    not take, a non-CPU device, no built kernels. The cache may be float32, bf16, fp16 or int8 (kv_cache.py)."""
+    where it does not apply: a model that is not a plain or quantized `TransformerLM`, features the fused step
+    does not implement (`fused_step_unsupported`, logged), layers the kernels do not take, a non-CPU device, no
+    built kernels. The cache may be float32, bf16, fp16 or int8 (kv_cache.py)."""
     plain = type(model) is TransformerLM
     if (not plain and type(model).__name__ != "QuantizedTransformerLM") or cache.k.device.type != "cpu":
+        return None
+    missing = fused_step_unsupported(model.config)
+    if missing:
+        log.info("decode path: the Python step (layer by layer); the fused C++ step does not implement: %s",
+                 "; ".join(missing))
         return None
     layers, linears, group_sizes = [], [], []
     for block in model.layers:

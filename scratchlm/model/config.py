@@ -1,4 +1,21 @@
-"""`ModelConfig`: everything needed to rebuild a `TransformerLM`; stored inside every checkpoint."""
+"""`ModelConfig`: everything needed to rebuild a `TransformerLM`; stored inside every checkpoint.
+
+A config states *features*, never family names. The flat fields are the Llama core every model has (sizes,
+RoPE base and pair layout, norm epsilon, q/k/v biases, tied head). Everything that differs between families
+lives in four grouped sub-configs that the one `TransformerBlock` (and every backend: the C++ fused step,
+tensor parallelism, the planner, the KV cache through `kv_spec()`) reads:
+
+- `rope`: RoPE scaling (none / linear / dynamic NTK / llama3 / YaRN / LongRoPE), partial rotary dims, the theta
+  of sliding-window layers (Gemma 3), layers without RoPE (NoPE);
+- `attn`: o-projection bias, q/k-norm (per head or over the full width), the query scale, the logit soft-cap,
+  sliding windows with a per-layer pattern;
+- `norm`: RMSNorm or LayerNorm (with bias), pre / post / both ("sandwich") placement, the (1 + w) offset;
+- `mlp`: SiLU or GELU-tanh, gated (SwiGLU / GeGLU) or plain, biases;
+
+plus the model-level scalars: embedding scale, learned absolute positions, final-logit soft-cap, residual
+multiplier and logit scale (Granite). The defaults of every feature are the Llama block, so
+`ModelConfig.cs336()` and the checkpoints written before the features existed load unchanged.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +30,95 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
+ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+@dataclass
+class RopeFeatures:
+    """How positions enter beyond plain RoPE(theta): scaling, partial rotation, per-layer theta, NoPE layers."""
+
+    scaling: Literal["none", "linear", "dynamic", "llama3", "yarn", "longrope"] = field(
+        default="none", metadata={"help": "frequency scaling: none, linear (position interpolation), dynamic (NTK), "
+                                          "llama3, yarn or longrope (Phi-3)"})
+    factor: float = field(default=1.0, metadata={"help": "context extension factor of the scaling"})
+    original_max_seq_len: int | None = field(
+        default=None, metadata={"help": "the context the model was pre-trained at (llama3, yarn, longrope, dynamic)"})
+    low_freq_factor: float = field(default=1.0, metadata={"help": "llama3: wavelengths above orig/low are scaled"})
+    high_freq_factor: float = field(default=4.0, metadata={"help": "llama3: wavelengths below orig/high are kept"})
+    beta_fast: float = field(default=32.0, metadata={"help": "yarn: rotations above which dims are extrapolated"})
+    beta_slow: float = field(default=1.0, metadata={"help": "yarn: rotations below which dims are interpolated"})
+    attention_factor: float | None = field(
+        default=None, metadata={"help": "yarn/longrope: cos/sin multiplier; None = the method's default formula"})
+    short_factor: list[float] | None = field(
+        default=None, metadata={"help": "longrope: per-frequency divisors within the original context"})
+    long_factor: list[float] | None = field(
+        default=None, metadata={"help": "longrope: per-frequency divisors beyond the original context"})
+    rotary_dim: int | None = field(
+        default=None, metadata={"help": "leading dims of each head that rotate (partial RoPE); None = all"})
+    local_theta: float | None = field(
+        default=None, metadata={"help": "RoPE base of the sliding-window layers (Gemma 3); None = rope_theta"})
+    local_scaling: bool = field(
+        default=True, metadata={"help": "whether the scaling applies to sliding-window layers too (Gemma 3: no)"})
+    nope_layers: list[int] = field(default_factory=list, metadata={"help": "layers that apply no RoPE (NoPE)"})
+
+
+@dataclass
+class AttentionFeatures:
+    """Attention beyond GQA with optional q/k/v biases (the flat `qkv_bias`)."""
+
+    o_bias: bool = field(default=False, metadata={"help": "bias on the output projection (Llama attention_bias, "
+                                                          "GPT-2)"})
+    qk_norm: Literal["none", "head", "full"] = field(
+        default="none", metadata={"help": "RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or over the "
+                                          "whole projection (OLMo-2)"})
+    query_scale: float | None = field(
+        default=None, metadata={"help": "multiplier of q.k; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar, "
+                                        "Granite: attention_multiplier)"})
+    logit_softcap: float | None = field(
+        default=None, metadata={"help": "scores become cap * tanh(scores / cap) (Gemma 2)"})
+    sliding_window: int | None = field(
+        default=None, metadata={"help": "a query sees itself and the window - 1 tokens before it; None = full"})
+    sliding_layers: list[int] | None = field(
+        default=None, metadata={"help": "layers that use the window; None = every layer (when a window is set)"})
+
+
+@dataclass
+class NormFeatures:
+    """The block's norms: kind, placement and parameterisation."""
+
+    kind: Literal["rms", "layer"] = field(default="rms", metadata={"help": "RMSNorm, or LayerNorm (GPT-2)"})
+    bias: bool = field(default=False, metadata={"help": "LayerNorm with a bias"})
+    placement: Literal["pre", "post", "sandwich"] = field(
+        default="pre", metadata={"help": "pre: x + f(norm(x)); post: x + norm(f(x)) (OLMo-2); sandwich: "
+                                         "x + norm2(f(norm1(x))) (Gemma 2/3)"})
+    offset: float = field(default=0.0, metadata={"help": "gain is (offset + w): Gemma's (1 + w) is offset 1"})
+
+
+@dataclass
+class MLPFeatures:
+    """The feed-forward network."""
+
+    act: Literal["silu", "gelu_tanh", "gelu"] = field(default="silu", metadata={"help": "activation"})
+    gated: bool = field(default=True, metadata={"help": "act(x W1) * (x W3), then W2 (SwiGLU / GeGLU); "
+                                                        "False: act(x W1) W2 (GPT-2)"})
+    bias: bool = field(default=False, metadata={"help": "biases on every MLP linear"})
+
+
+_GROUPS = {"rope": RopeFeatures, "attn": AttentionFeatures, "norm": NormFeatures, "mlp": MLPFeatures}
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one layer keeps in the KV cache: heads, width and the window (None = the whole context)."""
+
+    n_kv_heads: int
+    head_dim: int
+    window: int | None
+
+
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only Llama-style transformer LM.
+    """Shape and numerics of a decoder-only transformer LM (see the module docstring for the feature groups).
 
     `n_kv_heads`, `d_ff` and `head_dim` may be left as None and are then derived
     (n_heads, ~8/3 d_model rounded to 64, d_model // n_heads).
@@ -33,7 +136,7 @@ class ModelConfig:
     )
     max_seq_len: int = field(default=256, metadata={"help": "longest context the model is meant for"})
     rope_theta: float = field(default=10_000.0, metadata={"help": "RoPE base frequency"})
-    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of every norm"})
     rope_layout: Literal["half", "adjacent", "none"] = field(
         default="half",
         metadata={"help": "RoPE pair layout: 'half' = HF rotate-half, 'adjacent' = llama2.c/CS336 (x0,x1),(x2,x3)..; "
@@ -42,8 +145,27 @@ class ModelConfig:
     tie_embeddings: bool = field(default=True, metadata={"help": "output head shares the token embedding matrix"})
     qkv_bias: bool = field(default=False, metadata={"help": "add biases to the q/k/v projections (Qwen2)"})
     head_dim: int | None = field(default=None, metadata={"help": "width of one head; None = d_model // n_heads"})
+    rope: RopeFeatures = field(default_factory=RopeFeatures, metadata={"help": "RoPE scaling and variants"})
+    attn: AttentionFeatures = field(default_factory=AttentionFeatures, metadata={"help": "attention features"})
+    norm: NormFeatures = field(default_factory=NormFeatures, metadata={"help": "norm kind and placement"})
+    mlp: MLPFeatures = field(default_factory=MLPFeatures, metadata={"help": "feed-forward features"})
+    embedding_scale: float = field(
+        default=1.0, metadata={"help": "token embeddings are multiplied by this (Gemma: sqrt(d_model); Granite)"})
+    learned_positions: bool = field(
+        default=False, metadata={"help": "learned absolute position embeddings added to the tokens' (GPT-2)"})
+    final_logit_softcap: float | None = field(
+        default=None, metadata={"help": "logits become cap * tanh(logits / cap) (Gemma 2)"})
+    residual_multiplier: float = field(
+        default=1.0, metadata={"help": "each sublayer's output is multiplied by this before the residual add "
+                                       "(Granite)"})
+    logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by this (Granite: "
+                                                              "1 / logits_scaling)"})
 
     def __post_init__(self) -> None:
+        for name, cls in _GROUPS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _group_from_dict(cls, value, name))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.d_ff is None:
@@ -66,16 +188,90 @@ class ModelConfig:
                 problems.append(f"{name}={value!r} must be a positive int")
         if not problems and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if not problems and self.head_dim % 2 and self.rope_layout != "none":
-            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not problems and self.rotary_dim % 2 and self.rope_layout != "none":
+            problems.append(f"rotary dims={self.rotary_dim} must be even for RoPE")
+        if not problems and self.rope.rotary_dim is not None and not 0 < self.rope.rotary_dim <= self.head_dim:
+            problems.append(f"rope.rotary_dim={self.rope.rotary_dim} must be in 1..head_dim={self.head_dim}")
         if self.rope_layout not in ("half", "adjacent", "none"):
             problems.append(f"rope_layout={self.rope_layout!r} must be 'half', 'adjacent' or 'none'")
         if not (self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be > 0")
         if not (self.norm_eps > 0):
             problems.append(f"norm_eps={self.norm_eps!r} must be > 0")
+        r, a, n, m = self.rope, self.attn, self.norm, self.mlp
+        if r.scaling not in ROPE_SCALINGS:
+            problems.append(f"rope.scaling={r.scaling!r} must be one of {ROPE_SCALINGS}")
+        if r.scaling == "longrope" and (r.short_factor is None or r.long_factor is None):
+            problems.append("rope.scaling='longrope' needs rope.short_factor and rope.long_factor")
+        if r.scaling in ("llama3", "yarn", "longrope") and not r.original_max_seq_len:
+            problems.append(f"rope.scaling={r.scaling!r} needs rope.original_max_seq_len")
+        if a.qk_norm not in ("none", "head", "full"):
+            problems.append(f"attn.qk_norm={a.qk_norm!r} must be 'none', 'head' or 'full'")
+        if a.sliding_window is not None and a.sliding_window <= 0:
+            problems.append(f"attn.sliding_window={a.sliding_window!r} must be a positive int or None")
+        if a.sliding_layers is not None and not all(0 <= i < self.n_layers for i in a.sliding_layers):
+            problems.append(f"attn.sliding_layers={a.sliding_layers} names layers outside 0..{self.n_layers - 1}")
+        if n.kind not in ("rms", "layer") or n.placement not in ("pre", "post", "sandwich"):
+            problems.append(f"norm kind={n.kind!r} / placement={n.placement!r} not one of rms|layer / "
+                            "pre|post|sandwich")
+        if n.bias and n.kind != "layer":
+            problems.append("norm.bias needs norm.kind='layer'")
+        if m.act not in ("silu", "gelu_tanh", "gelu"):
+            problems.append(f"mlp.act={m.act!r} must be 'silu', 'gelu_tanh' or 'gelu'")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ derived, per layer
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates."""
+        return self.head_dim if self.rope.rotary_dim is None else self.rope.rotary_dim
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (tokens a query sees, itself included), or None for full attention."""
+        a = self.attn
+        if a.sliding_window is None or (a.sliding_layers is not None and layer not in a.sliding_layers):
+            return None
+        return a.sliding_window
+
+    def layer_theta(self, layer: int) -> float:
+        """The RoPE base of `layer` (Gemma 3's sliding layers have their own)."""
+        local = self.rope.local_theta
+        return local if local is not None and self.window(layer) is not None else self.rope_theta
+
+    def layer_rope_scaled(self, layer: int) -> bool:
+        """Whether `layer`'s RoPE uses the scaling (Gemma 3 scales only its global layers)."""
+        return self.rope.scaling != "none" and (self.rope.local_scaling or self.window(layer) is None)
+
+    def layer_has_rope(self, layer: int) -> bool:
+        return self.rope_layout != "none" and layer not in self.rope.nope_layers
+
+    def query_scale(self) -> float:
+        """The multiplier of q.k in attention."""
+        return self.attn.query_scale if self.attn.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def kv_spec(self) -> list[LayerKV]:
+        """Per layer: what it stores in the KV cache (heads, head dim, window)."""
+        return [LayerKV(self.n_kv_heads, self.head_dim, self.window(i)) for i in range(self.n_layers)]
+
+    def is_plain_llama(self) -> bool:
+        """Whether every feature is at its Llama default (what the oldest backends were written for)."""
+        return (self.rope == RopeFeatures() and self.attn == AttentionFeatures() and self.norm == NormFeatures()
+                and self.mlp == MLPFeatures() and self.embedding_scale == 1.0 and not self.learned_positions
+                and self.final_logit_softcap is None and self.residual_multiplier == 1.0 and self.logit_scale == 1.0)
+
+    def features(self) -> list[str]:
+        """Short names of the non-default features (for logs and errors)."""
+        out = []
+        for name, cls in _GROUPS.items():
+            default, value = cls(), getattr(self, name)
+            out += [f"{name}.{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(cls)
+                    if getattr(value, f.name) != getattr(default, f.name)]
+        for name in ("embedding_scale", "learned_positions", "final_logit_softcap", "residual_multiplier",
+                     "logit_scale"):
+            if getattr(self, name) != getattr(ModelConfig, name, None):
+                out.append(f"{name}={getattr(self, name)!r}")
+        return out
 
     @classmethod
     def cs336(cls, vocab_size: int = 10_000, context_length: int = 256, d_model: int = 512, num_layers: int = 4,
@@ -96,7 +292,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Rebuild from `to_dict()` output; unknown keys are an error naming them."""
+        """Rebuild from `to_dict()` output (or an older checkpoint's, without the feature groups); unknown keys
+        are an error naming them."""
         if not isinstance(data, dict):
             raise ValueError(f"model config must be a dict, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -105,19 +302,49 @@ class ModelConfig:
             raise ValueError(f"model config: unknown field(s) {unknown}; expected some of {sorted(names)}")
         return cls(**data)
 
+    # ------------------------------------------------------------------ counts (the planner reads these)
+    def layer_parameters(self) -> int:
+        """Parameters of one block."""
+        d, hd, h, kv, f = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads, self.d_ff
+        attn = d * hd * h * 2 + d * hd * kv * 2 + (hd * (h + 2 * kv) if self.qkv_bias else 0)
+        attn += d if self.attn.o_bias else 0
+        attn += {"none": 0, "head": 2 * hd, "full": hd * (h + kv)}[self.attn.qk_norm]
+        mlp = (3 if self.mlp.gated else 2) * d * f + ((2 * f if self.mlp.gated else f) + d if self.mlp.bias else 0)
+        norm = (2 if self.norm.bias else 1) * d
+        n_norms = 4 if self.norm.placement == "sandwich" else 2
+        return attn + mlp + n_norms * norm
+
     def num_parameters(self) -> int:
         """Parameter count of the model this config builds."""
-        d, hd, h, kv = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads
-        attn = d * hd * h * 2 + d * hd * kv * 2 + (hd * (h + 2 * kv) if self.qkv_bias else 0)
-        block = attn + 3 * d * self.d_ff + 2 * d
+        d = self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * block + d + head
+        positions = self.max_seq_len * d if self.learned_positions else 0
+        final_norm = (2 if self.norm.bias else 1) * d
+        return self.vocab_size * d + positions + self.n_layers * self.layer_parameters() + final_norm + head
+
+    def matmul_weights_per_layer(self) -> int:
+        """Weights one token multiplies in a block (q/k/v/o and the MLP)."""
+        d, hd = self.d_model, self.head_dim
+        return d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (3 if self.mlp.gated else 2) * d * self.d_ff
+
+    def attended_tokens(self, layer: int, seq_len: int) -> int:
+        """Keys one query at position seq_len - 1 attends to in `layer` (its window caps it)."""
+        w = self.window(layer)
+        return seq_len if w is None else min(seq_len, w)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6 x matmul weights, plus 12*L*H*D*T for attention
-        scores and values (PaLM, appendix B). The embedding lookup is not a matmul; the head always is."""
+        scores and values (PaLM, appendix B; a windowed layer counts its window). The embedding lookup is not a
+        matmul; the head always is."""
         t = seq_len or self.max_seq_len
-        d, hd = self.d_model, self.head_dim
-        per_layer = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * d * self.d_ff
-        n_matmul = self.n_layers * per_layer + self.vocab_size * d
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * hd * t
+        n_matmul = self.n_layers * self.matmul_weights_per_layer() + self.vocab_size * self.d_model
+        attended = sum(self.attended_tokens(i, t) for i in range(self.n_layers))
+        return 6 * n_matmul + 12 * self.n_heads * self.head_dim * attended
+
+
+def _group_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"model config: unknown field(s) {unknown} in {where!r}; expected some of {sorted(names)}")
+    return cls(**data)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from scratchlm.model.functional import softmax
-from scratchlm.model.layers import causal_attention
+from scratchlm.model.layers import AttentionSpec, spec_attention
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -29,13 +29,13 @@ class ContiguousKVCache:
         self.length = 0
         self.max_len = max_len
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
         start, end = self.length, self.length + q.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
         self.k[layer_idx][:, start:end] = k
         self.v[layer_idx][:, start:end] = v
-        return causal_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end], q_offset=start)
+        return spec_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end], spec, q_offset=start)
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-
-# attn(layer_idx, q (B, T, H, D), k (B, T, Hkv, D), v (B, T, Hkv, D)) -> (B, T, H, D); q/k already rotated.
-AttentionBackend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 def trunc_normal_(t: Tensor, std: float) -> Tensor:
@@ -125,30 +124,45 @@ ROPE_LAYOUTS = ("half", "adjacent", "none")
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in either pair layout, with no stored buffers (meta-device friendly).
 
-    layout "half": rotate (x_i, x_{i+D/2}) as HF Llama; "adjacent": rotate (x_{2i}, x_{2i+1}) as llama2.c and
+    layout "half": rotate (x_i, x_{i+R/2}) as HF Llama; "adjacent": rotate (x_{2i}, x_{2i+1}) as llama2.c and
     CS336; "none": no position embedding at all (NoPE): `rotate` returns x, and `cos_sin` gives the identity
     tables (cos 1, sin 0), so code that applies the tables itself (fused kernels) rotates by zero too.
+
+    `rotary_dim` (R, default head_dim): only the first R dims of each head rotate (partial RoPE, Phi-4-mini);
+    `scaling`: the frequency scaling of `model.rope.inv_freq` (llama3, YaRN, LongRoPE, ...), whose cos/sin may
+    also carry an attention factor.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10_000.0, layout: str = "half"):
+    def __init__(self, head_dim: int, theta: float = 10_000.0, layout: str = "half", *, rotary_dim: int | None = None,
+                 scaling=None):
         super().__init__()
         if layout not in ROPE_LAYOUTS:
             raise ValueError(f"RoPE layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
         self.head_dim, self.theta, self.layout = head_dim, theta, layout
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.scaling = scaling  # a model.config.RopeFeatures, or None for plain RoPE
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (*positions.shape, 1, D/2), ready to broadcast over heads."""
-        exponent = torch.arange(0, self.head_dim, 2, device=positions.device, dtype=torch.float32) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)  # (D/2,)
-        angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, D/2)
+        """cos, sin of shape (*positions.shape, 1, R/2), ready to broadcast over heads."""
+        from scratchlm.model.rope import inv_freq
+
+        seq_len = int(positions.max()) + 1 if self.scaling is not None and positions.numel() else 0
+        freq, factor = inv_freq(self.rotary_dim, self.theta, self.scaling, seq_len, positions.device)  # (R/2,)
+        angles = positions.to(torch.float32)[..., None] * freq  # (..., T, R/2)
         if self.layout == "none":
             angles = torch.zeros_like(angles)  # identity rotation
-        return angles.cos().unsqueeze(-2).to(dtype), angles.sin().unsqueeze(-2).to(dtype)  # (..., T, 1, D/2)
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)  # (..., T, 1, R/2)
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x (..., T, H, D) rotated by precomputed cos/sin (..., T, 1, D/2)."""
+        """x (..., T, H, D) rotated by precomputed cos/sin (..., T, 1, R/2); dims past R pass through."""
         if self.layout == "none":
             return x
+        if self.rotary_dim != x.shape[-1]:
+            r = self.rotary_dim
+            return torch.cat((self.rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
         if self.layout == "half":
             h = x.shape[-1] // 2
             x1, x2 = x[..., :h], x[..., h:]
@@ -163,7 +177,9 @@ class RotaryEmbedding(nn.Module):
         return self.rotate(x, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"
+        extra = "" if self.rotary_dim == self.head_dim else f", rotary_dim={self.rotary_dim}"
+        extra += "" if self.scaling is None else f", scaling={self.scaling.scaling!r}"
+        return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}{extra}"
 
 
 class RotaryPositionalEmbedding(RotaryEmbedding):
@@ -205,22 +221,75 @@ class _SiluMulFunction(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-class SwiGLU(nn.Module):
-    """w2( silu(w1 x) * w3 x ): w1 = gate, w3 = up, w2 = down."""
+def activation(name: str, x: Tensor) -> Tensor:
+    """The MLP's activation: "silu", "gelu_tanh" (GPT-2's gelu_new, Gemma's gelu_pytorch_tanh) or "gelu" (erf)."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    raise ValueError(f"unknown activation {name!r}")
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+
+class MLP(nn.Module):
+    """The feed-forward network: gated, w2( act(w1 x + b1) * (w3 x + b3) ) + b2 (SwiGLU, GeGLU), or plain,
+    w2( act(w1 x + b1) ) + b2 (GPT-2). w1 = gate (or up when plain), w3 = up, w2 = down; biases optional."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, act: str = "silu", gated: bool = True,
+                 bias: bool = False):
         super().__init__()
+        self.act, self.gated = act, gated
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype) if gated else None
+        if bias:
+            self.b1 = nn.Parameter(torch.zeros(d_ff, device=device, dtype=dtype))
+            self.b2 = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
+            self.b3 = nn.Parameter(torch.zeros(d_ff, device=device, dtype=dtype)) if gated else None
+        else:
+            self.b1 = self.b2 = self.b3 = None
+
+    @staticmethod
+    def _plus(y: Tensor, b: Tensor | None) -> Tensor:
+        return y if b is None else y + b
 
     def forward(self, x: Tensor) -> Tensor:
-        # (A gate/up GEMM on concatenated weights was measured slower: the elementwise work on the
-        # strided halves costs more than the GEMM saves.)
-        gate, up = self.w1(x), self.w3(x)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.w2(_SiluMulFunction.apply(gate, up))
-        return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
+        if self.act == "silu" and self.gated and self.b1 is None:
+            # (A gate/up GEMM on concatenated weights was measured slower: the elementwise work on the
+            # strided halves costs more than the GEMM saves.)
+            gate, up = self.w1(x), self.w3(x)
+            if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+                return self.w2(_SiluMulFunction.apply(gate, up))
+            return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
+        h = activation(self.act, self._plus(self.w1(x), self.b1))
+        if self.gated:
+            h = h * self._plus(self.w3(x), self.b3)
+        return self._plus(self.w2(h), self.b2)
+
+
+class SwiGLU(MLP):
+    """w2( silu(w1 x) * w3 x ): w1 = gate, w3 = up, w2 = down (CS336's `SwiGLU(d_model, d_ff)`)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__(d_model, d_ff, device=device, dtype=dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with a gain and an optional bias (GPT-2), computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), (self.dim,), self.weight.float(), b, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, eps={self.eps}, bias={self.bias is not None}"
 
 
 # Query rows per block of the causal attention, or None for no blocking (the default). A block skips the
@@ -331,15 +400,62 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0) -> Tens
     return out.reshape(b, t, h, d)  # (B, T, H, D)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's attention scores are made: q.k * scale, then cap * tanh(s / cap) when `softcap` is set, then
+    the causal mask, narrowed to the last `window` keys (the query's own included) when `window` is set. Every
+    attention backend takes it with the layer's q, k, v: `attn(layer_idx, q, k, v, spec)`."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+
+    def is_plain(self, head_dim: int) -> bool:
+        """Whether this is plain causal softmax(q.k / sqrt(D)) attention."""
+        return self.softcap is None and self.window is None and self.scale == 1.0 / math.sqrt(head_dim)
+
+
+# attn(layer_idx, q (B, T, H, D), k (B, T, Hkv, D), v (B, T, Hkv, D), spec) -> (B, T, H, D); q/k already rotated.
+AttentionBackend = Callable[[int, Tensor, Tensor, Tensor, AttentionSpec], Tensor]
+
+
+def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offset: int = 0) -> Tensor:
+    """Causal GQA attention under `spec` (any scale, soft-cap, window): q (B, T, H, D), k/v (B, S, Hkv, D), query t
+    at position q_offset + t -> (B, T, H, D). Plain specs take `causal_attention` (its fused backward); the rest
+    is written with torch ops, scores in float32."""
+    d = q.shape[-1]
+    if spec.is_plain(d):
+        return causal_attention(q, k, v, q_offset)
+    b, t, h, _ = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d).permute(0, 2, 3, 1, 4).float()  # (B, Hkv, G, T, D)
+    kg = k.transpose(1, 2)[:, :, None].float()  # (B, Hkv, 1, S, D)
+    vg = v.transpose(1, 2)[:, :, None].float()  # (B, Hkv, 1, S, D)
+    scores = (qg @ kg.transpose(-1, -2)) * spec.scale  # (B, Hkv, G, T, S)
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    qpos = torch.arange(q_offset, q_offset + t, device=q.device)[:, None]
+    kpos = torch.arange(s, device=q.device)[None, :]
+    masked = kpos > qpos  # (T, S)
+    if spec.window is not None:
+        masked = masked | (kpos <= qpos - spec.window)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
+    out = probs @ vg  # (B, Hkv, G, T, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d).to(q.dtype)  # (B, T, H, D)
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention with grouped-query heads, RoPE and optional q/k/v biases.
+    """Causal multi-head self-attention with grouped-query heads, RoPE and the attention features of
+    `model.config.AttentionFeatures`: q/k/v and o biases, q/k-norm (per head or full width), and the scale /
+    soft-cap / window of its `AttentionSpec`.
 
     `Attention(d_model, num_heads)` is CS336's multi-head self-attention (n_kv_heads = num_heads, head_dim =
     d_model // num_heads); its `output_proj` is `o_proj` here (see `scratchlm.model.loading.cs336`).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
-                 qkv_bias: bool = False, device=None, dtype=None):
+                 qkv_bias: bool = False, device=None, dtype=None, *, o_bias: bool = False, qk_norm: str = "none",
+                 norm_eps: float = 1e-6, spec: AttentionSpec | None = None):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if head_dim is None:
@@ -347,6 +463,7 @@ class Attention(nn.Module):
                 raise ValueError(f"Attention: d_model={d_model} is not divisible by n_heads={n_heads}; give head_dim")
             head_dim = d_model // n_heads
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(head_dim))
         self.fuse_qkv = True  # training: q, k, v from one GEMM on the concatenated weights
         self.q_proj = Linear(d_model, n_heads * head_dim, device=device, dtype=dtype)
         self.k_proj = Linear(d_model, n_kv_heads * head_dim, device=device, dtype=dtype)
@@ -358,6 +475,14 @@ class Attention(nn.Module):
             self.v_bias = nn.Parameter(torch.zeros(n_kv_heads * head_dim, device=device, dtype=dtype))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype)) if o_bias else None
+        self.qk_norm = qk_norm
+        if qk_norm == "none":
+            self.q_norm = self.k_norm = None
+        else:
+            qd, kd = (head_dim, head_dim) if qk_norm == "head" else (n_heads * head_dim, n_kv_heads * head_dim)
+            self.q_norm = RMSNorm(qd, norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(kd, norm_eps, device=device, dtype=dtype)
 
     def _project(self, x: Tensor, proj: Linear, bias: Tensor | None, heads: int) -> Tensor:
         y = proj(x) if bias is None else torch.addmm(bias, x.flatten(0, -2), proj.weight.t()).view(
@@ -378,6 +503,14 @@ class Attention(nn.Module):
         return (q.view(*shape, self.n_heads, self.head_dim), k.view(*shape, self.n_kv_heads, self.head_dim),
                 v.view(*shape, self.n_kv_heads, self.head_dim))
 
+    def _norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q/k-norm: per head on (..., heads, D), or over each token's whole projection."""
+        if self.q_norm is None:
+            return q, k
+        if self.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        return self.q_norm(q.flatten(-2)).view(q.shape), self.k_norm(k.flatten(-2)).view(k.shape)
+
     def forward(self, x: Tensor, rope: RotaryEmbedding | None = None, cos: Tensor | None = None,
                 sin: Tensor | None = None, attn: AttentionBackend | None = None, layer_idx: int = 0, *,
                 token_positions: Tensor | None = None) -> Tensor:
@@ -385,7 +518,7 @@ class Attention(nn.Module):
 
         cos/sin from `rope.cos_sin(positions)`; with a rope but no tables they are made here from
         `token_positions` (default 0..T-1). `rope=None` runs without position embedding (CS336's plain
-        multi-head self-attention).
+        multi-head self-attention, and NoPE layers).
         """
         if x.dim() != 3:
             raise ValueError(f"Attention expects x of shape (batch, seq, d_model), got {tuple(x.shape)}")
@@ -399,7 +532,12 @@ class Attention(nn.Module):
             q = self._project(x, self.q_proj, self.q_bias, self.n_heads)  # (B, T, H, D)
             k = self._project(x, self.k_proj, self.k_bias, self.n_kv_heads)  # (B, T, Hkv, D)
             v = self._project(x, self.v_proj, self.v_bias, self.n_kv_heads)  # (B, T, Hkv, D)
+        q, k = self._norm_qk(q, k)
         if rope is not None:
             q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
-        out = causal_attention(q, k, v) if attn is None else attn(layer_idx, q, k, v)  # (B, T, H, D)
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        if attn is not None:
+            out = attn(layer_idx, q, k, v, self.spec)  # (B, T, H, D)
+        else:
+            out = spec_attention(q, k, v, self.spec)
+        y = self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        return y if self.o_bias is None else y + self.o_bias

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.runner import ModelInput
+from scratchlm.model.layers import AttentionSpec
 from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.layout import RankLayout
 from scratchlm.parallel.runner import ParallelRunner
@@ -325,7 +326,10 @@ class ContextParallelAttention:
             pos = torch.cat((pos, torch.full((pad_to - n,), int(_PAD_POS), device=k.device)))
         return k, v, pos
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+        if spec is not None and not spec.is_plain(q.shape[-1]):
+            raise NotImplementedError(f"context-parallel attention implements plain causal softmax(q.k / sqrt(D)) "
+                                      f"only; this layer has {spec} (soft-cap, window or another query scale)")
         if q.shape[0] != 1:
             raise ValueError(f"context-parallel attention expects one flattened batch (B=1), got {tuple(q.shape)}")
         q, k, v = q[0], k[0], v[0]  # (N, H, D), (N, Hkv, D), (N, Hkv, D)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scratchlm.model.layers import causal_attention
+from scratchlm.model.layers import AttentionSpec, causal_attention
 
 Backend = Literal["ring", "ulysses"]
 
@@ -45,6 +45,13 @@ Backend = Literal["ring", "ulysses"]
 # ---------------------------------------------------------------------------------------------
 # The primitive: partial attention with its log-sum-exp, and the merge.
 
+
+
+def require_plain(spec: AttentionSpec | None, q: Tensor) -> None:
+    """Sequence parallelism implements plain causal softmax(q.k / sqrt(D)); a layer with another spec is an error."""
+    if spec is not None and not spec.is_plain(q.shape[-1]):
+        raise NotImplementedError(f"ring / Ulysses attention implements plain causal attention only; this layer has "
+                                  f"{spec} (soft-cap, window or another query scale)")
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None = None,
                        k_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -339,8 +346,9 @@ class ContextParallelLM:
         self._decoded = 0
 
     # -- prefill --------------------------------------------------------------------------------
-    def _prefill_attn(self, positions: Tensor) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
-        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _prefill_attn(self, positions: Tensor) -> Callable[..., Tensor]:
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+            require_plain(spec, q)
             if self.backend == "ring":
                 out = ring_attention(q, k, v, positions, self.group, self.stats) if self.world > 1 else \
                     causal_attention(q, k, v)
@@ -390,8 +398,9 @@ class ContextParallelLM:
         return hidden @ self.model.output_weight.t()
 
     # -- decode ---------------------------------------------------------------------------------
-    def _decode_attn(self, position: int, owner: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
-        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _decode_attn(self, position: int, owner: int) -> Callable[..., Tensor]:
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+            require_plain(spec, q)
             c = self.cache[layer]
             if self.backend == "ulysses" and self.world > 1:
                 hq, hk = q.shape[2] // self.world, k.shape[2] // self.world
@@ -464,7 +473,8 @@ def reference_generate(model: torch.nn.Module, ids: list[int], max_new_tokens: i
     tok = int((hidden[-1] @ w.t()).argmax())
     out, pos = [tok], x.shape[1]
     for _ in range(max_new_tokens - 1):
-        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+            require_plain(spec, q)
             ck, cv = cache[layer]
             ck, cv = torch.cat((ck, k), 1), torch.cat((cv, v), 1)
             cache[layer] = (ck, cv)

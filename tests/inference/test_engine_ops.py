@@ -9,9 +9,9 @@ from scratchlm.inference.attention import AttentionMetadata, PagedAttention, Pre
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.engine_ops import (
     EngineAttention,
+    EngineMLP,
     EngineRMSNorm,
     EngineRotaryEmbedding,
-    EngineSwiGLU,
     RowPagedAttention,
     use_engine_ops,
 )
@@ -76,7 +76,7 @@ def test_rope_matches_torch_layer(kernels, layout: str) -> None:
 def test_silu_mul_and_swiglu_match_torch_layer(kernels) -> None:
     torch.manual_seed(0)
     ffn = SwiGLU(64, 96)
-    fast = EngineSwiGLU.__new__(EngineSwiGLU)
+    fast = EngineMLP.__new__(EngineMLP)
     fast.__dict__.update(ffn.__dict__)
     x = _outliers((1, 9, 64)) / 10
     assert torch.equal(fast(x), ffn(x))  # the same ATen sigmoid and multiplies, in the same order
@@ -104,7 +104,7 @@ def test_swapped_model_matches_plain_model(kernels, qkv_bias: bool) -> None:
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     assert use_engine_ops(model) == 2 * 4 + 2  # per layer 2 norms, attention, SwiGLU; the final norm; the RoPE
     assert type(model.layers[0].attn) is EngineAttention and type(model.rope) is EngineRotaryEmbedding
-    assert type(model.norm) is EngineRMSNorm and type(model.layers[1].ffn) is EngineSwiGLU
+    assert type(model.norm) is EngineRMSNorm and type(model.layers[1].ffn) is EngineMLP
     assert use_engine_ops(model) == 0  # already swapped
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # the same parameters, no copies
     tokens = torch.randint(0, 40, (1, 12))

@@ -69,7 +69,7 @@ def _fake_quant_attention(kind: str):
 
     from scratchlm.inference.kv_cache import quantize_int8
 
-    def attn(layer, q, k, v):
+    def attn(layer, q, k, v, spec):
         if kind == "int8":
             (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
             k, v = qk.float() * sk[..., None], qv.float() * sv[..., None]

@@ -173,7 +173,7 @@ def test_attention_backend_hook_receives_rotated_qkv():
     cos, sin = rope.cos_sin(torch.arange(6), x.dtype)
     seen = {}
 
-    def backend(layer_idx, q, k, v):
+    def backend(layer_idx, q, k, v, spec):
         seen.update(layer=layer_idx, q=q.shape, k=k.shape, v=v.shape)
         return causal_attention(q, k, v)
 

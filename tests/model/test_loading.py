@@ -172,15 +172,15 @@ def test_gguf_unsupported_quant_type_and_arch(tmp_path):
 
     with pytest.raises(ValueError, match="Q8_K is not supported"):
         dequantize(np.zeros((1, 292), np.uint8), "Q8_K", (1, 256))
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer = gguf.GGUFWriter(tmp_path / "bert.gguf", "bert")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported"):
-        load(tmp_path / "gpt2.gguf")
+    with pytest.raises(CheckpointError, match="architecture 'bert' is not supported"):
+        load(tmp_path / "bert.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +308,11 @@ def test_hf_dir_errors(tmp_path):
     (path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="model_type 'gpt_neox' is not supported"):
         load(path)
+    (path / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "bogus", "factor": 4.0})))
+    with pytest.raises(CheckpointError, match="RoPE scaling 'bogus' is not supported"):
+        load(path)
     (path / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
-    with pytest.raises(CheckpointError, match="RoPE scaling 'yarn' is not supported"):
+    with pytest.raises(CheckpointError, match="'yarn' needs rope.original_max_seq_len"):
         load(path)
     (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
     with pytest.raises(CheckpointError, match="'hidden_size' is missing"):

@@ -125,10 +125,10 @@ def test_backend_hook_changes_attention():
     model = TransformerLM(ModelConfig(vocab_size=30, d_model=32, n_layers=1, n_heads=4)).eval()
     tokens = torch.randint(0, 30, (1, 6))
 
-    def self_only(layer_idx, q, k, v):
+    def self_only(layer_idx, q, k, v, spec):
         return v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
 
-    def default(layer_idx, q, k, v):
+    def default(layer_idx, q, k, v, spec):
         return causal_attention(q, k, v)
 
     with torch.no_grad():

@@ -15,11 +15,9 @@ both the lookup and the head then use the same packed Q8_0 tensors.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +28,7 @@ from scratchlm.inference.quantization.modules import EMBEDDING, HEAD, QuantizedT
 from scratchlm.inference.quantization.scheme import LayerFormat
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, optional_tokenizer, require_file
 from scratchlm.model.loading.dequant import dequantize
-from scratchlm.model.loading.gguf_file import _LAYER_NAMES, _TOP_NAMES, config_from_gguf, unpermute_qk
+from scratchlm.model.loading.gguf_file import config_from_gguf, gguf_rules
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +56,13 @@ def unpack_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) ->
     return out
 
 
-def _config(reader: Any, source: str):
-    """ModelConfig + arch through the model layer's `config_from_gguf` (either of its signatures)."""
-    if len(inspect.signature(config_from_gguf).parameters) == 2:  # config_from_gguf(reader, source)
-        return config_from_gguf(reader, source)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    names = {t.name: SimpleNamespace(shape=tuple(int(x) for x in reversed(t.shape.tolist()))) for t in reader.tensors}
-    return config_from_gguf(meta, names, source)  # config_from_gguf(meta, tensors by name, source)
-
-
 def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
                      ) -> LoadedModel:
-    """A llama/qwen2 GGUF as a `QuantizedTransformerLM` whose Q8_0/Q4_0/Q4_1 tensors stay packed."""
+    """A GGUF of any supported family as a `QuantizedTransformerLM` whose Q8_0/Q4_0/Q4_1 linears stay packed.
+
+    The family's tensor rules (`model/families/`) name and transform the tensors; a rule that only moves or
+    splits rows (q/k unpermutes, fused q/k/v splits) applies to the packed planes as they are, any other
+    transform (a transposed or offset tensor) gets the tensor dequantized first."""
     from gguf import GGUFReader
 
     path = require_file(Path(path), "GGUF file")
@@ -77,44 +70,38 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
         reader = GGUFReader(path)
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-    config, arch = _config(reader, str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {n: SimpleNamespace(shape=tuple(int(x) for x in reversed(t.shape.tolist()))) for n, t in by_name.items()}
+    config, _ = config_from_gguf(meta, shapes, str(path))
+    rules = gguf_rules(meta, config, shapes, str(path))
     state: dict[str, Tensor] = {}
     layout: dict[str, LayerFormat] = {}
-    for t in tqdm(reader.tensors, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
-        name, local = t.name, ""
-        if name in _TOP_NAMES:
-            ours = _TOP_NAMES[name]
-        elif name.startswith("blk.") and name.split(".", 2)[2] in _LAYER_NAMES:
-            _, idx, local = name.split(".", 2)
-            ours = f"layers.{idx}.{_LAYER_NAMES[local]}"
-        else:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not a llama/qwen2 weight)")
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGML lists dims fastest-first
+    for rule in tqdm(rules, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
+        t = by_name[rule.theirs]
+        shape = shapes[rule.theirs].shape  # GGML lists dims fastest-first; this is (rows, cols)
         type_name = t.tensor_type.name
-        heads = None
-        if arch == "llama" and local.startswith(("attn_q.", "attn_k.")):
-            heads = config.n_heads if local.startswith("attn_q.") else config.n_kv_heads
-        if type_name in PACKED_TYPES and len(shape) == 2 and ours.endswith("weight") and ours != "norm.weight":
+        linear = all(o.endswith(".weight") and o not in ("norm.weight", "pos_embeddings.weight")
+                     and "norm" not in o for o in rule.ours)
+        if type_name in PACKED_TYPES and len(shape) == 2 and linear and rule.rows:
             try:
                 planes = unpack_gguf_blocks(t.data, type_name, *shape)
             except ValueError as e:
-                raise CheckpointError(f"{path}: tensor {name}: {e}") from None
-            if heads is not None:  # undo llama.cpp's q/k row permutation: rows move, codes do not change
-                planes = {k: unpermute_qk(v, heads) for k, v in planes.items()}
-            module = ours.removesuffix(".weight")
-            if module == "lm_head":
-                module = HEAD
-            layout[module] = PACKED_TYPES[type_name][1]
-            for key, v in planes.items():
-                state[f"{module}.{key}"] = v
+                raise CheckpointError(f"{path}: tensor {rule.theirs}: {e}") from None
+            parts = {k: rule.to_ours(v) for k, v in planes.items()}  # rows move or split, codes do not change
+            for i, ours in enumerate(rule.ours):
+                module = ours.removesuffix(".weight")
+                module = HEAD if module == "lm_head" else module
+                layout[module] = PACKED_TYPES[type_name][1]
+                for key, pieces in parts.items():
+                    state[f"{module}.{key}"] = pieces[i][1].contiguous()
             continue
         try:
             w = dequantize(t.data, type_name, shape)
         except ValueError as e:
-            raise CheckpointError(f"{path}: tensor {name}: {e}") from None
-        if heads is not None:
-            w = unpermute_qk(w, heads)
-        state[ours] = w.to(dtype)
+            raise CheckpointError(f"{path}: tensor {rule.theirs}: {e}") from None
+        for ours, v in rule.to_ours(w):
+            state[ours] = v.to(dtype)
     if EMBEDDING in layout and config.tie_embeddings:  # the tied head computes with the packed embedding
         layout[HEAD] = layout[EMBEDDING]
         for key in ("qweight", "scales", "mins"):

@@ -1,0 +1,80 @@
+"""Model families as data: one module per family, found through a lazy registry (vLLM's `ModelRegistry`).
+
+Each module in `FAMILY_MODULES` defines `FAMILY`, a `base.Family`: the HF `model_type`s and GGUF architectures it
+answers to, config translation both ways and its tensor tables. The modules are imported on the first lookup.
+Readers ask `for_hf_config` / `for_gguf_arch`; the exporter asks `for_export`, which takes the first family
+whose HF config translates back to the very same `ModelConfig` (so nothing a family cannot express is exported
+as something else). Adding a family is one module here plus its test (docs/model.md, "Adding a family").
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import Any
+
+from scratchlm.model.config import ModelConfig
+from scratchlm.model.families.base import Family, FamilyError, Rule
+
+# Lookup order: the first family that exports a config wins, so the plainest come first.
+FAMILY_MODULES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt2")
+
+
+@cache
+def families() -> tuple[Family, ...]:
+    """Every registered family, importing their modules on the first call."""
+    return tuple(importlib.import_module(f"scratchlm.model.families.{m}").FAMILY for m in FAMILY_MODULES)
+
+
+def _supported(attr: str) -> list[str]:
+    return sorted({t for f in families() for t in getattr(f, attr)})
+
+
+def for_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Family:
+    """The family of an HF config.json (by `model_type`; by `architectures` when there is none)."""
+    model_type = cfg.get("model_type")
+    for f in families():
+        if model_type in f.hf_model_types:
+            return f
+    archs = cfg.get("architectures") or []
+    if model_type is None:  # an old config without model_type: by its architecture
+        for f in families():
+            if any(a in f.hf_architectures for a in archs):
+                return f
+    raise FamilyError(f"{source}: model_type {model_type!r} is not supported (architectures {archs}); supported "
+                      f"model types: {_supported('hf_model_types')}")
+
+
+def for_gguf_arch(arch: str | None, source: str = "GGUF") -> Family:
+    """The family of a GGUF file's `general.architecture`."""
+    for f in families():
+        if arch in f.gguf_archs:
+            return f
+    raise FamilyError(f"{source}: architecture {arch!r} is not supported; expected one of {_supported('gguf_archs')}")
+
+
+def for_export(config: ModelConfig) -> Family:
+    """The first family whose HF config reproduces `config` exactly."""
+    for f in families():
+        if f.hf_config is None or f.config_from_hf is None:
+            continue
+        try:
+            back = f.config_from_hf(f.hf_config(config), "export")
+        except (FamilyError, ValueError):
+            continue
+        if back == config:
+            return f
+    raise FamilyError(f"no HF model family expresses this config (features: {config.features() or 'none'})")
+
+
+def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """`ModelConfig` of an HF config.json dict, through its family."""
+    return for_hf_config(cfg, source).config_from_hf(cfg, source)
+
+
+def hf_rules(config: ModelConfig, family: Family) -> list[Rule]:
+    return family.hf_rules(config)
+
+
+__all__ = ["FAMILY_MODULES", "Family", "FamilyError", "Rule", "config_from_hf", "families", "for_export",
+           "for_gguf_arch", "for_hf_config"]

@@ -1,0 +1,400 @@
+"""What a model family declares, and the pieces most families share.
+
+A `Family` is data: the HF `model_type`s and GGUF architectures it answers to, the translation of its configs
+(HF config.json -> `ModelConfig` -> HF, GGUF metadata -> `ModelConfig`) and its tensor tables. A tensor table is
+a list of `Rule`s, each tying one tensor of the file to one or more of `TransformerLM`'s state-dict entries, with
+the transform both ways (q/k permutes, fused qkv and gate/up splits, transposed Conv1D weights, Gemma's (1 + w)
+norms folded into the gain). Every reader (HF safetensors, GGUF float and packed, the sharded loader of tensor-
+parallel ranks) and the HF exporter go through these tables; none keeps its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scratchlm.model.config import ModelConfig, RopeFeatures
+
+
+class FamilyError(ValueError):
+    """A config or file this family cannot express (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One file tensor `theirs` <-> the state-dict entries `ours`.
+
+    `load(t) -> tuple of tensors` (one per name of `ours`) and `save(*tensors) -> t` are inverse transforms;
+    the default is the identity on a single tensor. `rows`: the load transform only moves or splits rows (dim 0),
+    so it applies unchanged to each plane of a row-blocked quantized tensor (codes, scales) without dequantizing.
+    """
+
+    theirs: str
+    ours: tuple[str, ...]
+    load: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+    save: Callable[..., Tensor] | None = None
+    rows: bool = True
+
+    def to_ours(self, t: Tensor) -> list[tuple[str, Tensor]]:
+        parts = (t,) if self.load is None else self.load(t)
+        return list(zip(self.ours, parts, strict=True))
+
+    def to_theirs(self, state: dict[str, Tensor]) -> Tensor:
+        parts = [state[n] for n in self.ours]
+        return parts[0] if self.save is None else self.save(*parts)
+
+
+def rename(ours: str, theirs: str) -> Rule:
+    return Rule(theirs, (ours,))
+
+
+def offset(ours: str, theirs: str, delta: float) -> Rule:
+    """A gain stored as (w - delta) in the file (Gemma's norms keep w with a (1 + w) gain): ours = file + delta."""
+    return Rule(theirs, (ours,), lambda t: (t.float().add(delta).to(t.dtype),),
+                lambda w: w.float().sub(delta).to(w.dtype), rows=False)
+
+
+def split(theirs: str, ours: tuple[str, ...], sizes: tuple[int, ...], dim: int = 0, transpose: bool = False) -> Rule:
+    """One fused file tensor cut into `ours` along `dim` (after transposing a Conv1D weight when `transpose`)."""
+
+    def load(t: Tensor) -> tuple[Tensor, ...]:
+        if transpose:
+            t = t.t()
+        return tuple(p.contiguous() for p in torch.split(t, sizes, dim=dim))
+
+    def save(*parts: Tensor) -> Tensor:
+        t = torch.cat(parts, dim=dim)
+        return t.t().contiguous() if transpose else t
+
+    return Rule(theirs, ours, load, save, rows=not transpose and dim == 0)
+
+
+def transposed(ours: str, theirs: str) -> Rule:
+    """A Conv1D weight (d_in, d_out) in the file, (d_out, d_in) here."""
+    return Rule(theirs, (ours,), lambda t: (t.t().contiguous(),), lambda w: w.t().contiguous(), rows=False)
+
+
+def permute_to_adjacent(w: Tensor, n_heads: int) -> Tensor:
+    """Per head, rotate-half rows (0..D/2, D/2..D) -> adjacent pairs (0,D/2),(1,D/2+1).. (llama.cpp's permute)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_to_half(w: Tensor, n_heads: int) -> Tensor:
+    """Per head, adjacent-pair rows (0,1),(2,3).. -> rotate-half (0,2,4..,1,3,5..): undoes `permute_to_adjacent`."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermuted(ours: str, theirs: str, n_heads: int) -> Rule:
+    """A q/k weight or bias stored in llama.cpp's adjacent-pair row order; ours is rotate-half."""
+    return Rule(theirs, (ours,), lambda t: (permute_to_half(t, n_heads),), lambda w: permute_to_adjacent(w, n_heads))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as data (see the module docstring)."""
+
+    name: str
+    hf_model_types: tuple[str, ...] = ()
+    hf_architectures: tuple[str, ...] = ()
+    gguf_archs: tuple[str, ...] = ()
+    config_from_hf: Callable[[dict[str, Any], str], ModelConfig] | None = None
+    hf_config: Callable[[ModelConfig], dict[str, Any]] | None = None
+    hf_rules: Callable[[ModelConfig], list[Rule]] | None = None
+    config_from_gguf: Callable[[dict[str, Any], dict[str, Any], str], ModelConfig] | None = None
+    gguf_rules: Callable[[ModelConfig], list[Rule]] | None = None
+    exports: Callable[[ModelConfig], bool] = field(default=lambda config: False)
+    notes: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- HF configs
+def need(cfg: dict[str, Any], key: str, source: str) -> Any:
+    if cfg.get(key) is None:
+        raise FamilyError(f"{source}: required field {key!r} is missing")
+    return cfg[key]
+
+
+def rope_parameters(cfg: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters of an HF config in either format: transformers 5's `rope_parameters` (maybe per layer
+    type) or the older `rope_theta` + `rope_scaling`; one flat dict with `rope_type` and `rope_theta`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif isinstance(params, dict) and "full_attention" in params:
+        params = params["full_attention"]
+    out: dict[str, Any] = dict(params or {})
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and not out.get("rope_type") or out.get("rope_type") == "default" and scaling:
+        out.update(scaling)
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out.pop("type")
+    out.setdefault("rope_type", "default")
+    if out.get("rope_theta") is None:
+        out["rope_theta"] = cfg.get("rope_theta", 10_000.0)
+    return out
+
+
+_SCALINGS = {"default": "none", "linear": "linear", "dynamic": "dynamic", "llama3": "llama3", "yarn": "yarn",
+             "longrope": "longrope", "su": "longrope"}
+_KNOWN_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+                    "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "short_factor", "long_factor",
+                    "partial_rotary_factor", "truncate", "mscale", "mscale_all_dim"}
+
+
+def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, source: str) -> RopeFeatures:
+    """`RopeFeatures` from `rope_parameters(...)`; unknown scalings and parameters are errors naming them."""
+    kind = params["rope_type"]
+    if kind not in _SCALINGS:
+        raise FamilyError(f"{source}: RoPE scaling {kind!r} is not supported (supported: {sorted(_SCALINGS)})")
+    unknown = sorted(set(params) - _KNOWN_ROPE_KEYS)
+    if unknown:
+        raise FamilyError(f"{source}: RoPE parameters {unknown} are not supported")
+    if params.get("truncate", True) is False:
+        raise FamilyError(f"{source}: YaRN with truncate=false is not supported")
+    if params.get("mscale") or params.get("mscale_all_dim"):
+        raise FamilyError(f"{source}: YaRN mscale / mscale_all_dim are not supported")
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    rotary_dim = int(head_dim * partial) if partial != 1.0 else None
+    scaling = _SCALINGS[kind]
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    factor = params.get("factor")
+    if scaling in ("yarn", "longrope") and factor is None:
+        factor = max_pos / orig
+    if scaling == "dynamic":
+        orig = max_pos  # HF's dynamic NTK grows theta past max_position_embeddings
+    feats = RopeFeatures(
+        scaling=scaling, factor=float(factor if factor is not None else 1.0),
+        original_max_seq_len=None if orig is None else int(orig),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)), high_freq_factor=float(
+            params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        short_factor=list(params["short_factor"]) if params.get("short_factor") is not None else None,
+        long_factor=list(params["long_factor"]) if params.get("long_factor") is not None else None,
+        rotary_dim=rotary_dim,
+    )
+    return feats
+
+
+def base_config(cfg: dict[str, Any], source: str, **fields: Any) -> ModelConfig:
+    """The fields every HF decoder config spells alike, then `fields` on top."""
+    n_heads = int(need(cfg, "num_attention_heads", source))
+    d_model = int(need(cfg, "hidden_size", source))
+    head_dim = int(cfg.get("head_dim") or d_model // n_heads)
+    params = rope_parameters(cfg)
+    rope = rope_features(params, cfg, head_dim, source)
+    base = dict(
+        vocab_size=int(need(cfg, "vocab_size", source)),
+        d_model=d_model,
+        n_layers=int(need(cfg, "num_hidden_layers", source)),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        d_ff=int(need(cfg, "intermediate_size", source)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        rope_theta=float(params["rope_theta"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_layout="half",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        head_dim=head_dim,
+        rope=rope,
+    )
+    try:
+        return ModelConfig(**(base | fields))
+    except ValueError as e:
+        raise FamilyError(f"{source}: {e}") from None
+
+
+def check_act(cfg: dict[str, Any], source: str, key: str = "hidden_act", allowed: dict[str, str] | None = None) -> str:
+    """The config's activation as a `MLPFeatures.act` name; others are an error."""
+    allowed = allowed or {"silu": "silu", "swish": "silu"}
+    act = cfg.get(key, "silu")
+    if act not in allowed:
+        raise FamilyError(f"{source}: {key} {act!r} is not supported (supported: {sorted(allowed)})")
+    return allowed[act]
+
+
+def sliding_layers_from_types(cfg: dict[str, Any], n_layers: int) -> list[int] | None:
+    """Layers marked "sliding_attention" in transformers' `layer_types`, or None when it is absent."""
+    types = cfg.get("layer_types")
+    if not types:
+        return None
+    return [i for i, t in enumerate(types[:n_layers]) if t == "sliding_attention"]
+
+
+def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """HF `rope_parameters` (transformers 5) and the older `rope_theta` / `rope_scaling` keys for `config`."""
+    r = config.rope
+    params: dict[str, Any] = {"rope_type": "default" if r.scaling == "none" else r.scaling,
+                              "rope_theta": config.rope_theta}
+    if r.scaling != "none":
+        params["factor"] = r.factor
+    if r.original_max_seq_len is not None and r.scaling in ("llama3", "yarn", "longrope"):
+        params["original_max_position_embeddings"] = r.original_max_seq_len
+    if r.scaling == "llama3":
+        params.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.scaling == "yarn":
+        params.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+    if r.scaling in ("yarn", "longrope") and r.attention_factor is not None:
+        params["attention_factor"] = r.attention_factor
+    if r.scaling == "longrope":
+        params.update(short_factor=r.short_factor, long_factor=r.long_factor)
+    if r.rotary_dim is not None:
+        params["partial_rotary_factor"] = r.rotary_dim / config.head_dim
+    out: dict[str, Any] = {"rope_parameters": params, "rope_theta": config.rope_theta}
+    if r.scaling != "none":
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return out
+
+
+def base_hf_config(config: ModelConfig, model_type: str, architecture: str) -> dict[str, Any]:
+    """The config.json fields every HF decoder spells alike."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    } | rope_to_hf(config)
+
+
+# ---------------------------------------------------------------------------------------------- HF tensors
+def llama_rules(config: ModelConfig, *, prefix: str = "model.", norm_delta: float = 0.0,
+                norms: dict[str, str] | None = None) -> list[Rule]:
+    """The Llama tensor names (q/k/v/o_proj, gate/up/down_proj, the block's norms, embed_tokens, norm, lm_head)
+    for every tensor `TransformerLM(config)` has. `norms`: our norm module -> the family's HF name; `norm_delta`:
+    the (delta + w) gain of Gemma's norms, folded in at load."""
+    norms = norms or {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+    def norm(ours: str, theirs: str) -> Rule:
+        return offset(ours, theirs, norm_delta) if norm_delta else rename(ours, theirs)
+
+    rules = [rename("tok_embeddings.weight", f"{prefix}embed_tokens.weight"),
+             norm("norm.weight", f"{prefix}norm.weight")]
+    if not config.tie_embeddings:
+        rules.append(rename("lm_head.weight", "lm_head.weight"))
+    a = config.attn
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"{prefix}layers.{i}."
+        for p in ("q", "k", "v", "o"):
+            rules.append(rename(f"{ours}attn.{p}_proj.weight", f"{theirs}self_attn.{p}_proj.weight"))
+        if config.qkv_bias:
+            rules += [rename(f"{ours}attn.{p}_bias", f"{theirs}self_attn.{p}_proj.bias") for p in "qkv"]
+        if a.o_bias:
+            rules.append(rename(f"{ours}attn.o_bias", f"{theirs}self_attn.o_proj.bias"))
+        if a.qk_norm != "none":
+            rules += [norm(f"{ours}attn.{p}_norm.weight", f"{theirs}self_attn.{p}_norm.weight") for p in "qk"]
+        for ours_norm, theirs_norm in norms.items():
+            rules.append(norm(f"{ours}{ours_norm}.weight", f"{theirs}{theirs_norm}.weight"))
+        for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+            rules.append(rename(f"{ours}ffn.{w}.weight", f"{theirs}mlp.{p}.weight"))
+        if config.mlp.bias:
+            rules += [rename(f"{ours}ffn.{b}", f"{theirs}mlp.{p}.bias")
+                      for b, p in (("b1", "gate_proj"), ("b2", "down_proj"), ("b3", "up_proj"))]
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+def gguf_meta(meta: dict[str, Any], arch: str, key: str, source: str, default: Any = None) -> Any:
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+        raise FamilyError(f"{source}: metadata {arch}.{key} is missing")
+    return value
+
+
+def gguf_base_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, source: str,
+                     **fields: Any) -> ModelConfig:
+    """The GGUF metadata keys every llama.cpp architecture spells alike, then `fields` on top."""
+    if "token_embd.weight" not in tensors:
+        raise FamilyError(f"{source}: no token_embd.weight tensor")
+    d_model = int(gguf_meta(meta, arch, "embedding_length", source))
+    n_heads = int(gguf_meta(meta, arch, "attention.head_count", source))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or d_model // n_heads)
+    n_kv = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        if len(set(n_kv)) != 1:
+            raise FamilyError(f"{source}: per-layer kv head counts {sorted(set(n_kv))} are not supported")
+        n_kv = n_kv[0]
+    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    rope = RopeFeatures(rotary_dim=rotary if rotary != head_dim else None)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling == "linear":
+            rope.scaling, rope.factor = "linear", float(meta[f"{arch}.rope.scaling.factor"])
+        elif scaling == "yarn":
+            rope.scaling, rope.factor = "yarn", float(meta[f"{arch}.rope.scaling.factor"])
+            rope.original_max_seq_len = int(meta[f"{arch}.rope.scaling.original_context_length"])
+        else:
+            raise FamilyError(f"{source}: GGUF RoPE scaling {scaling!r} is not supported")
+    eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+    base = dict(
+        vocab_size=int(tensors["token_embd.weight"].shape[0]),
+        d_model=d_model,
+        n_layers=int(gguf_meta(meta, arch, "block_count", source)),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        d_ff=int(gguf_meta(meta, arch, "feed_forward_length", source)),
+        max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
+        norm_eps=float(eps),
+        rope_layout="half",
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        head_dim=head_dim,
+        rope=rope,
+    )
+    try:
+        return ModelConfig(**(base | fields))
+    except ValueError as e:
+        raise FamilyError(f"{source}: {e}") from None
+
+
+def gguf_llama_rules(config: ModelConfig, *, permute_qk: bool = False, norm_delta: float = 0.0,
+                     norms: dict[str, str] | None = None) -> list[Rule]:
+    """llama.cpp's tensor names for `TransformerLM(config)` (token_embd, blk.N.attn_q ...): q/k rows in the
+    adjacent-pair order when `permute_qk` (llama.cpp's converter permutes the `llama` arch's), Gemma's norm
+    gains stored as (w - 1) when `norm_delta` is 1 (llama.cpp stores the (1 + w) already added: delta 0)."""
+    norms = norms or {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+
+    def norm(ours: str, theirs: str) -> Rule:
+        return offset(ours, theirs, norm_delta) if norm_delta else rename(ours, theirs)
+
+    rules = [rename("tok_embeddings.weight", "token_embd.weight"), norm("norm.weight", "output_norm.weight")]
+    if not config.tie_embeddings:
+        rules.append(rename("lm_head.weight", "output.weight"))
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"blk.{i}."
+        for p, g in (("q", "attn_q"), ("k", "attn_k")):
+            heads = config.n_heads if p == "q" else config.n_kv_heads
+            names = [("weight", f"{p}_proj.weight")] + ([("bias", f"{p}_bias")] if config.qkv_bias else [])
+            for kind, our in names:
+                rules.append(unpermuted(f"{ours}attn.{our}", f"{theirs}{g}.{kind}", heads) if permute_qk
+                             else rename(f"{ours}attn.{our}", f"{theirs}{g}.{kind}"))
+        rules.append(rename(f"{ours}attn.v_proj.weight", f"{theirs}attn_v.weight"))
+        if config.qkv_bias:
+            rules.append(rename(f"{ours}attn.v_bias", f"{theirs}attn_v.bias"))
+        rules.append(rename(f"{ours}attn.o_proj.weight", f"{theirs}attn_output.weight"))
+        if config.attn.o_bias:
+            rules.append(rename(f"{ours}attn.o_bias", f"{theirs}attn_output.bias"))
+        if config.attn.qk_norm != "none":
+            rules += [norm(f"{ours}attn.{p}_norm.weight", f"{theirs}attn_{p}_norm.weight") for p in "qk"]
+        for ours_norm, theirs_norm in norms.items():
+            rules.append(norm(f"{ours}{ours_norm}.weight", f"{theirs}{theirs_norm}.weight"))
+        for w, g in (("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up")):
+            rules.append(rename(f"{ours}ffn.{w}.weight", f"{theirs}{g}.weight"))
+    return rules

@@ -1,0 +1,87 @@
+"""Gemma 3 (text): Gemma 2's sandwich block with per-head q/k-norm (gains (1 + w), folded at load), no soft-caps,
+five sliding layers of six with their own RoPE base (`rope_local_base_freq`, unscaled) and the global layers'
+RoPE scaling (HF `Gemma3ForCausalLM` / model_type `gemma3_text`; GGUF arch `gemma3`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from scratchlm.model.config import AttentionFeatures, MLPFeatures, ModelConfig, NormFeatures
+from scratchlm.model.families.base import (
+    Family,
+    FamilyError,
+    base_config,
+    base_hf_config,
+    gguf_base_config,
+    gguf_llama_rules,
+    llama_rules,
+    rope_parameters,
+    rope_to_hf,
+)
+from scratchlm.model.families.gemma import act
+from scratchlm.model.families.gemma2 import GGUF_NORMS, NORMS, sliding
+
+
+def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+        raise FamilyError(f"{source}: Gemma 3 with a vision tower (Gemma3ForConditionalGeneration) is not supported; "
+                          "use the text-only model (model_type gemma3_text)")
+    n, d = int(cfg.get("num_hidden_layers", 0)), int(cfg.get("hidden_size", 0))
+    window = cfg.get("sliding_window")
+    layers = sliding(cfg, n, every=int(cfg.get("sliding_window_pattern", 6))) if window else None
+    local = rope_parameters(cfg, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise FamilyError(f"{source}: scaled RoPE on the sliding layers ({local['rope_type']!r}) is not supported")
+    local_theta = float(cfg.get("rope_local_base_freq") or local.get("rope_theta") or 10_000.0)
+    attn = AttentionFeatures(qk_norm="head", query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                             logit_softcap=cfg.get("attn_logit_softcapping"),
+                             sliding_window=int(window) if window else None, sliding_layers=layers)
+    config = base_config(cfg, source, tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                         embedding_scale=math.sqrt(d), attn=attn, norm=NormFeatures(placement="sandwich"),
+                         mlp=MLPFeatures(act=act(cfg, source)), final_logit_softcap=cfg.get("final_logit_softcapping"))
+    config.rope.local_theta, config.rope.local_scaling = local_theta, False
+    return config
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    a, r = config.attn, config.rope
+    layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
+    full = rope_to_hf(config)["rope_parameters"]
+    local = {"rope_type": "default", "rope_theta": r.local_theta or config.rope_theta}
+    return base_hf_config(config, "gemma3_text", "Gemma3ForCausalLM") | {
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": (1.0 / config.query_scale()) ** 2, "attn_logit_softcapping": a.logit_softcap,
+        "final_logit_softcapping": config.final_logit_softcap, "sliding_window": a.sliding_window,
+        "rope_local_base_freq": local["rope_theta"],
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "layer_types": ["sliding_attention" if a.sliding_window and i in layers else "full_attention"
+                        for i in range(config.n_layers)]}
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
+    arch = "gemma3"
+    n, d = int(meta.get(f"{arch}.block_count", 0)), int(meta.get(f"{arch}.embedding_length", 0))
+    key_len = int(meta.get(f"{arch}.attention.key_length", 256))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    attn = AttentionFeatures(qk_norm="head", query_scale=key_len ** -0.5,
+                             sliding_window=int(window) if window else None,
+                             sliding_layers=[i for i in range(n) if (i + 1) % 6] if window else None)
+    config = gguf_base_config(meta, tensors, arch, source, tie_embeddings="output.weight" not in tensors,
+                              embedding_scale=math.sqrt(d), attn=attn, norm=NormFeatures(placement="sandwich"),
+                              mlp=MLPFeatures(act="gelu_tanh"))
+    config.rope.local_theta, config.rope.local_scaling = 10_000.0, False
+    return config
+
+
+FAMILY = Family(
+    name="gemma3",
+    hf_model_types=("gemma3_text", "gemma3"),
+    hf_architectures=("Gemma3ForCausalLM",),
+    gguf_archs=("gemma3",),
+    config_from_hf=config_from_hf,
+    hf_config=hf_config,
+    hf_rules=lambda c: llama_rules(c, norm_delta=1.0, norms=NORMS),
+    config_from_gguf=config_from_gguf,
+    gguf_rules=lambda c: gguf_llama_rules(c, norms=GGUF_NORMS),
+)

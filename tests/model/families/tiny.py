@@ -1,0 +1,155 @@
+"""Tiny random checkpoints of every family, built by transformers' own config classes (no downloads).
+
+`FAMILIES` maps a case name to a function returning the HF config object; `save_tiny(name, dir)` writes the
+checkpoint with `save_pretrained` (random weights, seeded, norms perturbed away from 1 so a missed norm offset or a
+swapped norm shows). The HF model itself is the oracle of every test that uses these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**(BASE | kw))
+
+
+def _llama3():
+    return _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}, rope_theta=500000.0, tie_word_embeddings=True)
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**(BASE | dict(sliding_window=8)))
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**BASE, tie_word_embeddings=False)
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True)
+
+
+def _gemma():
+    from transformers import GemmaConfig
+
+    return GemmaConfig(**(BASE | dict(head_dim=16)), hidden_activation="gelu_pytorch_tanh")
+
+
+def _gemma2():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**(BASE | dict(head_dim=16, num_hidden_layers=4)), sliding_window=6,
+                        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
+
+
+def _gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**(BASE | dict(head_dim=16, num_hidden_layers=4)), sliding_window=6,
+                            query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                         "sliding_attention"],
+                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+
+
+def _phi3():
+    from transformers import Phi3Config
+
+    half = 8  # head_dim 16 -> 8 rotated frequencies
+    return Phi3Config(**(BASE | dict(max_position_embeddings=64)), original_max_position_embeddings=32,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                    "long_factor": [2.0 + 0.3 * i for i in range(half)]},
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _phi4_mini():
+    from transformers import Phi3Config
+
+    rotated = 6  # head_dim 16, partial_rotary_factor 0.75 -> 12 dims, 6 frequencies
+    return Phi3Config(**(BASE | dict(max_position_embeddings=64)), original_max_position_embeddings=32,
+                      partial_rotary_factor=0.75,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(rotated)],
+                                    "long_factor": [2.0 + 0.3 * i for i in range(rotated)]},
+                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _olmo2():
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**BASE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _granite():
+    from transformers import GraniteConfig
+
+    return GraniteConfig(**BASE, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                         logits_scaling=2.5, tie_word_embeddings=True)
+
+
+def _gpt2():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=160, n_embd=64, n_layer=3, n_head=4, n_positions=128, activation_function="gelu_new",
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+FAMILIES = {
+    "llama": lambda: _llama(tie_word_embeddings=False),
+    "llama_tied": lambda: _llama(tie_word_embeddings=True),
+    "llama3": _llama3,
+    "llama_bias": lambda: _llama(attention_bias=True, mlp_bias=True),
+    "llama_yarn": lambda: _llama(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32}),
+    "llama_dynamic": lambda: _llama(max_position_embeddings=8, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "phi4_mini": _phi4_mini,
+    "olmo2": _olmo2,
+    "granite": _granite,
+    "gpt2": _gpt2,
+}
+
+
+def hf_model(name: str):
+    """A seeded random HF model of case `name`, in float32 eval mode, norms perturbed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = FAMILIES[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "ln_" in pname or pname.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "embed" in pname or "wte" in pname or "wpe" in pname:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def save_tiny(name: str, directory: Path):
+    """Write the tiny checkpoint of `name` to `directory`; returns the HF model (the oracle)."""
+    model = hf_model(name)
+    model.save_pretrained(directory)
+    return model
