@@ -10,10 +10,18 @@ Encoding, as HF ``tokenizers`` runs a ``tokenizer.json`` of these families:
    ``fuse_unk``); then merge the best adjacent pair, the leftmost on ties, until none applies.
 
 "Best" is the rank of the pair in a merges list (HF ``tokenizer.json``) or, without merges, the score of
-the token the pair forms (llama.cpp's ``llm_tokenizer_spm`` on a GGUF vocabulary: any adjacent pair whose
-concatenation is a token may merge, the highest score first). HF's converter writes an SP model's merges
-ordered by the merged token's score, so the two agree whenever scores are distinct; with equal scores
-llama.cpp takes the leftmost pair while HF takes the first in its merges list (documented difference).
+the token the pair forms (llama.cpp's ``llm_tokenizer_spm`` on a GGUF vocabulary, and SentencePiece itself:
+any adjacent pair whose concatenation is a token may merge, the highest score first, the leftmost on ties).
+HF's converter writes an SP model's merges as every split of a token into two tokens, ordered by the
+token's score, so the two agree (tested against HF and against ``sentencepiece``) except where they
+legitimately cannot:
+
+* equal scores of different tokens: llama.cpp takes the leftmost pair, HF the first in its merges list;
+* a character outside the vocabulary: HF (and this module) turn it into byte tokens at once, llama.cpp
+  could still merge it with a neighbour into a token (impossible in a trained SP vocabulary, whose pieces
+  are made of vocabulary characters);
+* overlapping special tokens: llama.cpp matches the longest token first over the whole text, HF (and this
+  module) the leftmost-longest match; duplicate token strings: llama.cpp keeps the last id, this the first.
 
 Speed: a word is cut into sub-words before each run of "▁" that no token can span (checked against the
 vocabulary once), and sub-words are cached, so the heap BPE only ever runs on short new sub-words.
@@ -169,7 +177,8 @@ class SentencePieceBPE:
         never precedes "▁" inside a token. None when "▁" is not a token or a byte token could glue."""
         if _SPACE not in self.token_to_id:
             return None
-        glue = {p[k - 1] for p in self.token_to_id for k in range(1, len(p)) if p[k] == _SPACE and p[k - 1] != _SPACE}
+        glue = {p[k - 1] for p in self.token_to_id if _SPACE in p[1:]
+                for k in range(1, len(p)) if p[k] == _SPACE and p[k - 1] != _SPACE}
         if ">" in glue:
             return None
         return regex.compile(f"(?<=[^{regex.escape(_SPACE + ''.join(sorted(glue)))}])(?={_SPACE})")
