@@ -128,6 +128,17 @@ class ModelRunner:
             torch.arange(cl - ql + 1, cl + 1, out=lens[qs : qs + ql])
         return tables.to(self.device), lens.to(self.device)
 
+    def _rope_lengths(self, inp: ModelInput) -> torch.Tensor | None:
+        """Each row's sequence length in this step (a decode row: its context; a prefill chunk's rows: the chunk's
+        context), for RoPE scalings that depend on it (dynamic NTK, LongRoPE); None for the others."""
+        rope = getattr(self.model, "rope", None)
+        if rope is None or not getattr(rope, "length_dependent", False):
+            return None
+        lengths = list(inp.decode_context_lens)
+        for _, ql, cl, _ in inp.prefills:
+            lengths += [cl] * ql
+        return self._tensor(lengths)
+
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -160,8 +171,8 @@ class ModelRunner:
         else:
             attn = PagedAttention(self.cache, meta)
         if not self._plain_lm:
-            return self.model(tokens, positions, attn=attn, logits_index=index)
-        h = self.model.hidden_states(tokens, positions, attn)  # (1, N, d)
+            return self.model(tokens, positions, attn=attn, logits_index=index, rope_lengths=self._rope_lengths(inp))
+        h = self.model.hidden_states(tokens, positions, attn, self._rope_lengths(inp))  # (1, N, d)
         h = self.model.norm(h.reshape(-1, h.shape[-1]).index_select(0, index))  # (len(index), d)
         return self.model.finish_logits(self._logits(h))  # (len(index), vocab)
 

@@ -142,10 +142,27 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.scaling = scaling  # a model.config.RopeFeatures, or None for plain RoPE
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (*positions.shape, 1, R/2), ready to broadcast over heads."""
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies depend on the sequence's length (dynamic NTK, LongRoPE): then `cos_sin` wants
+        each row's sequence length (`lengths`), as HF computes them per sequence from its longest position."""
+        return self.scaling is not None and self.scaling.scaling in ("dynamic", "longrope")
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (*positions.shape, 1, R/2), ready to broadcast over heads. `lengths` (like positions):
+        each row's sequence length in this step, for length-dependent scalings; default: one sequence, the
+        longest position + 1."""
         from scratchlm.model.rope import inv_freq
 
+        if self.length_dependent and lengths is not None and positions.numel():
+            cos = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
+            sin = torch.empty_like(cos)
+            for length in lengths.unique().tolist():
+                rows = lengths == length
+                freq, factor = inv_freq(self.rotary_dim, self.theta, self.scaling, int(length), positions.device)
+                angles = positions[rows].to(torch.float32)[..., None] * freq  # (n, R/2)
+                cos[rows], sin[rows] = angles.cos() * factor, angles.sin() * factor
+            return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)  # (..., T, 1, R/2)
         seq_len = int(positions.max()) + 1 if self.scaling is not None and positions.numel() else 0
         freq, factor = inv_freq(self.rotary_dim, self.theta, self.scaling, seq_len, positions.device)  # (R/2,)
         angles = positions.to(torch.float32)[..., None] * freq  # (..., T, R/2)
@@ -235,6 +252,11 @@ def activation(name: str, x: Tensor) -> Tensor:
 class MLP(nn.Module):
     """The feed-forward network: gated, w2( act(w1 x + b1) * (w3 x + b3) ) + b2 (SwiGLU, GeGLU), or plain,
     w2( act(w1 x + b1) ) + b2 (GPT-2). w1 = gate (or up when plain), w3 = up, w2 = down; biases optional."""
+
+    # How tensor parallelism splits each parameter (read by scratchlm.parallel only; see `Attention.tp_plan`):
+    # w1/w3 (and b1/b3) by hidden unit, w2 by its input columns (all-reduced, then b2 added once).
+    tp_plan = {"w1.weight": "column", "w3.weight": "column", "b1": "column", "b3": "column", "w2.weight": "row",
+               "b2": "replicated"}
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, act: str = "silu", gated: bool = True,
                  bias: bool = False):
@@ -483,6 +505,14 @@ class Attention(nn.Module):
             qd, kd = (head_dim, head_dim) if qk_norm == "head" else (n_heads * head_dim, n_kv_heads * head_dim)
             self.q_norm = RMSNorm(qd, norm_eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(kd, norm_eps, device=device, dtype=dtype)
+        # How tensor parallelism splits each parameter (read by scratchlm.parallel only; no effect here): "column"
+        # splits the output rows (q by query head, k/v by KV head), "row" the input columns (o_proj: its partial
+        # sums are all-reduced, then o_bias is added once), "replicated" keeps it whole. A full-width q/k-norm
+        # splits with its heads (its mean of squares then spans the ranks); a per-head one is replicated.
+        norm_split = "column" if qk_norm == "full" else "replicated"
+        self.tp_plan = {"q_proj.weight": "column", "k_proj.weight": "column", "v_proj.weight": "column",
+                        "q_bias": "column", "k_bias": "column", "v_bias": "column", "o_proj.weight": "row",
+                        "o_bias": "replicated", "q_norm.weight": norm_split, "k_norm.weight": norm_split}
 
     def _project(self, x: Tensor, proj: Linear, bias: Tensor | None, heads: int) -> Tensor:
         y = proj(x) if bias is None else torch.addmm(bias, x.flatten(0, -2), proj.weight.t()).view(

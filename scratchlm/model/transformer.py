@@ -130,17 +130,20 @@ class TransformerLM(nn.Module):
             x = x + self.pos_embeddings(positions)
         return x
 
-    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> dict[int, tuple[Tensor, Tensor]]:
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype,
+                    lengths: Tensor | None = None) -> dict[int, tuple[Tensor, Tensor]]:
         """{id(rope): (cos, sin)} for every distinct RoPE of the layers."""
         tables = {}
         for rope in (self.rope, self.local_rope):
             if rope is not None and id(rope) not in tables:
-                tables[id(rope)] = rope.cos_sin(positions, dtype)  # (T, 1, R/2) or (B, T, 1, R/2)
+                tables[id(rope)] = rope.cos_sin(positions, dtype, lengths)  # (T, 1, R/2) or (B, T, 1, R/2)
         return tables
 
-    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None,
-                      attn: AttentionBackend | None = None) -> Tensor:
-        """Residual stream after the last block, before the final norm: (B, T, d_model)."""
+    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None, attn: AttentionBackend | None = None,
+                      rope_lengths: Tensor | None = None) -> Tensor:
+        """Residual stream after the last block, before the final norm: (B, T, d_model). `rope_lengths` (like
+        positions): each row's sequence length, for length-dependent RoPE scalings in a batch of several
+        sequences (the engine's flat batch); None: the batch is one sequence per row of `tokens`."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq) token ids, got shape {tuple(tokens.shape)}")
         _, t = tokens.shape
@@ -149,7 +152,7 @@ class TransformerLM(nn.Module):
         elif positions.shape[-1] != t:
             raise ValueError(f"positions {tuple(positions.shape)} do not match tokens {tuple(tokens.shape)}")
         x = self.embed(tokens, positions)  # (B, T, d)
-        tables = self.rope_tables(positions, x.dtype)
+        tables = self.rope_tables(positions, x.dtype, rope_lengths)
         for i, layer in enumerate(self.layers):
             rope = self.layer_rope(i)
             cos, sin = tables[id(rope)] if rope is not None else (None, None)
@@ -171,9 +174,9 @@ class TransformerLM(nn.Module):
         return y
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn: AttentionBackend | None = None,
-                logits_index: Tensor | None = None) -> Tensor:
+                logits_index: Tensor | None = None, rope_lengths: Tensor | None = None) -> Tensor:
         """Logits (B, T, vocab), or (len(logits_index), vocab) for flat positions in B*T."""
-        x = self.hidden_states(tokens, positions, attn)
+        x = self.hidden_states(tokens, positions, attn, rope_lengths)
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1]).index_select(0, logits_index.to(x.device))  # (N, d)
         return self.logits(x)

@@ -311,8 +311,9 @@ def test_hf_dir_errors(tmp_path):
     (path / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "bogus", "factor": 4.0})))
     with pytest.raises(CheckpointError, match="RoPE scaling 'bogus' is not supported"):
         load(path)
-    (path / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
-    with pytest.raises(CheckpointError, match="'yarn' needs rope.original_max_seq_len"):
+    (path / "config.json").write_text(json.dumps(dict(cfg, rope_parameters={"rope_type": "linear", "factor": 2.0},
+                                                      rope_scaling={"rope_type": "yarn", "factor": 4.0})))
+    with pytest.raises(CheckpointError, match=r"rope_parameters \('linear'\) and rope_scaling \('yarn'\) disagree"):
         load(path)
     (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
     with pytest.raises(CheckpointError, match="'hidden_size' is missing"):

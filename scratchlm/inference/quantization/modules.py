@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from scratchlm.inference.quantization import kernels, reference
 from scratchlm.inference.quantization.scheme import LayerFormat
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.layers import AttentionBackend
+from scratchlm.model.layers import AttentionBackend, Linear
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -131,12 +131,11 @@ class QuantEmbedding(_QuantStorage):
 
 
 def linear_names(config: ModelConfig) -> list[str]:
-    """Module paths of every Linear in `TransformerLM(config)` except the head."""
-    names = []
-    for i in range(config.n_layers):
-        names += [f"layers.{i}.attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += [f"layers.{i}.ffn.{p}" for p in ("w1", "w2", "w3")]
-    return names
+    """Module paths of every Linear in `TransformerLM(config)` except the head, read off the block itself (built
+    on the meta device: no memory), so every feature's linears (a plain MLP's two, a gated one's three) follow."""
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    return [n for n, m in model.named_modules() if isinstance(m, Linear) and n != "lm_head"]
 
 
 HEAD = "output_head"  # the quantized head of a QuantizedTransformerLM (tied or not)
@@ -182,17 +181,17 @@ class QuantizedTransformerLM(TransformerLM):
         return super().output_weight
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn: AttentionBackend | None = None,
-                logits_index: Tensor | None = None) -> Tensor:
+                logits_index: Tensor | None = None, rope_lengths: Tensor | None = None) -> Tensor:
         """Logits (B, T, vocab), or (len(logits_index), vocab) for flat positions in B*T."""
-        x = self.hidden_states(tokens, positions, attn)
+        x = self.hidden_states(tokens, positions, attn, rope_lengths)
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1]).index_select(0, logits_index.to(x.device))  # (N, d)
         h = self.norm(x)
         if self.output_head is not None:
-            return self.output_head(h)
+            return self.finish_logits(self.output_head(h))
         if self.lm_head is not None:
-            return self.lm_head(h)
-        return h @ self.tok_embeddings.weight.t()
+            return self.finish_logits(self.lm_head(h))
+        return self.finish_logits(h @ self.tok_embeddings.weight.t())
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters and buffers (what one decode step has to read, roughly)."""

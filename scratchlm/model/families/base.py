@@ -121,18 +121,23 @@ def need(cfg: dict[str, Any], key: str, source: str) -> Any:
 
 def rope_parameters(cfg: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE parameters of an HF config in either format: transformers 5's `rope_parameters` (maybe per layer
-    type) or the older `rope_theta` + `rope_scaling`; one flat dict with `rope_type` and `rope_theta`."""
+    type: `layer_type`, default the full-attention layers') or the older `rope_theta` + `rope_scaling`; one flat
+    dict with `rope_type` and `rope_theta`."""
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    elif isinstance(params, dict) and "full_attention" in params:
-        params = params["full_attention"]
-    out: dict[str, Any] = dict(params or {})
+    nested = isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params)
+    if nested:
+        params = params.get(layer_type or "full_attention") or {}
+    out: dict[str, Any] = dict(params) if isinstance(params, dict) else {}
     scaling = cfg.get("rope_scaling")
-    if isinstance(scaling, dict) and not out.get("rope_type") or out.get("rope_type") == "default" and scaling:
-        out.update(scaling)
+    if isinstance(scaling, dict) and scaling and not nested:  # the older key, beside or instead of the new one
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if out.get("rope_type", out.get("type", "default")) in ("default", None):
+            out.update(scaling)
+        elif kind not in (None, out.get("rope_type", out.get("type"))):
+            raise FamilyError(f"rope_parameters ({out.get('rope_type')!r}) and rope_scaling ({kind!r}) disagree")
     if "type" in out and "rope_type" not in out:
         out["rope_type"] = out.pop("type")
+    out.pop("type", None)
     out.setdefault("rope_type", "default")
     if out.get("rope_theta") is None:
         out["rope_theta"] = cfg.get("rope_theta", 10_000.0)
@@ -162,7 +167,9 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
     rotary_dim = int(head_dim * partial) if partial != 1.0 else None
     scaling = _SCALINGS[kind]
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    orig = cfg.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    if orig is None and scaling in ("llama3", "yarn", "longrope"):
+        orig = max_pos  # transformers' default (standardize_rope_params)
     factor = params.get("factor")
     if scaling in ("yarn", "longrope") and factor is None:
         factor = max_pos / orig
@@ -182,13 +189,16 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
     return feats
 
 
-def base_config(cfg: dict[str, Any], source: str, **fields: Any) -> ModelConfig:
-    """The fields every HF decoder config spells alike, then `fields` on top."""
+def base_config(cfg: dict[str, Any], source: str, *, partial_rotary: bool = False, **fields: Any) -> ModelConfig:
+    """The fields every HF decoder config spells alike, then `fields` on top. `partial_rotary`: whether the family's
+    HF model rotates only part of each head (others ignore a partial_rotary_factor: it is then an error)."""
     n_heads = int(need(cfg, "num_attention_heads", source))
     d_model = int(need(cfg, "hidden_size", source))
     head_dim = int(cfg.get("head_dim") or d_model // n_heads)
     params = rope_parameters(cfg)
     rope = rope_features(params, cfg, head_dim, source)
+    if rope.rotary_dim is not None and not partial_rotary:
+        raise FamilyError(f"{source}: partial_rotary_factor is not supported by this family's model")
     base = dict(
         vocab_size=int(need(cfg, "vocab_size", source)),
         d_model=d_model,
@@ -270,6 +280,9 @@ def base_hf_config(config: ModelConfig, model_type: str, architecture: str) -> d
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "dtype": "float32",
+        "bos_token_id": None,  # the exporter fills in the tokenizer's; never a family default outside the vocab
+        "eos_token_id": None,
+        "pad_token_id": None,
     } | rope_to_hf(config)
 
 

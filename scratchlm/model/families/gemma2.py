@@ -32,6 +32,12 @@ def sliding(cfg: dict[str, Any], n: int, every: int = 2) -> list[int]:
     return layers if layers is not None else [i for i in range(n) if (i + 1) % every]
 
 
+def query_pre_attn_scalar(config: ModelConfig) -> float:
+    """HF's query_pre_attn_scalar for the config's query scale (an integer when it is one: 256, 144, ...)."""
+    q = 1.0 / config.query_scale() ** 2
+    return round(q) if abs(q - round(q)) < 1e-6 * q else q
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     n, d = int(cfg.get("num_hidden_layers", 0)), int(cfg.get("hidden_size", 0))
     window = cfg.get("sliding_window")
@@ -49,7 +55,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
     return base_hf_config(config, "gemma2", "Gemma2ForCausalLM") | {
         "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": (1.0 / config.query_scale()) ** 2, "attn_logit_softcapping": a.logit_softcap,
+        "query_pre_attn_scalar": query_pre_attn_scalar(config), "attn_logit_softcapping": a.logit_softcap,
         "final_logit_softcapping": config.final_logit_softcap, "sliding_window": a.sliding_window,
         "layer_types": ["sliding_attention" if a.sliding_window and i in layers else "full_attention"
                         for i in range(config.n_layers)]}

@@ -20,7 +20,7 @@ from scratchlm.model.families.base import (
     rope_to_hf,
 )
 from scratchlm.model.families.gemma import act
-from scratchlm.model.families.gemma2 import GGUF_NORMS, NORMS, sliding
+from scratchlm.model.families.gemma2 import GGUF_NORMS, NORMS, query_pre_attn_scalar, sliding
 
 
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
@@ -49,9 +49,11 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
     full = rope_to_hf(config)["rope_parameters"]
     local = {"rope_type": "default", "rope_theta": r.local_theta or config.rope_theta}
-    return base_hf_config(config, "gemma3_text", "Gemma3ForCausalLM") | {
+    out = base_hf_config(config, "gemma3_text", "Gemma3ForCausalLM")
+    out.pop("rope_scaling", None)
+    return out | {
         "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": (1.0 / config.query_scale()) ** 2, "attn_logit_softcapping": a.logit_softcap,
+        "query_pre_attn_scalar": query_pre_attn_scalar(config), "attn_logit_softcapping": a.logit_softcap,
         "final_logit_softcapping": config.final_logit_softcap, "sliding_window": a.sliding_window,
         "rope_local_base_freq": local["rope_theta"],
         "rope_parameters": {"full_attention": full, "sliding_attention": local},

@@ -23,7 +23,8 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise FamilyError(f"{source}: Phi-3 with attention_bias / mlp_bias is not supported")
     window = cfg.get("sliding_window")
-    return base_config(cfg, source, attn=AttentionFeatures(sliding_window=int(window) if window else None),
+    return base_config(cfg, source, partial_rotary=True,
+                       attn=AttentionFeatures(sliding_window=int(window) if window else None),
                        mlp=MLPFeatures(act=check_act(cfg, source)))
 
 

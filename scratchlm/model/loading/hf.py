@@ -51,7 +51,7 @@ def hf_name_map(config: ModelConfig, cfg: dict[str, Any] | None = None) -> dict[
     return {ours: rule.theirs for rule in family.hf_rules(config) for ours in rule.ours}
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
+def weight_files(directory: Path) -> dict[str, Path]:
     """{HF tensor name: safetensors file} from model.safetensors or the sharded index."""
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
@@ -122,7 +122,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
     config = config_from_hf(hf_config, str(config_path))
-    files = _weight_files(directory)
+    files = weight_files(directory)
     rules = hf_rules(hf_config, config, str(config_path))
     extra = [n for n in unused_tensors(files, rules) if not (config.tie_embeddings and n == "lm_head.weight")]
     if extra:
