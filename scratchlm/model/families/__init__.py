@@ -1,29 +1,30 @@
 """Model families as data: one module per family, found through a lazy registry (vLLM's `ModelRegistry`).
 
-Each module in `FAMILY_MODULES` defines `FAMILY`, a `base.Family`: the HF `model_type`s and GGUF architectures it
-answers to, config translation both ways and its tensor tables. The modules are imported on the first lookup.
-Readers ask `for_hf_config` / `for_gguf_arch`; the exporter asks `for_export`, which takes the first family
-whose HF config translates back to the very same `ModelConfig` (so nothing a family cannot express is exported
-as something else). Adding a family is one module here plus its test (docs/model.md, "Adding a family").
+Every module of this package but `base` defines `FAMILY`, a `base.Family`: the HF `model_type`s and GGUF
+architectures it answers to, config translation both ways and its tensor tables. The modules are found and imported
+on the first lookup (no list to keep: adding a family is one new module plus its test; docs/model.md, "Adding a
+family"). Readers ask `for_hf_config` / `for_gguf_arch`; the exporter asks `for_export`, which takes the first
+family, by `Family.export_rank`, whose HF config translates back to the very same `ModelConfig` (so nothing a family
+cannot express is exported as something else).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from functools import cache
 from typing import Any
 
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.families.base import Family, FamilyError, Rule
 
-# Lookup order: the first family that exports a config wins, so the plainest come first.
-FAMILY_MODULES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt2")
-
 
 @cache
 def families() -> tuple[Family, ...]:
-    """Every registered family, importing their modules on the first call."""
-    return tuple(importlib.import_module(f"scratchlm.model.families.{m}").FAMILY for m in FAMILY_MODULES)
+    """Every family module's `FAMILY`, imported on the first call, in `export_rank` order (then by name)."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base")
+    found = [importlib.import_module(f"{__name__}.{n}").FAMILY for n in names]
+    return tuple(sorted(found, key=lambda f: (f.export_rank, f.name)))
 
 
 def _supported(attr: str) -> list[str]:
@@ -76,5 +77,5 @@ def hf_rules(config: ModelConfig, family: Family) -> list[Rule]:
     return family.hf_rules(config)
 
 
-__all__ = ["FAMILY_MODULES", "Family", "FamilyError", "Rule", "config_from_hf", "families", "for_export",
+__all__ = ["Family", "FamilyError", "Rule", "config_from_hf", "families", "for_export",
            "for_gguf_arch", "for_hf_config"]

@@ -108,8 +108,9 @@ class Family:
     hf_rules: Callable[[ModelConfig], list[Rule]] | None = None
     config_from_gguf: Callable[[dict[str, Any], dict[str, Any], str], ModelConfig] | None = None
     gguf_rules: Callable[[ModelConfig], list[Rule]] | None = None
-    exports: Callable[[ModelConfig], bool] = field(default=lambda config: False)
-    notes: str = ""
+    export_rank: int = field(default=50, metadata={
+        "help": "the exporter tries families in this order and takes the first whose HF config reproduces the "
+                "ModelConfig: the plainest (Llama 0, Qwen2 10) come first, so a plain model is exported as Llama"})
 
 
 # ---------------------------------------------------------------------------------------------- HF configs

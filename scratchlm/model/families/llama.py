@@ -41,6 +41,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
 
 FAMILY = Family(
     name="llama",
+    export_rank=0,
     hf_model_types=("llama",),
     hf_architectures=("LlamaForCausalLM",),
     gguf_archs=("llama",),

@@ -20,6 +20,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 FAMILY = Family(
     name="mistral",
+    export_rank=20,
     hf_model_types=("mistral",),
     hf_architectures=("MistralForCausalLM",),
     config_from_hf=config_from_hf,

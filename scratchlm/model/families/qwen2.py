@@ -49,6 +49,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
 
 FAMILY = Family(
     name="qwen2",
+    export_rank=10,
     hf_model_types=("qwen2",),
     hf_architectures=("Qwen2ForCausalLM",),
     gguf_archs=("qwen2",),
