@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from scratchlm.inference.block_manager import BlockManager
+from scratchlm.inference.block_manager import BlockManager, max_blocks_held
 from scratchlm.inference.config import EngineConfig
 from scratchlm.inference.events import EventStream
 from scratchlm.inference.executor import Executor, UniProcExecutor, default_executor_class
-from scratchlm.inference.kv_cache import num_blocks_for_budget
+from scratchlm.inference.kv_cache import kv_shape, kv_window, num_blocks_for_budget
 from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOutput
 from scratchlm.inference.params import SamplingParams
 from scratchlm.inference.runner import build_model_input
@@ -95,18 +95,9 @@ class LLMEngine:
         # Context parallelism: a logical block of C x block_size tokens is one block_size block on each of
         # the C ranks (token p on rank p % C), so num_blocks counts blocks per rank (docs/sequence_parallel.md).
         block = c.block_size * c.context_parallel_size
-        num_blocks = num_blocks_for_budget(
-            c.kv_cache_memory, model_config.n_layers, model_config.n_kv_heads, model_config.head_dim, block,
-            dtype,
-        )
-        # Never more blocks than max_num_seqs full-length sequences can use (saves memory on small models).
-        num_blocks = min(num_blocks, c.max_num_seqs * -(-self.max_model_len // block) + 1)
-        if num_blocks * block < self.max_model_len:
-            log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
-                        self.max_model_len, num_blocks * block, num_blocks, block)
-            self.max_model_len = num_blocks * block
+        num_blocks, window = self._size_kv_pool(model_config, block, dtype)
         self.executor = executor if executor is not None else UniProcExecutor(model, model_config, tokenizer, c)
-        self.block_manager = BlockManager(num_blocks, block, c.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block, c.enable_prefix_caching, window=window)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.scheduling_policy)
         self.runner = self.executor.start(num_blocks)  # allocates the KV cache (each rank its shard)
         self.cache = self.runner.cache
@@ -128,9 +119,48 @@ class LLMEngine:
             from scratchlm.inference.speculative import Speculator
 
             self.speculator = Speculator(self, c.speculative, k_max=c.num_speculative_tokens)
-        log.info("engine: %d KV blocks of %d tokens (%.1f MiB, %s), max_model_len %d, dtype %s, device %s",
+        log.info("engine: %d KV blocks of %d tokens (%.1f MiB, %s), max_model_len %d, dtype %s, device %s%s",
                  num_blocks, c.block_size, self.cache.nbytes / 2**20, self.cache.dtype, self.max_model_len, c.dtype,
-                 c.device)
+                 c.device, "" if window is None else
+                 f", sliding window {window}: blocks before it are freed (at most "
+                 f"{self.block_manager.max_blocks_held(self.max_model_len, c.max_num_batched_tokens)} per sequence)")
+
+    def _size_kv_pool(self, model_config: Any, block: int, dtype: torch.dtype) -> tuple[int, int | None]:
+        """(number of KV blocks, the window that frees blocks or None) from the model's `kv_spec()`, the memory
+        budget and the longest sequence; lowers `self.max_model_len` when not even one sequence would fit.
+
+        When every layer is windowed (Mistral), a sequence holds at most the blocks of its window plus a chunk
+        (`BlockManager.max_blocks_held`), so the pool is capped by that and contexts longer than the pool are
+        served. When only some layers are (Gemma 2/3), one shared block table keeps every block for the full
+        layers, so the windowed layers' KV stays as large as the context: sized and logged as such."""
+        c = self.config
+        spec = model_config.kv_spec()
+        n_layers, heads, dim = kv_shape(spec)  # a clear error when the layers differ (one cache tensor)
+        window = kv_window(spec)
+        if window is None and any(s.window is not None for s in spec):
+            log.info("KV cache: %d of %d layers are windowed but the others attend to the whole context: their "
+                     "KV blocks stay allocated for the whole sequence (one block table serves every layer; freeing "
+                     "per layer kind needs a hybrid allocator, not implemented), so KV memory grows with context",
+                     sum(s.window is not None for s in spec), len(spec))
+        if window is not None and c.context_parallel_size > 1:
+            log.info("KV cache: sliding-window block freeing is off under context parallelism (its attention "
+                     "does not take windows)")
+            window = None
+        num_blocks = num_blocks_for_budget(c.kv_cache_memory, n_layers, heads, dim, block, dtype)
+        reserved = 1 if window is not None else 0  # the null block of a windowed pool
+        per_seq = max_blocks_held(self.max_model_len, c.max_num_batched_tokens, block, window)
+        # Never more blocks than max_num_seqs sequences can use at once (saves memory on small models).
+        num_blocks = min(num_blocks, c.max_num_seqs * per_seq + 1 + reserved)
+        usable = num_blocks - reserved
+        if usable < 1:
+            raise ValueError(f"kv_cache_memory={c.kv_cache_memory} holds {num_blocks} KV block, and a windowed pool "
+                             "reserves one as its null block: raise kv_cache_memory")
+        if usable < per_seq:  # one sequence of max_model_len tokens would not fit: shorten it to what does
+            lowered = usable * block
+            log.warning("max_model_len %d lowered to %d: the KV cache holds only %d blocks of %d tokens",
+                        self.max_model_len, lowered, usable, block)
+            self.max_model_len = lowered
+        return num_blocks, window
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path | None = None, config: EngineConfig | None = None,
@@ -196,10 +226,11 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
                 f"(prompt + at least one generated token)"
             )
-        needed = self.block_manager.blocks_needed(len(ids) + 1)
-        if needed > self.block_manager.num_blocks:
+        bm = self.block_manager
+        needed = bm.max_blocks_held(len(ids) + 1, self.config.max_num_batched_tokens)
+        if needed > bm.num_usable_blocks:
             raise ValueError(
-                f"prompt of {len(ids)} tokens needs {needed} KV blocks, the cache has {self.block_manager.num_blocks}"
+                f"prompt of {len(ids)} tokens needs {needed} KV blocks, the cache has {bm.num_usable_blocks}"
                 f"; raise kv_cache_memory"
             )
         req = Request(request_id, text, ids, params)
@@ -392,6 +423,7 @@ class LLMEngine:
             child.block_table.append(dst)
             self.scheduler.pending_copies.append((partial[0], dst))
         child.block_hashes = list(parent.block_hashes[:n_full])
+        child.num_dropped_blocks = min(parent.num_dropped_blocks, n_full)  # null entries (window) are shared as is
         child.num_computed_tokens = n_tokens
         self.scheduler.add_running(child)
 
@@ -462,8 +494,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
-            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            num_total_blocks=bm.num_usable_blocks, num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_usable_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,

@@ -17,6 +17,11 @@ Storage dtype policy (`EngineConfig.kv_cache_dtype`; "auto" = the model's dtype)
   its whole block. The cost is 4 bytes of scale per head_dim bytes: 68 of fp32's 256 bytes per head
   and token at head_dim 64 (26.6 %).
 
+Shape from the model (`ModelConfig.kv_spec()`: per layer `LayerKV(n_kv_heads, head_dim, window)`): the cache is
+one tensor, so every layer must store the same heads and head_dim (`kv_shape` raises a clear error otherwise: per
+layer pools are not implemented). Windows do not change the layout; they change which blocks a sequence must keep
+(`kv_window`, block_manager.py).
+
 Writes quantize (`write`); the torch-ops readers dequantize whole gathered blocks (`gather`); the C++
 paged-attention kernel (csrc/paged_attention.h) and the fused decode step (csrc/decoder.h) read the stored
 dtype directly and apply the same rounding when they write, so both paths store identical bytes.
@@ -24,7 +29,9 @@ dtype directly and apply the same rounding when they write, so both paths store 
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +51,36 @@ def bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
 def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V (and int8 scales) for one block in every layer."""
     return 2 * n_layers * block_size * n_kv_heads * bytes_per_token_head(head_dim, dtype)
+
+
+def kv_shape(spec: SequenceABC[Any]) -> tuple[int, int, int]:
+    """(n_layers, n_kv_heads, head_dim) of the one cache tensor that stores `spec` (per layer `LayerKV`); a clear
+    error when the layers differ in heads or head_dim (a per-layer pool is not implemented)."""
+    if not spec:
+        raise ValueError("kv spec is empty: the model has no layer that stores K/V")
+    shapes = {(s.n_kv_heads, s.head_dim) for s in spec}
+    if len(shapes) > 1:
+        per_layer = ", ".join(f"{i}: {s.n_kv_heads}x{s.head_dim}" for i, s in enumerate(spec))
+        raise ValueError(f"the KV cache is one tensor for all layers, but the layers store different KV heads x "
+                         f"head_dim ({per_layer}): per-layer KV shapes are not supported yet")
+    ((heads, dim),) = shapes
+    return len(spec), heads, dim
+
+
+def kv_window(spec: SequenceABC[Any]) -> int | None:
+    """The window after which a sequence's old KV blocks can be freed: the largest window when EVERY layer is
+    windowed (Mistral), else None. With one block table shared by all layers, a full-attention layer (Gemma 2/3
+    alternate them) still reads every block, so mixed models keep all of them."""
+    windows = [s.window for s in spec]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
+def bytes_per_block_spec(spec: SequenceABC[Any], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V (and int8 scales) for one block in every layer of `spec`."""
+    n_layers, heads, dim = kv_shape(spec)
+    return bytes_per_block(n_layers, heads, dim, block_size, dtype)
 
 
 def num_blocks_for_budget(memory_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
@@ -91,6 +128,13 @@ class KVCache:
             return cls(k, v)
         scales = [torch.zeros(shape[:-1], dtype=INT8_SCALE_DTYPE, device=device) for _ in range(2)]
         return cls(k, v, *scales)
+
+    @classmethod
+    def for_spec(cls, spec: SequenceABC[Any], num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> KVCache:
+        """A zeroed cache for the layers of `spec` (`ModelConfig.kv_spec()`; equal heads and head_dim required)."""
+        n_layers, heads, dim = kv_shape(spec)
+        return cls.allocate(n_layers, num_blocks, block_size, heads, dim, dtype, device)
 
     @property
     def num_blocks(self) -> int:

@@ -27,6 +27,12 @@ step feeds each scheduled sequence some of its uncomputed tokens, within a token
    are reserved when it is admitted. A new sequence first takes the cached blocks of its prefix; a
    fully cached prompt still computes its last block, so that the last token has logits to sample
    (and cached blocks are never written). The priority counts uncomputed tokens, not cache hits.
+
+Sliding windows (a block manager with a `window`, every layer windowed): after each step `commit` frees the
+blocks that fell before the window of the sequence's next query (`BlockManager.drop_out_of_window`; their
+table entries become the null block), so a running sequence holds at most the blocks of its window plus its
+chunk, whatever its length. A preempted sequence frees everything it holds and recomputes as before; a prefix
+hit only takes the cached blocks inside the window of the first uncomputed token (`match_prefix`).
 """
 
 from __future__ import annotations
@@ -123,10 +129,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table)  # null entries (dropped by the window) are skipped
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_dropped_blocks = 0
 
     def _forget(self, seq: Sequence) -> None:
         self._priority.pop(seq.seq_id, None)
@@ -201,6 +208,7 @@ class Scheduler:
                     seq.block_table = list(cached)
                     seq.block_hashes = list(hashes)
                     seq.num_computed_tokens = start
+                    seq.num_dropped_blocks = self.blocks.window_start_block(start)  # null entries of a window hit
                 if need > 0:
                     seq.block_table.extend(self.blocks.allocate(need))
                 seq.status = SequenceStatus.RUNNING
@@ -214,8 +222,10 @@ class Scheduler:
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
-        """After the forward: advance progress and register newly full blocks in the prefix cache."""
+        """After the forward: advance progress, register newly full blocks in the prefix cache, and (windowed pool)
+        free the blocks that fell before the window of each sequence's next query."""
         bs = self.blocks.block_size
+        windowed = self.blocks.window is not None
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
@@ -225,6 +235,9 @@ class Scheduler:
                 parent = seq.block_hashes[-1] if seq.block_hashes else -1
                 tokens = seq.token_ids[k * bs : (k + 1) * bs]
                 seq.block_hashes.append(self.blocks.register(seq.block_table[k], parent, tokens))
+            if windowed:  # registered first: a dropped block stays hittable until it is reused
+                seq.num_dropped_blocks = self.blocks.drop_out_of_window(seq.block_table, seq.num_computed_tokens,
+                                                                        seq.num_dropped_blocks)
 
     def owners(self) -> dict[int, list[int]]:
         """seq id -> block table of every sequence that holds blocks (for invariant checks)."""

@@ -22,7 +22,9 @@ class Sequence:
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache; the scheduler feeds the rest
     (a prefill chunk, or the one new token of a decode). When a step computes the last token, the
-    sampler appends one output token.
+    sampler appends one output token. `block_table` has one entry per logical block; for a model whose
+    every layer is windowed, the leading `num_dropped_blocks` entries are the pool's null block (their K/V
+    fell out of the window and were freed, block_manager.py).
     """
 
     seq_id: int
@@ -38,6 +40,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full, computed blocks
+    num_dropped_blocks: int = 0  # leading block_table entries that are the null block (before the sliding window)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
