@@ -47,16 +47,6 @@ PARALLEL = "scratchlm.parallel"
 
 # (rule, file relative to the repository, what) -> why it is tolerated for now. Keep each entry commented.
 KNOWN_VIOLATIONS: dict[tuple[str, str, str], str] = {
-    # parallel's weight streaming lists an HF checkpoint's safetensors shards with the loader's private helper;
-    # fix: make `weight_files` public in scratchlm/model/loading/hf.py (or expose it from model.loading).
-    ("private-import", "scratchlm/parallel/launch.py",
-     "imports scratchlm.model.loading.hf._weight_files (_weight_files is private to scratchlm.model)"):
-        "model.loading.hf._weight_files used by the multi-process loader",
-    # the planner's calibration times one ring-attention step on the real kernel; fix: a public
-    # `block_attention` in scratchlm/parallel/sequence.py (the ring code can keep calling it).
-    ("private-import", "scratchlm/plan/calibrate.py",
-     "imports scratchlm.parallel.sequence._block_attention (_block_attention is private to scratchlm.parallel)"):
-        "parallel.sequence._block_attention timed by plan.calibrate.measure_ring_step_overhead",
 }
 
 

@@ -47,7 +47,7 @@ from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.runner import ModelInput
 from scratchlm.model.layers import AttentionSpec
 from scratchlm.parallel.comm import Comm
-from scratchlm.parallel.layout import RankLayout
+from scratchlm.parallel.layout import RankLayout, check_cp_features
 from scratchlm.parallel.runner import ParallelRunner
 from scratchlm.parallel.sequence import merge_many
 
@@ -391,6 +391,7 @@ class ContextParallelRunner(ParallelRunner):
         super().__init__(model, comm, block_size, dtype, device, 1, procs)
         if self.layout.pp != 1:
             raise ValueError(f"context parallelism runs with pipeline_parallel_size=1, got {self.layout.pp}")
+        check_cp_features(model.config)  # at start-up, not at the first forward
         self.threshold = threshold
         self.step_cpu_s = 0.0  # this thread's CPU time in steps (the work itself; waiting on peers is not counted)
 
@@ -445,7 +446,7 @@ class ContextParallelRunner(ParallelRunner):
         tokens = self._tensor([inp.token_ids[g] for g in plan.rows])  # (N_local,)
         positions = self._tensor([inp.positions[g] for g in plan.rows])  # (N_local,)
         attn = ContextParallelAttention(self.cache, plan, positions, self.comm)
-        x = model.embed_tokens(tokens[None, :])  # (1, N_local, d)
+        x = model.embed_tokens(tokens[None, :], positions)  # (1, N_local, d)
         x = model.forward_layers(x, positions, attn)[0]  # (N_local, d)
         if not inp.logits_indices:
             return torch.empty(0, vocab, dtype=self.dtype, device=self.device) if lay.rank == 0 else None

@@ -51,6 +51,9 @@ import torch.distributed as dist
 
 from scratchlm.inference.config import EngineConfig
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.loading import detect_format, load
+from scratchlm.model.loading.common import CheckpointError, optional_tokenizer
+from scratchlm.model.loading.hf import hf_rules, unused_tensors, weight_files
 from scratchlm.parallel.comm import (
     IDLE_TIMEOUT,
     RENDEZVOUS_TIMEOUT,
@@ -60,6 +63,7 @@ from scratchlm.parallel.comm import (
     init_default_group,
 )
 from scratchlm.parallel.layout import (
+    check_cp_features,
     check_parallel_config,
     parse_stage_layers,
     plan_layout,
@@ -67,7 +71,7 @@ from scratchlm.parallel.layout import (
     torchrun_world,
 )
 from scratchlm.parallel.runner import ParallelRunner
-from scratchlm.parallel.tensor import ShardedLM, full_tensor_reader, shard_state
+from scratchlm.parallel.tensor import Shard, ShardedLM, check_shardable, shard_plan, take_shard
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,10 @@ def check_engine_config(config: EngineConfig, model_config: ModelConfig, world_s
         raise ValueError(f"speculative={config.speculative!r} is not supported with {sizes}; drop one of them")
     stage_layers = parse_stage_layers(config.pipeline_stage_layers)
     check_parallel_config(model_config, tp, pp, world_size, stage_layers, cp)
+    if cp > 1:
+        check_cp_features(model_config)
+    if tp > 1 or pp > 1 or cp > 1:
+        check_shardable(model_config, tp)
     if cp > 1 and config.context_parallel_threshold > config.max_num_batched_tokens:
         log.warning("context_parallel_threshold=%d > max_num_batched_tokens=%d: no prefill chunk can reach the "
                     "threshold, so every prefill runs replicated on the %d CP ranks (no ring attention)",
@@ -100,47 +108,65 @@ def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 def load_shard(path: Path, model_config: ModelConfig, layout, dtype: torch.dtype,
                device: torch.device, want_tokenizer: bool,
                check: Callable[[], None] | None = None) -> tuple[dict[str, torch.Tensor], Any]:
-    """This rank's tensors (scratchlm names) and, if asked, the tokenizer. `check` is called between tensors
-    (rank 0: raise if a worker died meanwhile)."""
+    """This rank's tensors (scratchlm names, sliced as `shard_plan` says) and, if asked, the tokenizer. `check` is
+    called between tensors (rank 0: raise if a worker died meanwhile)."""
     check = check or (lambda: None)
-    from scratchlm.model.loading import detect_format, load
-    from scratchlm.model.loading.common import expected_shapes
-
-    names = list(expected_shapes(model_config))
+    plan = shard_plan(model_config, layout)
     if detect_format(path) == "hf":
-        from safetensors import safe_open
-
-        from scratchlm.model.loading.common import optional_tokenizer
-        from scratchlm.model.loading.hf import _weight_files, hf_name_map
-
-        files = _weight_files(path)
-        theirs = hf_name_map(model_config)
-        handles: dict[Path, Any] = {}
-
-        def read(name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-            check()
-            f = files[theirs[name]]
-            if f not in handles:
-                handles[f] = safe_open(f, framework="pt")
-            sl = handles[f].get_slice(theirs[name])
-            if dim is None:
-                return sl[:]
-            return sl[start:stop] if dim == 0 else sl[:, start:stop]  # reads only these rows / columns
-
-        state = shard_state(names, model_config, layout, read, dtype, device)
-        handles.clear()
+        state = _read_hf_shard(path, model_config, plan, check)
         tokenizer = None
         if want_tokenizer and (path / "tokenizer.json").is_file():
             tokenizer = optional_tokenizer("formats.load_hf_dir", path)
-        return state, tokenizer
-    check()
-    loaded = load(path, dtype=dtype, device="cpu")  # load then slice (GGUF blocks / llama2.c are whole tensors)
-    check()
-    full = loaded.model.state_dict()
-    state = shard_state(names, model_config, layout, full_tensor_reader(full), dtype, device)
-    tokenizer = loaded.tokenizer if want_tokenizer else None
-    del full, loaded
-    return state, tokenizer
+    else:
+        check()
+        loaded = load(path, dtype=dtype, device="cpu")  # load then slice (GGUF blocks / llama2.c are whole tensors)
+        check()
+        full = loaded.model.state_dict()
+        state = {name: take_shard(full[name], shard) for name, shard in plan.items()}
+        tokenizer = loaded.tokenizer if want_tokenizer else None
+        del full, loaded
+    return {n: t.to(device=device, dtype=dtype).contiguous() for n, t in state.items()}, tokenizer
+
+
+def _read_hf_shard(path: Path, model_config: ModelConfig, plan: dict[str, Shard],
+                   check: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """The planned slices of an HF checkpoint, through its family's tensor rules: a plain rename reads only the
+    rank's rows / columns from the file (`safe_open(...).get_slice`); a transformed tensor (a fused qkv or gate/up
+    split, a transposed Conv1D weight, a norm offset) is read whole, transformed, then sliced."""
+    from safetensors import safe_open
+
+    cfg_path = path / "config.json"
+    rules = hf_rules(json.loads(cfg_path.read_text()), model_config, str(cfg_path))
+    files = weight_files(path)
+    missing = [r.theirs for r in rules if r.theirs not in files]
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:8]}")
+    extra = [n for n in unused_tensors(files, rules) if not (model_config.tie_embeddings and n == "lm_head.weight")]
+    if extra:  # as load_hf_dir: a tensor no rule reads is a feature scratchlm does not implement
+        raise CheckpointError(f"{path}: tensors the model's family does not use: {extra[:8]}")
+    handles: dict[Path, Any] = {}
+    state: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        if not any(n in plan for n in rule.ours):
+            continue  # another pipeline stage's tensor
+        check()
+        f = files[rule.theirs]
+        if f not in handles:
+            handles[f] = safe_open(f, framework="pt")
+        if rule.load is None:  # a plain rename: read only this rank's slice
+            (name,) = rule.ours
+            dim, start, stop = plan[name]
+            sl = handles[f].get_slice(rule.theirs)
+            state[name] = sl[:] if dim is None else sl[start:stop] if dim == 0 else sl[:, start:stop]
+        else:
+            for name, t in rule.to_ours(handles[f].get_tensor(rule.theirs)):
+                if name in plan:
+                    state[name] = take_shard(t, plan[name]).contiguous()
+    handles.clear()
+    absent = sorted(set(plan) - set(state))
+    if absent:
+        raise CheckpointError(f"{path}: no tensor rule gives {absent[:8]}")
+    return state
 
 
 def load_rank_shard(path: Path, model_config: ModelConfig, config: EngineConfig, rank: int, local_rank: int,

@@ -34,11 +34,37 @@ def split_range(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def layer_params(config: ModelConfig) -> int:
-    """Parameters of one transformer block."""
+def cp_unsupported_features(config: ModelConfig) -> list[str]:
+    """The model's features that context parallelism (the engine's CP and `sequence.py`'s ring / Ulysses) does not
+    implement, each with its layers: it implements plain causal softmax(q.k / sqrt(D)) attention only (no soft-cap,
+    no window, no other query scale); everything else runs in the model's own code."""
+    import math
+
     c = config
-    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    return attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    out = []
+    if c.attn.logit_softcap is not None:
+        out.append(f"attention logit soft-cap attn.logit_softcap={c.attn.logit_softcap}")
+    windowed = [i for i in range(c.n_layers) if c.window(i) is not None]
+    if windowed:
+        out.append(f"sliding window attn.sliding_window={c.attn.sliding_window} (layers {windowed})")
+    if c.query_scale() != 1.0 / math.sqrt(c.head_dim):
+        out.append(f"query scale {c.query_scale():g} (not 1/sqrt(head_dim={c.head_dim}))")
+    from scratchlm.model.transformer import attention_spec
+
+    odd = [i for i in range(c.n_layers) if not attention_spec(c, i).is_plain(c.head_dim)]
+    if odd and not out:  # a spec feature added to the model after this list was written
+        out.append(f"non-plain attention on layers {odd}: {attention_spec(c, odd[0])}")
+    return out
+
+
+def check_cp_features(config: ModelConfig) -> None:
+    """Raise ValueError naming the features context parallelism does not implement (at start-up, before any
+    weight loads), instead of a NotImplementedError at the first forward."""
+    missing = cp_unsupported_features(config)
+    if missing:
+        raise ValueError("context parallelism implements plain causal attention only; this model has "
+                         + "; ".join(missing) + ": run it without context_parallel_size (tensor / pipeline "
+                         "parallelism support these features)")
 
 
 def balanced_stages(config: ModelConfig, pp: int) -> list[int]:
@@ -48,11 +74,13 @@ def balanced_stages(config: ModelConfig, pp: int) -> list[int]:
     they count towards those stages (a tied head still costs a copy of the embedding there).
     """
     n = config.n_layers
-    per_layer = layer_params(config)
+    per_layer = config.layer_parameters()
     emb = config.vocab_size * config.d_model
+    # what is not in the blocks: the embedding (+ learned positions) on stage 0, the final norm and the head last
+    rest = config.num_parameters() - config.n_layers * per_layer - emb - (0 if config.tie_embeddings else emb)
     weights = [per_layer] * n
     weights[0] += emb
-    weights[-1] += emb + config.d_model
+    weights[-1] += emb + rest
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)

@@ -165,6 +165,16 @@ class ParallelRunner:
     def _dead_workers(self) -> list[tuple[int, int, int]]:
         return [(i + 1, p.pid, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
 
+    def _rope_lengths(self, inp: ModelInput) -> torch.Tensor | None:
+        """Each row's sequence length (a decode row: its context; a prefill chunk's rows: the chunk's context) when
+        the RoPE scaling depends on it (dynamic NTK, LongRoPE), as the single-process runner passes it; else None."""
+        if not getattr(self.model.lm.rope, "length_dependent", False):
+            return None
+        lengths = list(inp.decode_context_lens)
+        for _, ql, cl, _ in inp.prefills:
+            lengths += [cl] * ql
+        return self._tensor(lengths)
+
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -204,11 +214,11 @@ class ParallelRunner:
             attn = PagedAttention(self.cache, self._metadata(sub))
             positions = self._tensor(sub.positions)  # (N,)
             if lay.is_first_stage:
-                x = model.embed_tokens(self._tensor(sub.token_ids)[None, :])  # (1, N, d)
+                x = model.embed_tokens(self._tensor(sub.token_ids)[None, :], positions)  # (1, N, d)
             else:
                 x, work = recvs[m]
                 comm.wait(work, nbytes=x.numel() * x.element_size())
-            x = model.forward_layers(x, positions, attn)  # (1, N, d)
+            x = model.forward_layers(x, positions, attn, self._rope_lengths(sub))  # (1, N, d)
             if not lay.is_last_stage:
                 sends.append(comm.isend(x, lay.rank + lay.tp, m))
             elif sub.logits_indices:

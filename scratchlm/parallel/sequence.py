@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from scratchlm.model.layers import AttentionSpec, causal_attention
+from scratchlm.parallel.layout import check_cp_features
 
 Backend = Literal["ring", "ulysses"]
 
@@ -185,7 +186,7 @@ def _nbytes(t: Tensor) -> int:
 # Ring attention
 
 
-def _block_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
+def block_attention(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
                      q_chunks: int, k_chunks: int) -> tuple[Tensor, Tensor]:
     """Causal attention of q over one K/V block, chunk by chunk, skipping chunk pairs the mask hides.
 
@@ -231,7 +232,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: An
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world == 1:
-        o, _ = _block_attention(q, positions, k, v, positions, chunks, chunks)
+        o, _ = block_attention(q, positions, k, v, positions, chunks, chunks)
         return o.to(q.dtype)
     nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
     prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
@@ -251,7 +252,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: An
         kb = block[:kv_numel].view(b, tl, hkv, d)
         vb = block[kv_numel:2 * kv_numel].view(b, tl, hkv, d)
         kpos = block[2 * kv_numel:].to(torch.long)
-        part = _block_attention(q, positions, kb, vb, kpos, chunks, chunks)
+        part = block_attention(q, positions, kb, vb, kpos, chunks, chunks)
         o, lse = part if o is None else merge_attention_states(o, lse, *part)
         for r in reqs:
             r.wait()
@@ -339,6 +340,7 @@ class ContextParallelLM:
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         c = self.model.config
+        check_cp_features(c)  # at construction, not at the first forward
         if self.backend == "ulysses":
             check_ulysses(c.n_heads, c.n_kv_heads, self.world)
         self.cache: list[_LayerCache | None] = [None] * c.n_layers
@@ -394,8 +396,8 @@ class ContextParallelLM:
         return out[:t]
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Logits for normed hidden states (..., d_model)."""
-        return hidden @ self.model.output_weight.t()
+        """Logits for normed hidden states (..., d_model): the head, then the model's logit scale and soft-cap."""
+        return self.model.finish_logits(hidden @ self.model.output_weight.t())
 
     # -- decode ---------------------------------------------------------------------------------
     def _decode_attn(self, position: int, owner: int) -> Callable[..., Tensor]:
@@ -463,7 +465,8 @@ def reference_generate(model: torch.nn.Module, ids: list[int], max_new_tokens: i
     Returns (new token ids, normed prompt hidden states (T, d))."""
     cache: list[tuple[Tensor, Tensor]] = []
 
-    def prefill_attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def prefill_attn(layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
+        require_plain(spec, q)
         cache.append((k, v))
         return causal_attention(q, k, v)
 

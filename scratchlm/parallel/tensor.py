@@ -1,85 +1,163 @@
-"""Tensor-parallel layers and one rank's shard of the transformer (Megatron-style, for inference).
+"""Tensor parallelism (Megatron-style, for inference) on the model's own modules.
 
-- Column-parallel linear: the weight's output rows are split; each rank computes its slice of the
-  outputs, no communication. Used for the fused QKV projection (the rank's query heads, then its
-  KV heads: shard-correct under GQA because the query heads of a KV-head group stay together) and
-  the fused gate/up projection of the MLP.
-- Row-parallel linear: the weight's input columns are split; each rank multiplies its slice of the
-  inputs and the partial sums are all-reduced. Used for `o_proj` and the MLP's down projection:
-  so a block costs **one all-reduce after attention and one after the MLP**.
-- Vocab-parallel embedding: each rank holds a range of vocabulary rows, looks up the ids that fall
-  in it (zeros elsewhere) and the rows are summed with an all-reduce. The LM head is column-parallel
-  over the same vocabulary ranges; the logits are all-gathered (only sampled rows are computed).
+There is no parallel copy of the decoder block. A rank builds the very `TransformerLM` of the config on the meta
+device and shards it in place, following the `tp_plan` that `Attention` and `MLP` declare for their parameters:
 
-Each rank keeps only its slices (`shard_state`); the paged KV cache of a rank holds only its KV
-heads (and only the layers of its pipeline stage).
+- "column": the output rows are split. q/k/v (weights and biases) by head: a rank keeps a contiguous range of KV
+  heads and the query heads of their groups (GQA), so its paged KV cache holds only its KV heads; the MLP's w1/w3
+  (b1/b3) by hidden unit. No communication.
+- "row": the input columns are split: `o_proj` (by query head) and the MLP's `w2` (by hidden unit). The `Linear`
+  is wrapped in `RowParallel`, which all-reduces the partial sums, so a block costs **one all-reduce after
+  attention and one after the MLP**, and the o/b2 biases, which the model adds after the projection, are added
+  once to the reduced sum.
+- "replicated": kept whole (o/b2 biases, per-head q/k-norms; the block's norms are replicated too).
+- A full-width q/k-norm (OLMo-2) is split with its heads and becomes `ShardedRMSNorm`: the sum of squares is
+  all-reduced, so each rank normalises by the RMS over the whole projection.
+- Vocab-parallel embedding: each rank holds a range of vocabulary rows, looks up the ids that fall in it (zeros
+  elsewhere) and the rows are summed with an all-reduce. The LM head is column-parallel over the same vocabulary
+  ranges; the logits are all-gathered (only sampled rows are computed). Learned positions are replicated.
+
+Everything else (RoPE and its scalings, partial rotary dims, the attention spec's scale / soft-cap / window, norm
+placement, residual and embedding multipliers, logit scale and soft-cap) runs in the unmodified model code, so it is
+the same under TP by construction. A parameter of the block that no plan names is an error at start-up
+(`shard_plan`), never a silently replicated or mis-split tensor.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from scratchlm.model.config import ModelConfig
-from scratchlm.model.layers import AttentionBackend, RMSNorm, RotaryEmbedding
+from scratchlm.model.layers import MLP, Attention, AttentionBackend, LayerNorm, Linear, RMSNorm
+from scratchlm.model.transformer import TransformerBlock, TransformerLM
 from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.layout import RankLayout
 
-# reader(scratchlm name, dim or None for the whole tensor, start, stop) -> tensor
-SliceReader = Callable[[str, int | None, int, int], Tensor]
+# How a rank holds a tensor: (dim, start, stop) of its slice, or WHOLE.
+Shard = tuple[int | None, int, int]
+WHOLE: Shard = (None, 0, 0)
 
 
-def shard_spec(name: str, config: ModelConfig, layout: RankLayout) -> tuple[int | None, int, int] | None:
-    """How `layout`'s rank holds tensor `name`: (dim, start, stop) of its slice, (None, 0, 0) for the
-    whole tensor, or None when the rank does not hold it (another pipeline stage's layer)."""
+def _meta_model(config: ModelConfig) -> TransformerLM:
+    with torch.device("meta"):
+        return TransformerLM(config)
+
+
+def _attention_units(name: str, config: ModelConfig, layout: RankLayout) -> tuple[int, int]:
+    """Rows (column split) or columns (row split) of `Attention` parameter `name` this rank holds: q/o by query
+    head, k/v by KV head."""
     d = config.head_dim
-    if name == "tok_embeddings.weight":
-        holds = layout.is_first_stage or (layout.is_last_stage and config.tie_embeddings)
-        return (0, *layout.vocab) if holds else None
-    if name == "lm_head.weight":
-        return (0, *layout.vocab) if layout.is_last_stage else None
-    if name == "norm.weight":
-        return (None, 0, 0) if layout.is_last_stage else None
-    parts = name.split(".")
-    layer = int(parts[1])
-    if not layout.layers[0] <= layer < layout.layers[1]:
-        return None
-    local = ".".join(parts[2:])
-    q0, q1 = layout.q_heads
-    k0, k1 = layout.kv_heads
-    specs = {
-        "attn.q_proj.weight": (0, q0 * d, q1 * d), "attn.q_bias": (0, q0 * d, q1 * d),
-        "attn.k_proj.weight": (0, k0 * d, k1 * d), "attn.k_bias": (0, k0 * d, k1 * d),
-        "attn.v_proj.weight": (0, k0 * d, k1 * d), "attn.v_bias": (0, k0 * d, k1 * d),
-        "attn.o_proj.weight": (1, q0 * d, q1 * d),
-        "ffn.w1.weight": (0, *layout.ff), "ffn.w3.weight": (0, *layout.ff), "ffn.w2.weight": (1, *layout.ff),
-    }
-    return specs.get(local, (None, 0, 0))
+    heads = {"q": layout.q_heads, "o": layout.q_heads, "k": layout.kv_heads, "v": layout.kv_heads}.get(name[0])
+    if heads is None:
+        raise ValueError(f"tensor parallelism: no head range for attention parameter {name!r}")
+    return heads[0] * d, heads[1] * d
 
 
-def shard_state(names: list[str], config: ModelConfig, layout: RankLayout, read: SliceReader,
-                dtype: torch.dtype, device: torch.device | str) -> dict[str, Tensor]:
-    """This rank's tensors: only the slices it holds are read (`read` may read slices from disk)."""
-    out = {}
-    for name in names:
-        spec = shard_spec(name, config, layout)
-        if spec is None:
+def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: RankLayout) -> dict[str, Shard]:
+    """{parameter name: Shard} of one block's child module, from its `tp_plan`."""
+    out: dict[str, Shard] = {}
+    plan = getattr(module, "tp_plan", None)
+    for pname, p in module.named_parameters():
+        name = prefix + pname
+        if plan is None:
+            if isinstance(module, (RMSNorm, LayerNorm)):
+                out[name] = WHOLE  # the block's norms act on the replicated residual stream
+                continue
+            raise ValueError(f"tensor parallelism: {name} belongs to a {type(module).__name__}, which declares no "
+                             f"tp_plan (how its parameters split over ranks); add one before sharding this model")
+        split = plan.get(pname)
+        if split not in ("column", "row", "replicated"):
+            raise ValueError(f"tensor parallelism: {type(module).__name__}.tp_plan has no valid entry for {pname!r} "
+                             f"(got {split!r}; expected 'column', 'row' or 'replicated')")
+        if split == "replicated":
+            out[name] = WHOLE
             continue
-        t = read(name, *spec)
-        out[name] = t.to(device=device, dtype=dtype).contiguous()
+        if isinstance(module, Attention):
+            units = _attention_units(pname, config, layout)
+        elif isinstance(module, MLP):
+            units = layout.ff
+        else:
+            raise ValueError(f"tensor parallelism: no unit range known for {type(module).__name__}.{pname}")
+        if split == "row" and p.dim() != 2:
+            raise ValueError(f"tensor parallelism: {name} is planned 'row' but is not a matrix")
+        out[name] = (1 if split == "row" else 0, *units)
     return out
 
 
-def full_tensor_reader(state: dict[str, Tensor]) -> SliceReader:
-    """A reader slicing tensors already in memory (formats whose loader dequantizes/permutes whole tensors)."""
+def shard_plan(config: ModelConfig, layout: RankLayout) -> dict[str, Shard]:
+    """{state-dict name: Shard} of every tensor `layout`'s rank holds (another stage's layers are absent)."""
+    model = _meta_model(config)
+    out: dict[str, Shard] = {}
+    if layout.is_first_stage or (layout.is_last_stage and config.tie_embeddings):
+        out["tok_embeddings.weight"] = (0, *layout.vocab)
+    if layout.is_first_stage and model.pos_embeddings is not None:
+        out["pos_embeddings.weight"] = WHOLE
+    if layout.is_last_stage:
+        out.update({f"norm.{n}": WHOLE for n, _ in model.norm.named_parameters()})
+        if model.lm_head is not None:
+            out["lm_head.weight"] = (0, *layout.vocab)
+    for i in range(*layout.layers):
+        block = model.layers[i]
+        for child, module in block.named_children():
+            out.update(module_shards(f"layers.{i}.{child}.", module, config, layout))
+        named = {n for n, _ in block.named_parameters()}
+        planned = {n.removeprefix(f"layers.{i}.") for n in out if n.startswith(f"layers.{i}.")}
+        if named != planned:  # a parameter directly on the block, outside every child module
+            raise ValueError(f"tensor parallelism: block parameters {sorted(named - planned)} have no tp_plan")
+    return out
 
-    def read(name: str, dim: int | None, start: int, stop: int) -> Tensor:
-        t = state[name]
-        return t if dim is None else t.narrow(dim, start, stop - start)
 
-    return read
+def shard_spec(name: str, config: ModelConfig, layout: RankLayout) -> Shard | None:
+    """How `layout`'s rank holds tensor `name` (a Shard), or None when it does not hold it."""
+    return shard_plan(config, layout).get(name)
+
+
+def take_shard(t: Tensor, shard: Shard) -> Tensor:
+    """The rank's slice of a whole tensor."""
+    dim, start, stop = shard
+    return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+def check_shardable(config: ModelConfig, tp: int) -> None:
+    """Raise ValueError now (before any process starts) if the model has a parameter no `tp_plan` covers."""
+    from scratchlm.parallel.layout import plan_layout
+
+    shard_plan(config, plan_layout(config, tp, 1, 0))
+
+
+# --- the collectives, as modules swapped into the model ---------------------------------------------------
+
+class RowParallel(nn.Module):
+    """A row-parallel `Linear`: the rank's input columns times its weight columns, all-reduced over the TP ranks.
+    `weight` is the wrapped linear's (d_out, local d_in)."""
+
+    def __init__(self, linear: Linear, comm: Comm):
+        super().__init__()
+        self.linear = linear
+        self.comm = comm
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.comm.all_reduce(self.linear(x))  # (..., d_out): the sum over ranks
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a width split across the TP ranks (OLMo-2's full-width q/k-norm): the rank's slice of the
+    gain, the sum of squares all-reduced, mean over `full_dim`. Computed in float32 as `RMSNorm`."""
+
+    def __init__(self, norm: RMSNorm, full_dim: int, comm: Comm):
+        super().__init__()
+        self.weight, self.eps, self.full_dim, self.comm = norm.weight, norm.eps, full_dim, comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        ss = self.comm.all_reduce(xf.square().sum(dim=-1, keepdim=True))  # (..., 1): over the whole width
+        r = torch.rsqrt(ss / self.full_dim + self.eps)
+        return (xf * r * self.weight.float()).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -106,86 +184,101 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:])))
 
 
-class ShardedBlock(nn.Module):
-    """One transformer block's slice: fused column-parallel QKV and gate/up, row-parallel o/down."""
+def _frozen(t: Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
-    def __init__(self, config: ModelConfig, layout: RankLayout, state: dict[str, Tensor], prefix: str, comm: Comm):
-        super().__init__()
-        c = config
-        self.comm = comm
-        self.head_dim = c.head_dim
-        self.n_q = layout.q_heads[1] - layout.q_heads[0]
-        self.n_kv = layout.kv_heads[1] - layout.kv_heads[0]
-        self.n_ff = layout.ff[1] - layout.ff[0]
 
-        def norm(name: str) -> RMSNorm:
-            m = RMSNorm(c.d_model, c.norm_eps, device="meta")
-            m.weight = nn.Parameter(state[prefix + name], requires_grad=False)
-            return m
-
-        def param(t: Tensor) -> nn.Parameter:
-            return nn.Parameter(t.contiguous(), requires_grad=False)
-
-        self.attn_norm, self.ffn_norm = norm("attn_norm.weight"), norm("ffn_norm.weight")
-        qkv = [state[prefix + f"attn.{p}_proj.weight"] for p in "qkv"]
-        self.w_qkv = param(torch.cat(qkv))  # ((n_q + 2 n_kv) D, d_model): column-parallel, fused
-        self.b_qkv = param(torch.cat([state[prefix + f"attn.{p}_bias"] for p in "qkv"])) if c.qkv_bias else None
-        self.w_o = param(state[prefix + "attn.o_proj.weight"])  # (d_model, n_q D): row-parallel
-        self.w_gate_up = param(torch.cat((state[prefix + "ffn.w1.weight"], state[prefix + "ffn.w3.weight"])))
-        self.w_down = param(state[prefix + "ffn.w2.weight"])  # (d_model, n_ff): row-parallel
-
-    def forward(self, x: Tensor, rope: RotaryEmbedding, cos: Tensor, sin: Tensor, attn: AttentionBackend,
-                layer: int) -> Tensor:
-        """x (B, T, d_model) replicated on the TP ranks -> (B, T, d_model) replicated."""
-        b, t, _ = x.shape
-        h = self.attn_norm(x)
-        qkv = h @ self.w_qkv.t() if self.b_qkv is None else torch.addmm(
-            self.b_qkv, h.flatten(0, 1), self.w_qkv.t()).view(b, t, -1)  # (B, T, (n_q + 2 n_kv) D)
-        d = self.head_dim
-        q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
-        q = rope.rotate(q.view(b, t, self.n_q, d), cos, sin)  # (B, T, n_q, D)
-        k = rope.rotate(k.view(b, t, self.n_kv, d), cos, sin)  # (B, T, n_kv, D)
-        v = v.view(b, t, self.n_kv, d)  # (B, T, n_kv, D)
-        o = attn(layer, q, k, v).reshape(b, t, self.n_q * d)  # (B, T, n_q D)
-        x = x + self.comm.all_reduce(o @ self.w_o.t())  # all-reduce 1: after attention
-        h = self.ffn_norm(x)
-        gate, up = (h @ self.w_gate_up.t()).split(self.n_ff, dim=-1)  # (B, T, n_ff) each
-        y = torch.sigmoid(gate).mul_(gate).mul_(up) @ self.w_down.t()  # (B, T, d_model), partial sum
-        return x + self.comm.all_reduce(y)  # all-reduce 2: after the MLP
+def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layout: RankLayout, comm: Comm) -> None:
+    """Put layer `i`'s shards into `block` (built on meta) and swap in the collectives."""
+    prefix = f"layers.{i}."
+    for name, _ in list(block.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        module = block.get_submodule(owner)
+        t = state[prefix + name]
+        setattr(module, attr, _frozen(t))
+        if isinstance(module, Linear):
+            module.d_out, module.d_in = t.shape
+    attn, ffn = block.attn, block.ffn
+    q_width, k_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim  # unsharded
+    attn.n_heads = layout.q_heads[1] - layout.q_heads[0]
+    attn.n_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
+    for module in (attn, ffn):
+        for pname, split in module.tp_plan.items():
+            owner = pname.rpartition(".")[0]
+            child = getattr(module, owner, None) if owner else None
+            if split == "row" and isinstance(child, Linear):
+                setattr(module, owner, RowParallel(child, comm))
+            elif split == "column" and isinstance(child, RMSNorm):  # a norm over a split width: its RMS spans ranks
+                setattr(module, owner, ShardedRMSNorm(child, q_width if owner.startswith("q") else k_width, comm))
+            elif split == "column" and isinstance(child, LayerNorm):
+                raise ValueError(f"tensor parallelism: a LayerNorm split across ranks ({pname}) is not implemented")
 
 
 class ShardedLM(nn.Module):
-    """The layers of one pipeline stage, tensor-sharded: embedding on the first stage, norm + head on the last."""
+    """One rank's part of the model: its pipeline stage's blocks, tensor-sharded, from the model's own modules;
+    embedding on the first stage, final norm and head on the last. The runners call `embed_tokens`,
+    `forward_layers` and `logits`."""
 
     def __init__(self, config: ModelConfig, layout: RankLayout, state: dict[str, Tensor], comm: Comm):
         super().__init__()
         self.config, self.layout, self.comm = config, layout, comm
+        plan = shard_plan(config, layout)
+        missing = sorted(set(plan) - set(state))
+        if missing:
+            raise ValueError(f"rank {layout.rank}: shard tensors missing: {missing[:8]}")
+        lm = _meta_model(config)
+        self.first_layer = layout.layers[0]
+        blocks = [lm.layers[i] for i in range(*layout.layers)]
+        for i, block in zip(range(*layout.layers), blocks):
+            _shard_block(block, i, state, layout, comm)
+        lm.layers = nn.ModuleList(blocks)  # this stage's blocks; `attn` indexes them locally (0 = the first)
         shard = layout.vocab_shard
-        self.embed = None
+        embed = None
         if "tok_embeddings.weight" in state:
-            self.embed = VocabParallelEmbedding(_pad_rows(state["tok_embeddings.weight"], shard), layout.vocab[0], comm)
-        self.blocks = nn.ModuleList(
-            ShardedBlock(config, layout, state, f"layers.{i}.", comm) for i in range(*layout.layers))
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_layout)
-        self.norm = self.head = None
+            embed = VocabParallelEmbedding(_pad_rows(state["tok_embeddings.weight"], shard), layout.vocab[0], comm)
+        lm.tok_embeddings = embed if layout.is_first_stage else None
+        if lm.pos_embeddings is not None:
+            lm.pos_embeddings = None if not layout.is_first_stage else lm.pos_embeddings
+            if lm.pos_embeddings is not None:
+                lm.pos_embeddings.weight = _frozen(state["pos_embeddings.weight"])
+        self.head = None
         if layout.is_last_stage:
-            self.norm = RMSNorm(config.d_model, config.norm_eps, device="meta")
-            self.norm.weight = nn.Parameter(state["norm.weight"], requires_grad=False)
-            head = self.embed.weight if config.tie_embeddings else _pad_rows(state["lm_head.weight"], shard)
-            self.head = head if isinstance(head, nn.Parameter) else nn.Parameter(head, requires_grad=False)
+            for n, _ in list(lm.norm.named_parameters()):
+                setattr(lm.norm, n, _frozen(state[f"norm.{n}"]))
+            if config.tie_embeddings:
+                self.head = embed.weight
+            else:
+                self.head = _frozen(_pad_rows(state["lm_head.weight"], shard))
+        else:
+            lm.norm = None
+        lm.lm_head = None
+        self.lm = lm
+        meta = [n for n, p in self.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(f"rank {layout.rank}: parameters left without weights after sharding: {meta[:8]}")
 
-    def embed_tokens(self, tokens: Tensor) -> Tensor:
-        """tokens (B, T) -> (B, T, d_model) (first stage only)."""
-        return self.embed(tokens)
+    def embed_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens (B, T) at positions (T,) -> (B, T, d_model) (first stage only): the model's own `embed`
+        (embedding scale, learned positions) over the vocab-parallel lookup."""
+        return self.lm.embed(tokens, positions)
 
-    def forward_layers(self, x: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        """Run this stage's blocks on x (B, T, d_model); `attn` indexes layers locally (0 = first of the stage)."""
-        cos, sin = self.rope.cos_sin(positions, x.dtype)  # (T, 1, D/2)
-        for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, cos, sin, attn, i)
+    def forward_layers(self, x: Tensor, positions: Tensor, attn: AttentionBackend | None,
+                       rope_lengths: Tensor | None = None) -> Tensor:
+        """Run this stage's blocks on x (B, T, d_model); `attn` indexes layers locally (0 = first of the stage).
+        `rope_lengths`: each row's sequence length, for length-dependent RoPE scalings (None: one sequence)."""
+        lm = self.lm
+        tables = (lm.rope_tables(positions, x.dtype) if rope_lengths is None
+                  else lm.rope_tables(positions, x.dtype, rope_lengths))
+        for j, block in enumerate(lm.layers):
+            rope = lm.layer_rope(self.first_layer + j)
+            cos, sin = tables[id(rope)] if rope is not None else (None, None)
+            x = block(x, rope, cos, sin, attn, j)
         return x
 
     def logits(self, rows: Tensor) -> Tensor:
-        """rows (n, d_model) of the residual stream -> logits (n, vocab) (last stage; gathered over TP)."""
-        local = self.norm(rows) @ self.head.t()  # (n, vocab_shard)
-        return self.comm.all_gather_cols(local)[:, : self.config.vocab_size]  # (n, vocab)
+        """rows (n, d_model) of the residual stream -> logits (n, vocab) (last stage; gathered over TP): final norm,
+        the rank's vocabulary rows, all-gather, then the model's logit scale and soft-cap."""
+        local = self.lm.norm(rows) @ self.head.t()  # (n, vocab_shard)
+        full = self.comm.all_gather_cols(local)[:, : self.config.vocab_size]  # (n, vocab)
+        return self.lm.finish_logits(full)
+

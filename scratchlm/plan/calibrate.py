@@ -129,16 +129,16 @@ def measure_layer_overhead(layers: int = 8, clock: str = "wall") -> float:
 
 
 def measure_ring_step_overhead(heads: int = 8, kv_heads: int = 4, d: int = 64, clock: str = "wall") -> float:
-    """Seconds of one ring-attention step's fixed cost (`_block_attention` over 2 x 2 visible chunk pairs and
+    """Seconds of one ring-attention step's fixed cost (`block_attention` over 2 x 2 visible chunk pairs and
     one `merge_attention_states`) on 4-token blocks, where the arithmetic is negligible."""
-    from scratchlm.parallel.sequence import _block_attention, merge_attention_states
+    from scratchlm.parallel.sequence import block_attention, merge_attention_states
 
     q, k, v = torch.randn(1, 4, heads, d), torch.randn(1, 4, kv_heads, d), torch.randn(1, 4, kv_heads, d)
     q_pos, k_pos = torch.arange(8, 12), torch.arange(4)  # every key before every query: 4 unmasked pairs
     o, lse = torch.zeros(1, 4, heads, d), torch.zeros(1, 4, heads)
 
     def run() -> None:
-        merge_attention_states(o, lse, *_block_attention(q, q_pos, k, v, k_pos, 2, 2))
+        merge_attention_states(o, lse, *block_attention(q, q_pos, k, v, k_pos, 2, 2))
 
     with torch.no_grad():
         return _best(run, repeats=10, clock=clock)

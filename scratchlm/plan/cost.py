@@ -10,6 +10,12 @@ alpha-beta model per collective:
   2 (p-1) (latency + n / (p bandwidth)); all-gather and all-to-all (p-1) (latency + n / (p bandwidth));
 - ring attention overlaps its K/V transfer with the block's compute: a step costs the larger.
 
+The model's figures come from `ModelConfig`'s own counts (`num_parameters`, `layer_parameters`,
+`matmul_weights_per_layer`, `attended_tokens`, `kv_spec`), split by how tensor parallelism divides them
+(`split_count`): no parameter or KV formula lives here, so every family's features (biases, q/k-norms, sandwich
+norms, plain MLPs, learned positions) count as the model builds them, and a sliding window caps a layer's attention
+work and KV bytes at its window.
+
 Rank placement: TP innermost (neighbouring ranks), then CP, then PP, then DP; a group whose ranks
 fall on different nodes uses the inter-node link.
 """
@@ -17,7 +23,8 @@ fall on different nodes uses the inter-node link.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from scratchlm.model.config import ModelConfig
 from scratchlm.plan.cluster import ClusterSpec
@@ -130,14 +137,70 @@ class Prediction:
         return 0.0 if self.total_s == 0 else min(1.0, self.decode_time_s / self.total_s)
 
 
-def attention_params(c: ModelConfig) -> int:
-    """q, k, v, o projection weights of one block."""
-    return c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+@dataclass(frozen=True)
+class Split:
+    """A per-block count (parameters, matmul weights) by how tensor parallelism divides it: `per_group` goes with
+    each KV head and its query heads, `per_unit` with each MLP hidden unit, `rest` is replicated."""
+
+    per_group: int
+    per_unit: int
+    rest: int
+
+    def local(self, c: ModelConfig, tp: int) -> int:
+        """The count on the largest TP rank (whole KV-head groups, the first ranks take the larger ranges)."""
+        return self.rest + math.ceil(c.n_kv_heads / tp) * self.per_group + math.ceil(c.d_ff / tp) * self.per_unit
 
 
-def mlp_params(c: ModelConfig) -> int:
-    """SwiGLU weights of one block (gate, up, down)."""
-    return 3 * c.d_model * c.d_ff
+def split_count(c: ModelConfig, count: Callable[[ModelConfig], int]) -> Split:
+    """Split `count(c)` (a `ModelConfig` method: `layer_parameters`, `matmul_weights_per_layer`) by linearity: one
+    KV-head group more (n_heads + G, n_kv_heads + 1) adds `per_group`, one hidden unit more (d_ff + 1) `per_unit`.
+    So the planner keeps no parameter formula of its own; the model config's counts are the only ones."""
+    base = count(c)
+    group = c.n_heads // c.n_kv_heads
+    per_group = count(replace(c, n_heads=c.n_heads + group, n_kv_heads=c.n_kv_heads + 1)) - base
+    per_unit = count(replace(c, d_ff=c.d_ff + 1)) - base
+    return Split(per_group, per_unit, base - c.n_kv_heads * per_group - c.d_ff * per_unit)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the cost model reads of a config, all from `ModelConfig`'s own counts."""
+
+    layer: Split  # parameters of one block
+    matmul: Split  # weights one token multiplies in a block
+    embedding: int  # vocab x d_model
+    positions: int  # learned absolute positions (stage 0)
+    final_norm: int  # the final norm (last stage)
+
+    @classmethod
+    def of(cls, c: ModelConfig) -> ModelCounts:
+        outside = c.num_parameters() - c.n_layers * c.layer_parameters()  # embedding, positions, final norm, head
+        embedding = c.vocab_size * c.d_model
+        positions = c.num_parameters() - replace(c, learned_positions=False).num_parameters()
+        head = 0 if c.tie_embeddings else embedding
+        return cls(split_count(c, ModelConfig.layer_parameters), split_count(c, ModelConfig.matmul_weights_per_layer),
+                   embedding, positions, outside - embedding - head - positions)
+
+
+def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1) -> list[int]:
+    """Parameters each pipeline stage's largest TP rank holds (the vocabulary padded to equal shards); at TP = PP = 1
+    the model's `num_parameters()`."""
+    n = ModelCounts.of(c)
+    layer = n.layer.local(c, tp)
+    emb = math.ceil(c.vocab_size / tp) * c.d_model
+    head_separate = not (c.tie_embeddings and pp == 1)  # a tied head on its own stage is a second copy
+    stages = stage_layers(c, pp)
+    return [stages[s] * layer + ((emb + n.positions) if s == 0 else 0)
+            + ((emb if head_separate else 0) + n.final_norm if s == pp - 1 else 0) for s in range(pp)]
+
+
+def kv_bytes_per_sequence(c: ModelConfig, layers: range, ctx: int, tp: int = 1, cp: int = 1,
+                          dtype_bytes: float = 4) -> float:
+    """K and V bytes one sequence of `ctx` tokens keeps in `layers` on one rank (`ModelConfig.kv_spec()`): a
+    windowed layer keeps only its window, a rank its KV heads and 1/cp of the tokens."""
+    spec = c.kv_spec()
+    return sum(2 * math.ceil(min(ctx, spec[i].window or ctx) / cp) * math.ceil(spec[i].n_kv_heads / tp)
+               * spec[i].head_dim * dtype_bytes for i in layers)
 
 
 def _allreduce(n: float, p: int, lat: float, bw: float) -> float:
@@ -225,6 +288,10 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         problems.append(f"CP={cp} needs a prompt of at least {2 * cp} tokens")
     if cp_kind == "ulysses" and (c.n_kv_heads % (cp * tp) or c.n_heads % (cp * tp)):
         problems.append(f"Ulysses CP={cp} x TP={tp} must divide {c.n_kv_heads} KV heads")
+    if cp > 1:
+        from scratchlm.parallel.layout import cp_unsupported_features
+
+        problems += [f"CP={cp} does not implement the {f}" for f in cp_unsupported_features(c)]
     e = cluster.dtype_bytes
     ekv = cluster.kv_dtype_bytes
     rpn = ranks_per_node or min(layout.world, cluster.devices_per_node)
@@ -234,26 +301,18 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
 
     kv_local = math.ceil(c.n_kv_heads / tp)  # the largest TP shard (whole KV-head groups)
     h_local = kv_local * (c.n_heads // c.n_kv_heads)
-    a_frac = kv_local / c.n_kv_heads
     stages = stage_layers(c, pp)
     pred.stage_layers = stages
-    ls = max(stages)
-    lin_layer = attention_params(c) * a_frac + mlp_params(c) / tp  # linear weights of one layer on one rank
-    layer_local = lin_layer + 2 * c.d_model
-    emb = c.vocab_size * c.d_model / tp
-    head_separate = not (c.tie_embeddings and pp == 1)  # a tied head on its own stage is a second copy
+    stage_range = [range(sum(stages[:s]), sum(stages[:s + 1])) for s in range(pp)]
+    lin_layer = ModelCounts.of(c).matmul.local(c, tp)  # linear weights of one layer on one rank
+    emb = math.ceil(c.vocab_size / tp) * c.d_model  # the head's rows on one rank
+    pred.weights_bytes = max(rank_parameters(c, tp, pp)) * e
 
-    def stage_params(s: int) -> float:
-        return (stages[s] * layer_local + (emb if s == 0 else 0.0)
-                + ((emb if head_separate else 0.0) + c.d_model if s == pp - 1 else 0.0))
-
-    pred.weights_bytes = max(stage_params(s) for s in range(pp)) * e
-
-    # KV cache: this replica's sequences, its stage's layers, its KV heads, 1/cp of the tokens.
+    # KV cache: this replica's sequences, its stage's layers (a windowed one: its window), its KV heads, 1/cp of
+    # the tokens.
     batch = math.ceil(w.concurrency / dp)
     ctx = w.prompt_len + w.output_len
-    kv_per_token = 2 * ls * kv_local * c.head_dim * ekv
-    pred.kv_bytes = batch * math.ceil(ctx / cp) * kv_per_token
+    pred.kv_bytes = batch * max(kv_bytes_per_sequence(c, r, ctx, tp, cp, ekv) for r in stage_range)
 
     # Activations of one prompt's prefill (the peak): per-token buffers plus the attention scores.
     tl = math.ceil(w.prompt_len / cp)
@@ -263,7 +322,8 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         per_token = per_token_activation_elements(c, tp) * 4
     if cp == 1 or cp_kind == "ulysses":
         heads = h_local if cp == 1 else h_local // cp
-        sq = sk = w.prompt_len
+        sq = w.prompt_len
+        sk = max(c.attended_tokens(i, w.prompt_len) for i in range(c.n_layers))  # windows narrow the scores
     else:
         heads, sq = h_local, math.ceil(w.prompt_len / (2 * cp))
         sk = sq
@@ -281,16 +341,17 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     # ---- prefill: `prompts` prompts in one forward (the engine batches them), stages one after another ----
     t = w.prompt_len
     if cp_kind == "ulysses" and cp > 1:
-        score = h_local / cp * float(t) * t
-    else:
-        score = h_local * ring_score_elements(t, cp)
+        score = L * h_local / cp * float(t) * t
+    else:  # summed over the layers; a windowed layer's queries see at most the window (ModelConfig.attended_tokens)
+        score = h_local * sum(ring_score_elements(t, cp) if c.window(i) is None or cp > 1
+                              else float(t) * c.attended_tokens(i, t) for i in range(L))
 
     def prefill_terms(prompts: int) -> Terms:
         pre = Terms()
         _linear(pre, cluster, L * lin_layer, prompts * tl, slow)
         _linear(pre, cluster, emb, prompts, slow)  # the last token's logits
         smax = cluster.softmax_for(heads * sq * sk) / slow  # one attention op's score matrix in cache or not
-        pre.add_op(prompts * L * (4 * score * c.head_dim / flops + score / smax), 0.0)
+        pre.add_op(prompts * (4 * score * c.head_dim / flops + score / smax), 0.0)
         pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
         pre.overhead = L * overhead
         if cp > 1 and cp_kind != "ulysses":
@@ -324,10 +385,11 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         _linear(st, cluster, n * lin_layer, rows, slow)
         if s == pp - 1:
             _linear(st, cluster, emb, rows, slow)
-        ctx_tokens = rows * s_avg / cp
+        # keys the stage's layers attend to (a windowed layer: its window), this rank's 1/cp of them
+        ctx_tokens = rows * sum(c.attended_tokens(i, s_avg) for i in stage_range[s]) / cp
         smax = cluster.softmax_for(h_local * s_avg / cp) / slow
-        st.add_op(n * ctx_tokens * h_local * (4 * c.head_dim / flops + 1 / smax),
-                  n * ctx_tokens * 2 * kv_local * c.head_dim * ekv / mem_bw)
+        st.add_op(ctx_tokens * h_local * (4 * c.head_dim / flops + 1 / smax),
+                  ctx_tokens * 2 * kv_local * c.head_dim * ekv / mem_bw)
         st.add_op(0.0, n * rows * ew / elem_rate)
         st.overhead = n * overhead
         calls = (2 * n + (s == 0) + (s == pp - 1)) if tp > 1 else 0  # all-reduces, the logits' all-gather

@@ -9,8 +9,8 @@ import torch
 from scratchlm.model.layers import causal_attention
 from scratchlm.parallel.sequence import (
     ContextParallelLM,
-    _block_attention,
     attention_with_lse,
+    block_attention,
     check_ulysses,
     merge_attention_states,
     merge_many,
@@ -79,7 +79,7 @@ def test_zigzag_blocks_merged_equal_causal_attention(world):
     full = causal_attention(q, k, v)
     pos = [shard_positions(32, world, r, "zigzag") for r in range(world)]
     for r in range(world):
-        parts = [_block_attention(q[:, pos[r]], pos[r], k[:, pos[j]], v[:, pos[j]], pos[j], 2, 2)
+        parts = [block_attention(q[:, pos[r]], pos[r], k[:, pos[j]], v[:, pos[j]], pos[j], 2, 2)
                  for j in range(world)]
         o, _ = merge_many(parts)
         torch.testing.assert_close(o, full[:, pos[r]], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,72 @@
+"""The planner's counts on every family's config (`tests/model/families/tiny.py`), against the models themselves:
+parameters per rank equal what `TransformerLM` builds (one rank) and what tensor parallelism's shard plan holds
+(TP = 2, TP = 2 x PP = 2); sliding windows shrink the KV cache and the attention work; context parallelism is
+infeasible for what it does not implement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from scratchlm.model import families
+from scratchlm.model.transformer import TransformerLM
+from scratchlm.parallel.layout import plan_layout
+from scratchlm.parallel.tensor import shard_plan
+from scratchlm.plan import ClusterSpec, Layout, Workload, predict
+from scratchlm.plan.cost import rank_parameters
+from tests.model.families.tiny import FAMILIES
+
+BIG = ClusterSpec(name="big", nodes=1, devices_per_node=4, flops=1e10, mem_bw=1e10, mem_capacity=1e12,
+                  softmax_rate=1e9, intra_bw=1e9, intra_latency=1e-5, inter_bw=1e8, inter_latency=1e-4)
+
+
+def _config(name: str):
+    return families.config_from_hf(FAMILIES[name]().to_dict(), name)
+
+
+def _held(config, tp: int, pp: int, rank: int) -> int:
+    """Elements the rank's shard plan holds (every tensor's slice)."""
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in TransformerLM(config).state_dict().items()}
+    total = 0
+    for name, (dim, start, stop) in shard_plan(config, plan_layout(config, tp, pp, rank)).items():
+        n = 1
+        for i, size in enumerate(shapes[name]):
+            n *= (stop - start) if i == dim else size
+        total += n
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_parameter_counts_equal_the_models(name) -> None:
+    c = _config(name)
+    with torch.device("meta"):
+        actual = sum(p.numel() for p in TransformerLM(c).parameters())
+    assert rank_parameters(c) == [actual] == [c.num_parameters()]
+    w = Workload(prompt_len=32, output_len=8, concurrency=1)
+    assert predict(c, w, BIG, Layout()).weights_bytes == actual * BIG.dtype_bytes
+    assert rank_parameters(c, tp=2) == [_held(c, 2, 1, 0)]
+    assert predict(c, w, BIG, Layout(tp=2)).weights_bytes == _held(c, 2, 1, 0) * BIG.dtype_bytes
+    assert rank_parameters(c, tp=2, pp=2) == [_held(c, 2, 2, 0), _held(c, 2, 2, 2)]
+
+
+def test_sliding_windows_shrink_kv_and_attention_work() -> None:
+    windowed = _config("gemma2")  # window 6 on every other layer
+    full = dataclasses.replace(windowed, attn=dataclasses.replace(windowed.attn, sliding_window=None))
+    w = Workload(prompt_len=512, output_len=64, concurrency=4)
+    a, b = predict(windowed, w, BIG, Layout()), predict(full, w, BIG, Layout())
+    layers = windowed.n_layers
+    kv_layer = 2 * (512 + 64) * windowed.n_kv_heads * windowed.head_dim * BIG.kv_dtype_bytes * 4
+    assert b.kv_bytes == pytest.approx(layers * kv_layer)
+    windows = [i for i in range(layers) if windowed.window(i) is not None]
+    assert a.kv_bytes == pytest.approx((layers - len(windows)) * kv_layer + len(windows) * kv_layer * 6 / 576)
+    assert a.prefill.compute < b.prefill.compute and a.decode.total < b.decode.total
+    assert a.activation_bytes == pytest.approx(b.activation_bytes)  # a full layer's scores are still the peak
+
+
+def test_context_parallel_is_infeasible_for_what_it_does_not_implement() -> None:
+    p = predict(_config("gemma2"), Workload(prompt_len=512), BIG, Layout(cp=2))
+    assert not p.feasible and "soft-cap" in p.reason and "sliding window" in p.reason
+    assert predict(_config("llama3"), Workload(prompt_len=512), BIG, Layout(cp=2)).feasible
