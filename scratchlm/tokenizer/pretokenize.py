@@ -33,6 +33,7 @@ DIGITS_PATTERN = r"\p{N}"
 #: Named pre-tokenizers (the names llama.cpp writes into ``tokenizer.ggml.pre``).
 PRESETS: dict[str, tuple[str, ...]] = {
     "gpt2": (GPT2_PATTERN,),
+    "gpt-2": (GPT2_PATTERN,),  # what llama.cpp's convert writes for GPT-2 itself
     "default": (GPT2_PATTERN,),
     "smollm": (DIGITS_PATTERN, GPT2_PATTERN),
     "llama-bpe": (LLAMA3_PATTERN,),
