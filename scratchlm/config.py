@@ -56,6 +56,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: 
         if not f.init or f.metadata.get("cli") is False:
             continue
         tp, optional = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):  # a grouped sub-config: its fields as --<name>-<field> flags
+            add_dataclass_arguments(parser, tp, prefix=f"{prefix}{f.name}_")
+            continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
@@ -121,6 +124,12 @@ def _coerce(cls: type, name: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ValueError(f"{cls.__name__}.{name}: expected a list, got {value!r}")
         return list(value) if origin is list else tuple(value)
+    if dataclasses.is_dataclass(inner) and isinstance(inner, type):
+        if isinstance(value, inner):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{cls.__name__}.{name}: expected a table of {inner.__name__} fields, got {value!r}")
+        return from_dict(inner, value, where=f"{cls.__name__}.{name}")
     if inner in (int, float, str) and not isinstance(value, inner):
         raise ValueError(f"{cls.__name__}.{name}: expected {inner.__name__}, got {value!r}")
     return value
@@ -135,7 +144,14 @@ def from_dict(cls: type[T], data: dict[str, Any], base: T | None = None, where: 
         raise ValueError(
             f"{where or cls.__name__}: unknown option(s) {unknown}; expected some of {sorted(names)}"
         )
-    values = {k: _coerce(cls, k, hints[k], v) for k, v in data.items()}
+    values = {}
+    for k, v in data.items():
+        inner = _unwrap_optional(hints[k])[0]
+        sub_base = getattr(base, k, None) if base is not None else None
+        if dataclasses.is_dataclass(inner) and isinstance(v, dict) and sub_base is not None:
+            values[k] = from_dict(inner, v, base=sub_base, where=f"{where or cls.__name__}.{k}")  # merged
+        else:
+            values[k] = _coerce(cls, k, hints[k], v)
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
@@ -158,12 +174,24 @@ def load_config(cls: type[T], path: str | Path) -> T:
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace, base: T | None = None, prefix: str = "") -> T:
     """The flags the user typed (see add_dataclass_arguments), applied on top of `base`."""
-    data = {}
+    return from_dict(cls, _typed_flags(cls, args, prefix), base=base)
+
+
+def _typed_flags(cls: type, args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """{field: value} of the flags the user typed; a grouped sub-config's as a nested dict."""
+    hints = _field_types(cls)
+    data: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        tp = _unwrap_optional(hints[f.name])[0]
+        if dataclasses.is_dataclass(tp):
+            nested = _typed_flags(tp, args, f"{prefix}{f.name}_")
+            if nested:
+                data[f.name] = nested
+            continue
         value = getattr(args, prefix + f.name, _UNSET)
         if value is not _UNSET:
             data[f.name] = value
-    return from_dict(cls, data, base=base)
+    return data
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -56,3 +56,28 @@ def test_bad_config_files_name_the_problem(tmp_path, text, match):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(Cfg, tmp_path / "nope.toml")
+
+
+def test_grouped_sub_configs_as_flags_and_tables(tmp_path):
+    """ModelConfig's feature groups (rope, attn, norm, mlp) are --<group>-<field> flags and nested TOML tables,
+    merged over the base's group field by field."""
+    import argparse
+
+    from scratchlm.config import add_dataclass_arguments, dataclass_from_args, load_config
+    from scratchlm.model.config import ModelConfig
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, ModelConfig, prefix="model_")
+    args = parser.parse_args(["--model-rope-scaling", "linear", "--model-rope-factor", "2", "--model-mlp-act",
+                              "gelu_tanh", "--model-n-layers", "2"])
+    base = ModelConfig(attn={"qk_norm": "head"}, rope={"original_max_seq_len": 64})
+    cfg = dataclass_from_args(ModelConfig, args, base=base, prefix="model_")
+    assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.original_max_seq_len) == ("linear", 2.0, 64)
+    assert (cfg.mlp.act, cfg.attn.qk_norm, cfg.n_layers) == ("gelu_tanh", "head", 2)
+    path = tmp_path / "m.toml"
+    path.write_text('d_model = 64\nn_heads = 4\n[norm]\nplacement = "sandwich"\n[attn]\nsliding_window = 8\n')
+    cfg = load_config(ModelConfig, path)
+    assert cfg.norm.placement == "sandwich" and cfg.attn.sliding_window == 8 and cfg.window(0) == 8
+    path.write_text('[norm]\nplacement = "diagonal"\n')
+    with pytest.raises(ValueError, match="placement"):
+        load_config(ModelConfig, path)
