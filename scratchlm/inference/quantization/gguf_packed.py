@@ -1,7 +1,7 @@
 """Load a GGUF file keeping its Q8_0 / Q4_0 / Q4_1 weights packed (no dequantization at load).
 
-The raw blocks are read with the `gguf` package's reader and split into planes without touching
-the 4-/8-bit codes (`scheme.py` formats):
+The raw blocks are read with the lean reader (`model/loading/gguf_reader.py`, the float loader's) and split into
+planes without touching the 4-/8-bit codes (`scheme.py` formats):
 
 - Q4_0 block (18 bytes: fp16 d, 16 bytes of nibbles)  -> int4 symmetric g32:  w = d (q - 8)
 - Q4_1 block (20 bytes: fp16 d, fp16 m, 16 bytes)     -> int4 asymmetric g32: w = d q + m
@@ -16,8 +16,8 @@ both the lookup and the head then use the same packed Q8_0 tensors.
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from scratchlm.inference.quantization.scheme import LayerFormat
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, optional_tokenizer, require_file
 from scratchlm.model.loading.dequant import dequantize
 from scratchlm.model.loading.gguf_file import config_from_gguf, gguf_rules
+from scratchlm.model.loading.gguf_reader import read_gguf
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +64,18 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
     The family's tensor rules (`model/families/`) name and transform the tensors; a rule that only moves or
     splits rows (q/k unpermutes, fused q/k/v splits) applies to the packed planes as they are, any other
     transform (a transposed or offset tensor) gets the tensor dequantized first."""
-    from gguf import GGUFReader
-
     path = require_file(Path(path), "GGUF file")
     try:
-        reader = GGUFReader(path)
-    except Exception as e:
+        meta, tensors = read_gguf(path)
+    except (ValueError, OSError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    by_name = {t.name: t for t in reader.tensors}
-    shapes = {n: SimpleNamespace(shape=tuple(int(x) for x in reversed(t.shape.tolist()))) for n, t in by_name.items()}
-    config, _ = config_from_gguf(meta, shapes, str(path))
-    rules = gguf_rules(meta, config, shapes, str(path))
+    config, _ = config_from_gguf(meta, tensors, str(path))
+    rules = gguf_rules(meta, config, tensors, str(path))
     state: dict[str, Tensor] = {}
     layout: dict[str, LayerFormat] = {}
     for rule in tqdm(rules, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
-        t = by_name[rule.theirs]
-        shape = shapes[rule.theirs].shape  # GGML lists dims fastest-first; this is (rows, cols)
-        type_name = t.tensor_type.name
+        t = tensors[rule.theirs]
+        shape, type_name = t.shape, t.type_name  # shape: (rows, cols)
         linear = all(o.endswith(".weight") and o not in ("norm.weight", "pos_embeddings.weight")
                      and "norm" not in o for o in rule.ours)
         if type_name in PACKED_TYPES and len(shape) == 2 and linear and rule.rows:
@@ -116,6 +111,6 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not fit the model config ({e})") from None
     log.info("loaded GGUF %s packed: %d packed modules (%s)", path.name, len(layout), ", ".join(kinds))
-    has_tokens = "tokenizer.ggml.tokens" in reader.fields
-    tokenizer = optional_tokenizer("formats.from_gguf", path) if has_tokens else None
+    has_tokens = "tokenizer.ggml.tokens" in meta
+    tokenizer = optional_tokenizer("formats.from_gguf", path, meta) if has_tokens else None
     return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer, config)

@@ -10,14 +10,16 @@ parallel ranks) and the HF exporter go through these tables; none keeps its own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from scratchlm.model.config import ModelConfig, RopeFeatures
+from scratchlm.model.config import AttentionFeatures, MLPFeatures, ModelConfig, RopeFeatures
 
 
 class FamilyError(ValueError):
@@ -324,6 +326,10 @@ def llama_rules(config: ModelConfig, *, prefix: str = "model.", norm_delta: floa
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
+#: Tensors of a GGUF file that `config_from_gguf` reads into the config (RoPE frequency factors), not weights.
+GGUF_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def gguf_meta(meta: dict[str, Any], arch: str, key: str, source: str, default: Any = None) -> Any:
     value = meta.get(f"{arch}.{key}", default)
     if value is None:
@@ -331,9 +337,94 @@ def gguf_meta(meta: dict[str, Any], arch: str, key: str, source: str, default: A
     return value
 
 
+def gguf_vector(tensors: dict[str, Any], name: str, source: str) -> list[float]:
+    """A small float tensor of the file (RoPE factors) as a list; it must be stored as F32 or F16."""
+    t = tensors[name]
+    if getattr(t, "type_name", None) not in ("F32", "F16") or getattr(t, "data", None) is None:
+        raise FamilyError(f"{source}: tensor {name} must be F32 or F16 data (got {getattr(t, 'type_name', None)})")
+    return [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+
+
+def llama3_from_freq_factors(factors: list[float], head_dim: int, theta: float, source: str) -> RopeFeatures:
+    """Llama 3 RoPE scaling recovered from llama.cpp's `rope_freqs.weight`: convert stores the llama3 scaling as
+    per-frequency divisors of the plain frequencies (and no scaling metadata). The divisors depend on (factor,
+    orig / low_freq_factor, orig / high_freq_factor) only, so low_freq_factor is taken as 1 and high_freq_factor
+    as 4 (every Llama 3.x) unless two or more blended frequencies pin both; the result is checked to reproduce
+    every divisor (relative 1e-5), and anything else is an error rather than a silent approximation."""
+    from scratchlm.model.rope import inv_freq
+
+    f = np.asarray(factors, dtype=np.float64)
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if len(f) != len(plain):
+        raise FamilyError(f"{source}: rope_freqs.weight has {len(f)} factors for {len(plain)} frequencies")
+    factor = float(f.max())
+    wavelen = 2 * math.pi / plain
+    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    smooth = (1 / f[medium] - 1 / factor) / (1 - 1 / factor) if factor > 1 else f[medium]
+    low, high = 1.0, 4.0
+    if medium.sum() >= 2:  # smooth = orig/(high-low) / wavelen - low/(high-low): a line in 1/wavelen
+        a, b = np.polyfit(1 / wavelen[medium], smooth, 1)
+        high = 1 - 1 / b if b < 0 else high
+        orig = -a / b if b < 0 else 0.0
+    elif medium.sum() == 1:
+        orig = float(wavelen[medium][0] * (low + smooth[0] * (high - low)))
+    else:  # no blended frequency: any boundary between the kept and the divided wavelengths
+        divided = wavelen[f >= factor * (1 - 1e-6)]
+        orig = float(divided.min()) if len(divided) else 0.0
+    rope = RopeFeatures(scaling="llama3", factor=factor, original_max_seq_len=max(int(round(orig)), 1),
+                        low_freq_factor=low, high_freq_factor=float(round(high, 4)))
+    ours = plain / inv_freq(head_dim, theta, rope)[0].double().numpy()
+    if factor <= 1 or not np.allclose(ours, f, rtol=1e-5, atol=0):
+        raise FamilyError(f"{source}: rope_freqs.weight is not a Llama 3 RoPE scaling this loader can express "
+                          f"(factors {np.round(f, 4).tolist()})")
+    return rope
+
+
+def gguf_rope(meta: dict[str, Any], tensors: dict[str, Any], arch: str, head_dim: int, theta: float,
+              source: str) -> RopeFeatures:
+    """The RoPE features of a GGUF file: `<arch>.rope.dimension_count` (partial rotary), `<arch>.rope.scaling.*`
+    (linear, yarn) and the frequency-factor tensors (`rope_freqs.weight`: Llama 3; `rope_factors_long/short`:
+    LongRoPE with `<arch>.rope.scaling.original_context_length` and `attn_factor`). Unknown kinds are errors."""
+    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    rope = RopeFeatures(rotary_dim=rotary if rotary != head_dim else None)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling == "linear":
+            rope.scaling, rope.factor = "linear", float(meta[f"{arch}.rope.scaling.factor"])
+        elif scaling == "yarn":
+            rope.scaling, rope.factor = "yarn", float(meta[f"{arch}.rope.scaling.factor"])
+            rope.original_max_seq_len = int(meta[f"{arch}.rope.scaling.original_context_length"])
+            for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_attn_factor", "attention_factor")):
+                if meta.get(f"{arch}.rope.scaling.{key}") is not None:
+                    setattr(rope, name, float(meta[f"{arch}.rope.scaling.{key}"]))
+        elif scaling != "longrope":
+            raise FamilyError(f"{source}: GGUF RoPE scaling {scaling!r} is not supported")
+    long, short = "rope_factors_long.weight" in tensors, "rope_factors_short.weight" in tensors
+    if long or short or scaling == "longrope":
+        if not (long and short):
+            raise FamilyError(f"{source}: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight")
+        orig = int(gguf_meta(meta, arch, "rope.scaling.original_context_length", source))
+        rope.scaling, rope.original_max_seq_len = "longrope", orig
+        rope.factor = int(gguf_meta(meta, arch, "context_length", source)) / orig
+        rope.long_factor = gguf_vector(tensors, "rope_factors_long.weight", source)
+        rope.short_factor = gguf_vector(tensors, "rope_factors_short.weight", source)
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        default = 1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(orig))
+        rope.attention_factor = None if attn is None or abs(float(attn) - default) < 1e-6 else float(attn)
+    if "rope_freqs.weight" in tensors:
+        if rope.scaling != "none":
+            raise FamilyError(f"{source}: rope_freqs.weight together with RoPE scaling {rope.scaling!r}")
+        llama3 = llama3_from_freq_factors(gguf_vector(tensors, "rope_freqs.weight", source), rotary, theta, source)
+        llama3.rotary_dim = rope.rotary_dim
+        rope = llama3
+    return rope
+
+
 def gguf_base_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, source: str,
                      **fields: Any) -> ModelConfig:
-    """The GGUF metadata keys every llama.cpp architecture spells alike, then `fields` on top."""
+    """The GGUF metadata keys every llama.cpp architecture spells alike, then `fields` on top. Biases are read
+    off the tensor list (q/k/v: `blk.0.attn_q.bias`; output: `attn_output.bias`; MLP: `ffn_up.bias`)."""
     if "token_embd.weight" not in tensors:
         raise FamilyError(f"{source}: no token_embd.weight tensor")
     d_model = int(gguf_meta(meta, arch, "embedding_length", source))
@@ -344,18 +435,9 @@ def gguf_base_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, s
         if len(set(n_kv)) != 1:
             raise FamilyError(f"{source}: per-layer kv head counts {sorted(set(n_kv))} are not supported")
         n_kv = n_kv[0]
-    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    rope = RopeFeatures(rotary_dim=rotary if rotary != head_dim else None)
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling == "linear":
-            rope.scaling, rope.factor = "linear", float(meta[f"{arch}.rope.scaling.factor"])
-        elif scaling == "yarn":
-            rope.scaling, rope.factor = "yarn", float(meta[f"{arch}.rope.scaling.factor"])
-            rope.original_max_seq_len = int(meta[f"{arch}.rope.scaling.original_context_length"])
-        else:
-            raise FamilyError(f"{source}: GGUF RoPE scaling {scaling!r} is not supported")
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10_000.0))
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+    mlp_bias = "blk.0.ffn_up.bias" in tensors
     base = dict(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
         d_model=d_model,
@@ -364,14 +446,19 @@ def gguf_base_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, s
         n_kv_heads=int(n_kv),
         d_ff=int(gguf_meta(meta, arch, "feed_forward_length", source)),
         max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
+        rope_theta=theta,
         norm_eps=float(eps),
         rope_layout="half",
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         head_dim=head_dim,
-        rope=rope,
+        rope=gguf_rope(meta, tensors, arch, head_dim, theta, source),
+        attn=AttentionFeatures(o_bias="blk.0.attn_output.bias" in tensors),
+        mlp=MLPFeatures(bias=mlp_bias),
     )
+    for name, sub in (("attn", "o_bias"), ("mlp", "bias")):  # a family's own sub-config keeps the file's biases
+        if name in fields:
+            fields[name] = replace(fields[name], **{sub: getattr(base[name], sub)})
     try:
         return ModelConfig(**(base | fields))
     except ValueError as e:
@@ -411,4 +498,7 @@ def gguf_llama_rules(config: ModelConfig, *, permute_qk: bool = False, norm_delt
             rules.append(norm(f"{ours}{ours_norm}.weight", f"{theirs}{theirs_norm}.weight"))
         for w, g in (("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up")):
             rules.append(rename(f"{ours}ffn.{w}.weight", f"{theirs}{g}.weight"))
+        if config.mlp.bias:
+            rules += [rename(f"{ours}ffn.{b}", f"{theirs}{g}.bias")
+                      for b, g in (("b1", "ffn_gate"), ("b2", "ffn_down"), ("b3", "ffn_up"))]
     return rules

@@ -14,6 +14,7 @@ from scratchlm.model.families.base import (
     base_hf_config,
     gguf_base_config,
     gguf_llama_rules,
+    gguf_meta,
     llama_rules,
     sliding_layers_from_types,
 )
@@ -61,17 +62,42 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                         for i in range(config.n_layers)]}
 
 
+def gguf_sliding_layers(meta: dict[str, Any], arch: str, n: int, default_pattern: int) -> list[int]:
+    """The sliding layers as llama.cpp reads them: `<arch>.attention.sliding_window_pattern`, an array of per-layer
+    flags or a period p (layer i slides when i % p < p - 1, p = 0: all), else the architecture's period (Gemma 2:
+    2, Gemma 3: 6). convert writes none of these for Gemma 2/3, so a checkpoint with other `layer_types` comes
+    out with the default pattern, as llama.cpp runs it."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        return [i for i, swa in enumerate(pattern[:n]) if swa]
+    p = int(pattern)
+    return [i for i in range(n) if p == 0 or i % p < p - 1]
+
+
+def gguf_query_scale(meta: dict[str, Any], arch: str, n_layers_27b: int, head_dim: int) -> float:
+    """llama.cpp's Gemma query scale (the GGUF has no query_pre_attn_scalar): (d_model / n_heads)^-1/2 for the
+    27B (told by its layer count), head_dim^-1/2 otherwise, as Google's configs set query_pre_attn_scalar."""
+    d, n_heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    if int(meta[f"{arch}.block_count"]) == n_layers_27b:
+        return (d // n_heads) ** -0.5
+    return head_dim ** -0.5
+
+
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
     arch = "gemma2"
-    n, d = int(meta.get(f"{arch}.block_count", 0)), int(meta.get(f"{arch}.embedding_length", 0))
+    n, d = int(gguf_meta(meta, arch, "block_count", source)), int(gguf_meta(meta, arch, "embedding_length", source))
     key_len = int(meta.get(f"{arch}.attention.key_length", 256))
-    window = meta.get(f"{arch}.attention.sliding_window")
-    attn = AttentionFeatures(query_scale=key_len ** -0.5, logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
-                             sliding_window=int(window) if window else None,
-                             sliding_layers=[i for i in range(n) if i % 2 == 0] if window else None)
-    return gguf_base_config(meta, tensors, arch, source, tie_embeddings=True, embedding_scale=math.sqrt(d), attn=attn,
-                            norm=NormFeatures(placement="sandwich"), mlp=MLPFeatures(act="gelu_tanh"),
-                            final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"))
+    window = int(meta.get(f"{arch}.attention.sliding_window", 4096))  # llama.cpp's default for Gemma 2
+    attn = AttentionFeatures(query_scale=gguf_query_scale(meta, arch, 46, key_len),
+                             logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
+                             sliding_window=window or None,
+                             sliding_layers=gguf_sliding_layers(meta, arch, n, 2) if window else None)
+    config = gguf_base_config(meta, tensors, arch, source, tie_embeddings=True, embedding_scale=math.sqrt(d),
+                              attn=attn, norm=NormFeatures(placement="sandwich"), mlp=MLPFeatures(act="gelu_tanh"),
+                              final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"))
+    if f"{arch}.rope.freq_base_swa" in meta:
+        config.rope.local_theta = float(meta[f"{arch}.rope.freq_base_swa"])
+    return config
 
 
 FAMILY = Family(

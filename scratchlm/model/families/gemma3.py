@@ -15,12 +15,20 @@ from scratchlm.model.families.base import (
     base_hf_config,
     gguf_base_config,
     gguf_llama_rules,
+    gguf_meta,
     llama_rules,
     rope_parameters,
     rope_to_hf,
 )
 from scratchlm.model.families.gemma import act
-from scratchlm.model.families.gemma2 import GGUF_NORMS, NORMS, query_pre_attn_scalar, sliding
+from scratchlm.model.families.gemma2 import (
+    GGUF_NORMS,
+    NORMS,
+    gguf_query_scale,
+    gguf_sliding_layers,
+    query_pre_attn_scalar,
+    sliding,
+)
 
 
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
@@ -62,17 +70,23 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
+    """llama.cpp's reading: sliding layers by `gguf_sliding_layers` (period 6), their RoPE base
+    `gemma3.rope.freq_base_swa` (10000 when absent) unscaled, the global layers' scaling from `rope.scaling.*`,
+    the query scale by `gguf_query_scale`, an optional final soft-cap."""
     arch = "gemma3"
-    n, d = int(meta.get(f"{arch}.block_count", 0)), int(meta.get(f"{arch}.embedding_length", 0))
+    n, d = int(gguf_meta(meta, arch, "block_count", source)), int(gguf_meta(meta, arch, "embedding_length", source))
     key_len = int(meta.get(f"{arch}.attention.key_length", 256))
     window = meta.get(f"{arch}.attention.sliding_window")
-    attn = AttentionFeatures(qk_norm="head", query_scale=key_len ** -0.5,
+    attn = AttentionFeatures(qk_norm="head", query_scale=gguf_query_scale(meta, arch, 62, key_len),
+                             logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
                              sliding_window=int(window) if window else None,
-                             sliding_layers=[i for i in range(n) if (i + 1) % 6] if window else None)
+                             sliding_layers=gguf_sliding_layers(meta, arch, n, 6) if window else None)
     config = gguf_base_config(meta, tensors, arch, source, tie_embeddings="output.weight" not in tensors,
                               embedding_scale=math.sqrt(d), attn=attn, norm=NormFeatures(placement="sandwich"),
-                              mlp=MLPFeatures(act="gelu_tanh"))
-    config.rope.local_theta, config.rope.local_scaling = 10_000.0, False
+                              mlp=MLPFeatures(act="gelu_tanh"),
+                              final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"))
+    config.rope.local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0))
+    config.rope.local_scaling = False
     return config
 
 

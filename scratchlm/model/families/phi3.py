@@ -68,8 +68,7 @@ GGUF_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head"
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
-        raise FamilyError(f"{source}: Phi-3 LongRoPE factors in GGUF are not supported yet")
+    """LongRoPE from `rope_factors_long/short.weight` (see `base.gguf_rope`); a window of 0 is none."""
     window = meta.get("phi3.attention.sliding_window")
     return gguf_base_config(meta, tensors, "phi3", source,
                             attn=AttentionFeatures(sliding_window=int(window) if window else None))

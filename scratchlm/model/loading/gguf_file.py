@@ -20,7 +20,7 @@ from tqdm import tqdm
 from scratchlm.model import families
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.families import Family, FamilyError, Rule
-from scratchlm.model.families.base import permute_to_half
+from scratchlm.model.families.base import GGUF_CONFIG_TENSORS, permute_to_half
 from scratchlm.model.loading.common import (
     CheckpointError,
     LoadedModel,
@@ -77,7 +77,7 @@ def gguf_rules(meta: dict[str, Any], config: ModelConfig, tensors: dict[str, GGU
     if missing:
         raise CheckpointError(f"{source}: tensors missing from the file: {missing[:8]}")
     tied = {"output.weight"} if config.tie_embeddings else set()
-    extra = sorted(set(tensors) - used - {"rope_freqs.weight"} - tied)
+    extra = sorted(set(tensors) - used - set(GGUF_CONFIG_TENSORS) - tied)  # RoPE factors: read into the config
     if extra:
         arch = meta.get("general.architecture")
         raise CheckpointError(f"{source}: unexpected tensors {extra[:8]} (not a weight of this {arch} model)")
@@ -90,7 +90,7 @@ def _tensors(tensors: dict[str, GGUFTensor], rules: list[Rule], source: str) -> 
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load a llama/qwen2 GGUF file, dequantizing to `dtype`, with the tokenizer from its metadata."""
+    """Load a GGUF file of any family, dequantizing to `dtype`, with the tokenizer from its metadata."""
     path = require_file(Path(path), "GGUF file")
     try:
         meta, tensors = read_gguf(path)
