@@ -18,7 +18,8 @@ to the query's dtype, so prefill over a cached prefix and decode read the same s
 Decode on a CPU cache (any of those dtypes) with float32 queries runs the C++ kernel
 `csrc/paged_attention.h`, which reads K/V rows in place through the block table instead of gathering them
 (the gather copied every context once per layer and step: about a third of a 32-sequence decode step) and
-converts bf16/fp16/int8 to float32 in registers. `PagedAttention(..., use_kernel=False)` and any other
+converts bf16/fp16/int8 to float32 in registers; the layer's scale, soft-cap and sliding window go with it (the
+kernel skips the blocks before a window). `PagedAttention(..., use_kernel=False)` and any other
 device/dtype (CUDA included) take the torch-ops path above, which the tests compare the kernel against.
 """
 
@@ -91,10 +92,11 @@ class PagedAttention:
         """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""
         meta, cache = self.meta, self.cache
         spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
-        if self._kernel is not None and q.dtype == torch.float32 and spec.softcap is None and spec.window is None:
+        if self._kernel is not None and q.dtype == torch.float32:
             scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
             return self._kernel.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_block_tables,
-                                                       meta.decode_context_lens, spec.scale, True, *scales)
+                                                       meta.decode_context_lens, spec.scale, True, *scales,
+                                                       softcap=spec.softcap or 0.0, window=spec.window or 0)
         b, h, d = q.shape
         bs, hkv = cache.k.shape[2], cache.k.shape[3]
         tables = meta.decode_block_tables

@@ -139,6 +139,30 @@ class ModelRunner:
             lengths += [cl] * ql
         return self._tensor(lengths)
 
+    def _row_rope(self, rope, inp: ModelInput, positions: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, R/2) of every row of the step for the fused step. RoPE whose frequencies depend on the
+        sequence length (dynamic NTK, LongRoPE: `RotaryEmbedding.cos_sin` takes it from the largest position it is
+        given) gets each row's from its own sequence in this step (a decode row: its position + 1; a prefill chunk:
+        its context length), as HF computes them for that sequence alone; the Python step computes one length for
+        the whole step (its largest position), so the two differ there when sequences of different lengths share
+        a step."""
+        scaling = getattr(rope, "scaling", None)
+        if scaling is None or scaling.scaling not in ("dynamic", "longrope"):
+            cos, sin = rope.cos_sin(positions, dtype)  # (N, 1, R/2)
+            return cos[:, 0], sin[:, 0]
+        seq_len = positions + 1  # decode rows; a prefill chunk's rows take the chunk's context length
+        for qs, ql, cl, _ in inp.prefills:
+            seq_len[qs : qs + ql] = cl
+        cos = torch.empty(len(positions), rope.rotary_dim // 2, dtype=dtype, device=positions.device)
+        sin = torch.empty_like(cos)
+        for n in torch.unique(seq_len).tolist():
+            rows = (seq_len == n).nonzero()[:, 0]
+            with_len = torch.cat([positions[rows], positions.new_tensor([n - 1])])  # the largest position: n - 1
+            c, s = rope.cos_sin(with_len, dtype)  # (rows + 1, 1, R/2)
+            cos[rows], sin[rows] = c[:-1, 0], s[:-1, 0]
+        return cos, sin
+
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -159,12 +183,14 @@ class ModelRunner:
         positions = self._tensor(inp.positions)  # (N,)
         index = self._tensor(inp.logits_indices)
         if self._runs_fused(inp):
-            x = self.model.embed(tokens[0], positions)  # (N, d)
-            cos, sin = self.model.rope.cos_sin(positions, x.dtype)  # (N, 1, D/2) each
+            x = self.model.embed(tokens[0], positions)  # (N, d): embedding scale and learned positions included
+            cos, sin = self._row_rope(self.model.rope, inp, positions, x.dtype)  # (N, R/2) each
+            local = getattr(self.model, "local_rope", None)
+            cos2, sin2 = self._row_rope(local, inp, positions, x.dtype) if local is not None else (None, None)
             tables, lens = self._row_tables(inp, meta)
             c = self.cache
-            h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos[:, 0], sin[:, 0], tables, lens,
-                                           c.k_scale, c.v_scale)  # (N, d)
+            h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos, sin, tables, lens, c.k_scale,
+                                           c.v_scale, cos2, sin2)  # (N, d)
             return self.model.finish_logits(self._logits(self.model.norm(h.index_select(0, index))))
         if _short_contexts(inp) and self.cache.k.device.type == "cpu":  # the fused step's attention, row by row
             attn = RowPagedAttention(self.cache, meta, *self._row_tables(inp, meta))
@@ -190,10 +216,12 @@ class ModelRunner:
         return skinny_linear(h, self.model.output_weight)
 
 
-def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None:
+def _linear_tensors(m: torch.nn.Module | None) -> tuple[list[torch.Tensor], int] | None:
     """A linear layer as the fused step takes it: ([panels], 0) for a PanelLinear, ([weight], 0) for a float32
-    SkinnyLinear, ([qweight, scales (, mins)], group size) for a CPU QuantLinear the integer kernels take; None
-    otherwise."""
+    SkinnyLinear, ([qweight, scales (, mins)], group size) for a CPU QuantLinear the integer kernels take, ([], 0)
+    for an absent one (the up projection of a plain MLP); None otherwise."""
+    if m is None:
+        return [], 0
     if type(m) is PanelLinear:
         return ([m.panels], 0) if m.panels.is_contiguous() else None
     if type(m) is SkinnyLinear:
@@ -215,60 +243,98 @@ def _linear_tensors(m: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None
 
 def fused_step_unsupported(config) -> list[str]:
     """The model features the C++ fused step (csrc/decoder.h) does not implement; empty when it runs the model.
-    A model with any of them takes the Python step (the same paged-attention kernels, one layer op at a time)."""
+    A model with any of them takes the Python step (the same paged-attention kernels, one layer op at a time).
+
+    The fused step implements every feature of `ModelConfig`'s block (`_layer_features` hands them over per
+    layer); the embedding (scale, learned positions), the final norm, logit scale and final soft-cap stay in
+    Python around it (`TransformerLM.embed` / `finish_logits`), and sequence-length dependent RoPE (dynamic,
+    LongRoPE) gets per-row cos/sin tables (`ModelRunner._row_rope`). What is left: an odd head dim."""
     missing = []
-    r, a, n, m = config.rope, config.attn, config.norm, config.mlp
-    if r.scaling != "none" and r.scaling not in ("linear", "llama3", "yarn"):
-        missing.append(f"RoPE scaling {r.scaling!r} (cos/sin depend on the step's longest sequence)")
-    if r.rotary_dim is not None:
-        missing.append("partial rotary dims")
-    if r.local_theta is not None or r.nope_layers or not r.local_scaling:
-        missing.append("per-layer RoPE")
-    if a.o_bias or a.qk_norm != "none" or a.logit_softcap is not None or a.sliding_window is not None:
-        missing.append("attention features (o bias / q-k norm / soft-cap / window)")
-    if a.query_scale is not None:
-        missing.append("a query scale other than 1/sqrt(head_dim)")
-    if n != type(n)():
-        missing.append(f"norms ({n.kind}, {n.placement})")
-    if m != type(m)():
-        missing.append(f"MLP ({m.act}, gated={m.gated}, bias={m.bias})")
-    if config.learned_positions or config.embedding_scale != 1.0 or config.residual_multiplier != 1.0:
-        missing.append("embedding scale / learned positions / residual multiplier")
+    if config.head_dim % 2:
+        missing.append(f"an odd head dim ({config.head_dim})")
     return missing
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # decoder.h's Act
+
+
+def _layer_features(model: torch.nn.Module, i: int) -> tuple[dict[str, torch.Tensor], dict[str, float]] | None:
+    """Layer i's norms, biases and features as decoder.h's FusedDecoder takes them (its `tensors` and `values`
+    maps; see the constructor there), read off the block's modules and the config; None when a tensor is not a
+    contiguous float32 CPU tensor."""
+    c, block = model.config, model.layers[i]
+    a, f = block.attn, block.ffn
+    tensors: dict[str, torch.Tensor | None] = {}
+    for key, norm in (("attn_norm", block.attn_norm), ("attn_post_norm", block.attn_post_norm),
+                      ("ffn_norm", block.ffn_norm), ("ffn_post_norm", block.ffn_post_norm)):
+        if norm is not None:
+            tensors[key] = norm.weight
+            tensors[key + "_b"] = getattr(norm, "bias", None)  # LayerNorm's (None: without bias)
+    tensors |= {"bq": a.q_bias, "bk": a.k_bias, "bv": a.v_bias, "bo": a.o_bias, "b1": f.b1, "b2": f.b2, "b3": f.b3}
+    if a.q_norm is not None:
+        tensors |= {"q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
+    tensors = {k: t.detach() for k, t in tensors.items() if t is not None}
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+        return None
+    rope = model.layer_rope(i)
+    spec = a.spec
+    values = {
+        "scale": spec.scale,
+        "softcap": spec.softcap or 0.0,
+        "window": spec.window or 0,
+        "rope": -1 if rope is None or rope.layout == "none" else 0 if rope is model.rope else 1,
+        "rotary_dim": c.rotary_dim if c.rope_layout != "none" else c.head_dim,
+        "act": _ACTS[f.act],
+        "gated": float(f.gated),
+        "layer_norm": float(c.norm.kind == "layer"),
+        "residual_multiplier": block.residual_multiplier,
+    }
+    return tensors, values
 
 
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
     """The C++ `FusedDecoder` (every layer of a step in one call) over `model`'s weights (no copies), or None
     where it does not apply: a model that is not a plain or quantized `TransformerLM`, features the fused step
-    does not implement (`fused_step_unsupported`, logged), layers the kernels do not take, a non-CPU device, no
-    built kernels. The cache may be float32, bf16, fp16 or int8 (kv_cache.py)."""
+    does not implement (`fused_step_unsupported`), layers the kernels do not take, a non-CPU device, no built
+    kernels. The cache may be float32, bf16, fp16 or int8 (kv_cache.py). Logs (INFO) which decode path the
+    model takes and why."""
     plain = type(model) is TransformerLM
-    if (not plain and type(model).__name__ != "QuantizedTransformerLM") or cache.k.device.type != "cpu":
+    if not plain and type(model).__name__ != "QuantizedTransformerLM":
+        log.info("decode path: the Python step (layer by layer): the fused C++ step takes TransformerLM models, "
+                 "not %s", type(model).__name__)
+        return None
+    if cache.k.device.type != "cpu":
+        log.info("decode path: the Python step (layer by layer): the fused C++ step runs on the CPU, the cache is "
+                 "on %s", cache.k.device)
         return None
     missing = fused_step_unsupported(model.config)
     if missing:
         log.info("decode path: the Python step (layer by layer); the fused C++ step does not implement: %s",
                  "; ".join(missing))
         return None
-    layers, linears, group_sizes = [], [], []
-    for block in model.layers:
+    linears, group_sizes, tensors, values = [], [], [], []
+    for i, block in enumerate(model.layers):
         a, f = block.attn, block.ffn
         lin = [_linear_tensors(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.w1, f.w2, f.w3)]
-        if any(t is None for t in lin):
-            return None  # e.g. int8 groups of 16, or another layer type
-        weights = [block.attn_norm.weight, block.ffn_norm.weight]
-        if a.q_bias is not None:
-            weights += [a.q_bias, a.k_bias, a.v_bias]
-        if not all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in weights):
+        feats = _layer_features(model, i)
+        if any(t is None for t in lin) or feats is None:  # e.g. int8 groups of 16, another layer type, bf16
+            log.info("decode path: the Python step (layer by layer): layer %d has weights the fused C++ step does "
+                     "not take (%s)", i, "linears" if feats is not None else "norms or biases not float32")
             return None
-        layers.append([w.detach() for w in weights])
         linears.append([t for t, _ in lin])
         group_sizes.append([g for _, g in lin])
-    if not layers:
+        tensors.append(feats[0])
+        values.append(feats[1])
+    if not linears:
         return None
     ext = load_engine_kernels()
     if ext is None:
+        log.info("decode path: the Python step (layer by layer): the C++ kernels are not built")
         return None
     c = model.config
-    return ext.FusedDecoder(layers, c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, c.rope_layout == "half",
-                            True, linears, group_sizes)
+    fused = ext.FusedDecoder([[] for _ in linears], c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps,
+                             c.rope_layout == "half", True, linears, group_sizes, tensors, values)
+    features = c.features()
+    log.info("decode path: the fused C++ step (every layer in one call)%s",
+             f"; block features: {', '.join(features)}" if features else " (the Llama block)")
+    return fused

@@ -9,6 +9,7 @@ from scratchlm.inference.attention import AttentionMetadata, PagedAttention, Pre
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.engine_ops import (
     EngineAttention,
+    EngineLayerNorm,
     EngineMLP,
     EngineRMSNorm,
     EngineRotaryEmbedding,
@@ -17,7 +18,7 @@ from scratchlm.inference.engine_ops import (
 )
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.model import ModelConfig, TransformerLM
-from scratchlm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from scratchlm.model.layers import MLP, LayerNorm, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,50 @@ def test_silu_mul_and_swiglu_match_torch_layer(kernels) -> None:
     assert torch.equal(fast(x), ffn(x))  # the same ATen sigmoid and multiplies, in the same order
     g, u = torch.randn(4, 96), torch.randn(4, 96)
     assert torch.equal(kernels.silu_mul(g, u), torch.sigmoid(g) * g * u)
+
+
+def _swap(module, cls):
+    fast = cls.__new__(cls)
+    fast.__dict__.update(module.__dict__)
+    return fast
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_layer_norm_matches_torch_layer(kernels, bias: bool) -> None:
+    """decoder.h's LayerNorm (mean and variance in float64) within float32 rounding of torch's layer_norm."""
+    norm = LayerNorm(200, eps=1e-5, bias=bias)
+    norm.weight.normal_(1.0, 0.5)
+    if bias:
+        norm.bias.normal_(0.0, 0.5)
+    x = _outliers((2, 5, 200)) + 3.0  # a mean far from 0
+    got, want = _swap(norm, EngineLayerNorm)(x), norm(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_swap(norm, EngineLayerNorm)(x[:, 2:3]), got[:, 2:3])  # one row alone: the same bits
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("gated,bias", [(True, False), (True, True), (False, True)])
+@torch.no_grad()
+def test_mlp_activations_match_torch_layer(kernels, act: str, gated: bool, bias: bool) -> None:
+    """Every activation, gated or plain, with biases: the torch layer's floats (ATen's gelu and sigmoid)."""
+    torch.manual_seed(1)
+    ffn = MLP(64, 96, act=act, gated=gated, bias=bias)
+    for b in (ffn.b1, ffn.b2, ffn.b3):
+        if b is not None:
+            b.normal_(0.0, 0.5)
+    x = _outliers((1, 7, 64)) / 10
+    torch.testing.assert_close(_swap(ffn, EngineMLP)(x), ffn(x), rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def test_partial_rope_matches_torch_layer(kernels) -> None:
+    """RoPE on the first 12 of 16 dims (the rest pass through): bit-equal to the torch layer."""
+    rope, fast = RotaryEmbedding(16, 100.0, rotary_dim=12), EngineRotaryEmbedding(16, 100.0, rotary_dim=12)
+    cos, sin = rope.cos_sin(torch.tensor([0, 3, 40]), torch.float32)  # (N, 1, 6)
+    x = torch.randn(1, 3, 2, 16)
+    got = fast.rotate(x, cos, sin)
+    assert torch.equal(got, rope.rotate(x, cos, sin)) and torch.equal(got[..., 12:], x[..., 12:])
 
 
 def _model(qkv_bias: bool) -> TransformerLM:

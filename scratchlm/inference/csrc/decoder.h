@@ -3,11 +3,18 @@
 // context, row j of a prefill chunk to the tokens up to its own, so mixed prefill/decode steps run here too
 // (scratchlm.inference.runner builds the per-row metadata). All K/V of a layer are written before its attention.
 //
-// Per layer, on x (B, d), the residual stream, updated in place:
+// Per layer, on x (B, d), the residual stream, updated in place (the Llama block):
 //   h = rmsnorm(x) * w_attn_norm;  q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)
 //   rotate q, k (RoPE, "half" = HF rotate-half pairs (i, i + D/2), else adjacent pairs (2i, 2i + 1))
 //   write k, v into the paged cache at each token's slot; a = paged decode attention (paged_attention.h)
 //   x += a Wo^T;  h = rmsnorm(x) * w_ffn_norm;  x += (silu(h W1^T) * h W3^T) W2^T
+// and every feature of scratchlm.model's one TransformerBlock, per layer (`Features`, built in Python from the
+// ModelConfig by runner.fused_decoder_for): norms pre / post / both (sandwich), RMSNorm or LayerNorm (with bias),
+// o bias, q/k-norm (RMSNorm per head or over the whole projection, before RoPE), RoPE on the first R dims only
+// (partial rotary), one of two cos/sin tables per layer (Gemma 3's sliding layers) or none (NoPE), any query
+// scale, the logit soft-cap and a sliding window (in the attention kernel: the blocks before a window are not
+// read), a gated or plain MLP with silu / gelu-tanh / gelu and biases, a residual multiplier. A layer whose
+// features are all the Llama block's runs exactly the code of before (`Features::on` false).
 // float32 weights come packed in panels (panel_gemm.h, packed by fast_linear.py): every B runs the panel kernel, q/k/v
 // in one GEMM and gate/up in one (the input read once). Plain float32 weights (the constructor's 9-tensor layers)
 // use the skinny GEMM (skinny_gemm.h) up to 64 rows. Quantized weights use the integer kernels of
@@ -22,10 +29,13 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "paged_attention.h"
@@ -40,9 +50,27 @@ using scratchlm_qgemm::QLinear;
 
 using scratchlm_panel::PanelWeight;
 
+// A layer's features beyond the Llama block (all off by default). Tensors undefined when absent.
+struct Features {
+  bool on = false;  // any of the below differs from the Llama block: forward takes the general path
+  bool pre = true, post = false;  // norms before each sublayer / on each sublayer's output (both: sandwich)
+  bool layer_norm = false;        // LayerNorm (with *_b biases when given) instead of RMSNorm
+  bool gated = true;              // act(h W1^T) * h W3^T; false: act(h W1^T) (no W3)
+  int act = 0;                    // kSilu, kGeluTanh, kGelu
+  int rope = 0;                   // 0: the first cos/sin tables, 1: the second, -1: no RoPE
+  int64_t rotary = 0;             // leading dims of each head that rotate (head_dim: all)
+  float scale = 0.f, softcap = 0.f;  // query scale, logit soft-cap (0: off)
+  double mult = 1.0;                  // residual multiplier (a double, as the Python block's scalar)
+  int64_t window = 0;                 // sliding window (0: off)
+  torch::Tensor attn_norm_b, ffn_norm_b, attn_post, attn_post_b, ffn_post, ffn_post_b, bo, b1, b2, b3;
+  torch::Tensor q_norm, k_norm;  // RMSNorm weights: (D,) per head or (heads * D,) over the whole projection
+};
+enum Act : int { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
 struct Layer {
-  torch::Tensor attn_norm, ffn_norm, bq, bk, bv;  // biases undefined when absent
+  torch::Tensor attn_norm, ffn_norm, bq, bk, bv;  // biases undefined when absent; the norms when placed before
   QLinear wq, wk, wv, wo, w1, w2, w3;
+  Features f;
   // float32 weights packed in panels (panel_gemm.h) instead: q/k/v and gate/up each one GEMM when their panels
   // lie one after another (fast_linear.py packs them so), else one part per matrix.
   bool panel = false;
@@ -159,11 +187,37 @@ inline void rmsnorm_rows(const torch::Tensor& x, const torch::Tensor& w, torch::
   }
 }
 
-// Rotate t (B, heads * D) in place by cos/sin (B, D/2): "half" pairs (i, i + D/2) (HF rotate-half), else
-// adjacent pairs (2i, 2i + 1); (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), as RotaryEmbedding.rotate.
-inline void rope_rows(torch::Tensor& t, int64_t heads, int64_t D, const torch::Tensor& cos, const torch::Tensor& sin,
-                      bool half_pairs) {
-  const int64_t B = t.size(0), half = D / 2;
+// y = ((x - mean) * (1 / sqrt(var + eps))) * w (+ b), row by row, mean and variance in float64 (exact enough
+// to be order-free); x, y (M, d), b undefined for a LayerNorm without bias. torch's layer_norm within float32
+// rounding.
+inline void layernorm_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, torch::Tensor& y,
+                           float eps) {
+  const int64_t M = x.size(0), d = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * d;
+    float* yr = yp + m * d;
+    double sum = 0.0;
+    for (int64_t i = 0; i < d; ++i) sum += xr[i];
+    const double mean = sum / static_cast<double>(d);
+    double ss = 0.0;
+    for (int64_t i = 0; i < d; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
+    const float mf = static_cast<float>(mean);
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+    if (bp) for (int64_t i = 0; i < d; ++i) yr[i] = ((xr[i] - mf) * r) * wp[i] + bp[i];
+    else for (int64_t i = 0; i < d; ++i) yr[i] = ((xr[i] - mf) * r) * wp[i];
+  }
+}
+
+// Rotate t (B, heads * D) in place by cos/sin (B, R/2) on the first R = rotary dims of each head (the rest pass
+// through): "half" pairs (i, i + R/2) (HF rotate-half), else adjacent pairs (2i, 2i + 1); (x1, x2) ->
+// (x1 c - x2 s, x2 c + x1 s), as RotaryEmbedding.rotate.
+inline void rope_rows(torch::Tensor& t, int64_t heads, int64_t D, int64_t rotary, const torch::Tensor& cos,
+                      const torch::Tensor& sin, bool half_pairs) {
+  const int64_t B = t.size(0), half = rotary / 2;
   float* tp = t.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -187,6 +241,14 @@ inline void rope_rows(torch::Tensor& t, int64_t heads, int64_t D, const torch::T
 inline void silu_mul_out(const torch::Tensor& g, const torch::Tensor& u, torch::Tensor& s) {
   at::sigmoid_out(s, g);
   s.mul_(g).mul_(u);
+}
+
+// s = act(g) (* u when u is defined: a gated MLP); act kSilu (sigmoid(g) * g), kGeluTanh or kGelu (ATen's gelu).
+inline void act_mul_out(int act, const torch::Tensor& g, const torch::Tensor& u, torch::Tensor& s) {
+  if (act == kSilu && u.defined()) return silu_mul_out(g, u, s);
+  if (act == kSilu) at::sigmoid_out(s, g), s.mul_(g);
+  else at::gelu_out(s, g, act == kGeluTanh ? "tanh" : "none");
+  if (u.defined()) s.mul_(u);
 }
 
 // Where a fused step's time goes, for benchmarks/decode_step.py: with profiling on, forward adds the calling
@@ -231,18 +293,29 @@ class FusedDecoder {
   // With `linears` (quantized models): layers[i] = [attn_norm, ffn_norm] (+ [bq, bk, bv]) and linears[i] the
   // 7 matrices [wq, wk, wv, wo, w1, w2, w3], each [w] (float32), [q int8, scales] or [q uint8, d (, m)], with
   // their group sizes in group_sizes[i].
+  // With `tensors` / `values` (one map each per layer; runner.fused_decoder_for builds them from the ModelConfig):
+  // layers[i] = [] and linears[i] as above (w3 = [] for a plain MLP); the norms, biases and features come from
+  // the maps: tensors {attn_norm, attn_norm_b, attn_post_norm, attn_post_norm_b, ffn_norm, ffn_norm_b,
+  // ffn_post_norm, ffn_post_norm_b, bq, bk, bv, bo, b1, b2, b3, q_norm, k_norm} (absent keys: no such tensor),
+  // values {scale, softcap, window, rope (-1 / 0 / 1), rotary_dim, act (0 silu, 1 gelu_tanh, 2 gelu), gated,
+  // layer_norm, residual_multiplier} (all required). An unknown key is an error.
   FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, int64_t n_heads, int64_t n_kv_heads,
                int64_t head_dim, double eps, bool rope_half, bool use_simd,
                const std::vector<std::vector<std::vector<torch::Tensor>>>& linears = {},
-               const std::vector<std::vector<int64_t>>& group_sizes = {})
+               const std::vector<std::vector<int64_t>>& group_sizes = {},
+               const std::vector<std::map<std::string, torch::Tensor>>& tensors = {},
+               const std::vector<std::map<std::string, double>>& values = {})
       : H_(n_heads), Hkv_(n_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)), rope_half_(rope_half),
         simd_(use_simd) {
     TORCH_CHECK(!layers.empty(), "FusedDecoder needs at least one layer");
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ > 0 && D_ % 2 == 0,
                 "bad head configuration: ", H_, " heads, ", Hkv_, " kv heads, head dim ", D_);
     const bool split = !linears.empty();
+    const bool featured = !tensors.empty() || !values.empty();
     TORCH_CHECK(!split || (linears.size() == layers.size() && group_sizes.size() == layers.size()),
                 "linears and group_sizes need one entry per layer");
+    TORCH_CHECK(!featured || (split && tensors.size() == layers.size() && values.size() == layers.size()),
+                "features (tensors and values) need linears and one entry per layer");
     static const char* names[7] = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& w = layers[i];
@@ -250,7 +323,16 @@ class FusedDecoder {
       std::vector<int64_t> gs(7, 0);
       torch::Tensor attn_norm, ffn_norm;
       std::vector<torch::Tensor> bias;
-      if (split) {
+      Features f;
+      f.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_)));
+      f.rotary = D_;
+      if (featured) {
+        TORCH_CHECK(w.empty(), "layer ", i, ": with features, the norms and biases come in `tensors` (layers[i] = [])");
+        TORCH_CHECK(linears[i].size() == 7 && group_sizes[i].size() == 7, "layer ", i, ": expected 7 linears");
+        lin = linears[i], gs = group_sizes[i];
+        f = parse_features(tensors[i], values[i], i, attn_norm, ffn_norm, bias);
+        TORCH_CHECK(lin[6].empty() != f.gated, "layer ", i, ": w3 must be given exactly when the MLP is gated");
+      } else if (split) {
         TORCH_CHECK(w.size() == 2 || w.size() == 5, "layer ", i, " has ", w.size(), " tensors, expected 2 or 5");
         TORCH_CHECK(linears[i].size() == 7 && group_sizes[i].size() == 7, "layer ", i, ": expected 7 linears");
         attn_norm = w[0], ffn_norm = w[1], bias.assign(w.begin() + 2, w.end());
@@ -261,45 +343,51 @@ class FusedDecoder {
         const int idx[7] = {1, 2, 3, 4, 6, 7, 8};
         for (int j = 0; j < 7; ++j) lin[j] = {w[idx[j]]};
       }
+      const int n_lin = f.gated ? 7 : 6;
       const bool panel = lin[0].size() == 1 && lin[0][0].dim() == 3;  // float32 panels (P, K, 16)
       if (i == 0) {
-        TORCH_CHECK(attn_norm.dim() == 1 && (panel ? lin[5][0].dim() == 3 : lin[4][0].dim() == 2),
+        const torch::Tensor& norm0 = f.pre ? attn_norm : f.attn_post;
+        TORCH_CHECK(norm0.defined() && norm0.dim() == 1 && (panel ? lin[5][0].dim() == 3 : lin[4][0].dim() == 2),
                     "layer 0: attn_norm must be (d,) and w1 (d_ff, d) (or w2 as panels (P, d_ff, 16))");
-        d_ = attn_norm.numel();
+        d_ = norm0.numel();
         ff_ = panel ? lin[5][0].size(1) : lin[4][0].size(0);
       }
-      check_weight(attn_norm, {d_}, "attn_norm", i);
       const int64_t shapes[7][2] = {{H_ * D_, d_}, {Hkv_ * D_, d_}, {Hkv_ * D_, d_}, {d_, H_ * D_},
                                     {ff_, d_},     {d_, ff_},       {ff_, d_}};
       if (panel) {  // every linear of the layer float32 panels
         const std::string what = "layer " + std::to_string(i);
-        for (int j = 0; j < 7; ++j) {
+        for (int j = 0; j < n_lin; ++j) {
           TORCH_CHECK(lin[j].size() == 1 && lin[j][0].dim() == 3, what, ": ", names[j],
                       " must be float32 panels like wq");
           TORCH_CHECK(lin[j][0].size(1) == shapes[j][1], what, ": ", names[j], " has K = ", lin[j][0].size(1),
                       ", expected ", shapes[j][1]);
         }
-        check_weight(ffn_norm, {d_}, "ffn_norm", i);
+        check_features(f, attn_norm, ffn_norm, i);
         Layer l{attn_norm, ffn_norm};
+        l.f = f;
         l.panel = true;
         l.qkv = panel_group({lin[0][0], lin[1][0], lin[2][0]}, {shapes[0][0], shapes[1][0], shapes[2][0]},
                             what + ": wq/wk/wv");
-        l.gu = panel_group({lin[4][0], lin[6][0]}, {shapes[4][0], shapes[6][0]}, what + ": w1/w3");
+        if (f.gated) l.gu = panel_group({lin[4][0], lin[6][0]}, {shapes[4][0], shapes[6][0]}, what + ": w1/w3");
+        else l.gu = {PanelWeight::from(lin[4][0], {shapes[4][0]}, what + ": w1")};
         l.po = PanelWeight::from(lin[3][0], {shapes[3][0]}, what + ": wo");
         l.p2 = PanelWeight::from(lin[5][0], {shapes[5][0]}, what + ": w2");
         add_biases(l, bias, i);
+        second_rope_ = second_rope_ || f.rope == 1;
         layers_.push_back(l);
         continue;
       }
       QLinear q[7];
-      for (int j = 0; j < 7; ++j) {
+      for (int j = 0; j < n_lin; ++j) {
         const std::string what = "layer " + std::to_string(i) + ": " + names[j];
         if (lin[j].size() == 1) check_weight(lin[j][0], {shapes[j][0], shapes[j][1]}, names[j], i);
         q[j] = QLinear::from(lin[j], gs[j], shapes[j][0], shapes[j][1], what);
       }
-      check_weight(ffn_norm, {d_}, "ffn_norm", i);
+      check_features(f, attn_norm, ffn_norm, i);
       Layer l{attn_norm, ffn_norm, {}, {}, {}, q[0], q[1], q[2], q[3], q[4], q[5], q[6]};
+      l.f = f;
       add_biases(l, bias, i);
+      second_rope_ = second_rope_ || f.rope == 1;
       layers_.push_back(l);
     }
   }
@@ -310,7 +398,9 @@ class FusedDecoder {
   torch::Tensor forward(torch::Tensor x, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                         torch::Tensor cos, torch::Tensor sin, torch::Tensor tables, torch::Tensor lens,
                         c10::optional<torch::Tensor> k_scale = c10::nullopt,
-                        c10::optional<torch::Tensor> v_scale = c10::nullopt) {
+                        c10::optional<torch::Tensor> v_scale = c10::nullopt,
+                        c10::optional<torch::Tensor> cos_local = c10::nullopt,
+                        c10::optional<torch::Tensor> sin_local = c10::nullopt) {
     StageClock clock(stage_profile());
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(x.dim() == 2 && x.size(1) == d_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -341,8 +431,17 @@ class FusedDecoder {
     cos = cos.contiguous(), sin = sin.contiguous();
     TORCH_CHECK(slots.numel() == B && lens.numel() == B && tables.dim() == 2 && tables.size(0) == B,
                 "one slot, block table and length per token");
-    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == B * D_ / 2 && cos.scalar_type() == at::kFloat &&
-                sin.scalar_type() == at::kFloat, "cos/sin must be float32 (B, D/2)");
+    const int64_t rot = layers_[0].f.rotary;
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == B * rot / 2 && cos.scalar_type() == at::kFloat &&
+                sin.scalar_type() == at::kFloat, "cos/sin must be float32 (B, ", rot / 2, "), got ", cos.sizes());
+    torch::Tensor cos2, sin2;  // the second tables (layers with rope 1)
+    if (second_rope_) {
+      TORCH_CHECK(cos_local.has_value() && sin_local.has_value(), "layers use the second RoPE: give cos_local and "
+                  "sin_local");
+      cos2 = cos_local->contiguous(), sin2 = sin_local->contiguous();
+      TORCH_CHECK(cos2.sizes() == cos.sizes() && sin2.sizes() == cos.sizes() && cos2.scalar_type() == at::kFloat &&
+                  sin2.scalar_type() == at::kFloat, "cos_local/sin_local must be float32 like cos, got ", cos2.sizes());
+    }
     const int64_t nb = k_cache.size(1), bs = k_cache.size(2), maxb = tables.size(1);
     const int64_t* sp = slots.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
@@ -367,21 +466,28 @@ class FusedDecoder {
     clock.mark(kSetup);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
-      rmsnorm_rows(x, w.attn_norm, h, eps_);
+      const Features& f = w.f;
+      if (f.pre) norm_rows(f, x, w.attn_norm, f.attn_norm_b, h);
+      const torch::Tensor& a_in = f.pre ? h : x;  // the attention's input: normed, or x itself (post norms only)
       clock.mark(kAttnNorm);
       hq.valid = false;
       if (w.panel) {
-        panel_linear(h, w.qkv, {&q, &k, &v});
+        panel_linear(a_in, w.qkv, {&q, &k, &v});
         for (auto [b, y] : {std::pair{&w.bq, &q}, {&w.bk, &k}, {&w.bv, &v}})
           if (b->defined()) y->add_(*b);
       } else {
-        linear(h, w.wq, w.bq, q, &hq);
-        linear(h, w.wk, w.bk, k, &hq);
-        linear(h, w.wv, w.bv, v, &hq);
+        linear(a_in, w.wq, w.bq, q, &hq);
+        linear(a_in, w.wk, w.bk, k, &hq);
+        linear(a_in, w.wv, w.bv, v, &hq);
       }
       clock.mark(kQKV);
-      rope_rows(q, H_, D_, cos, sin, rope_half_);
-      rope_rows(k, Hkv_, D_, cos, sin, rope_half_);
+      if (f.on) qk_norm(f, q, k, B);
+      if (f.rope >= 0) {
+        const torch::Tensor& c = f.rope == 0 ? cos : cos2;
+        const torch::Tensor& sn = f.rope == 0 ? sin : sin2;
+        rope_rows(q, H_, D_, f.rotary, c, sn, rope_half_);
+        rope_rows(k, Hkv_, D_, f.rotary, c, sn, rope_half_);
+      }
       clock.mark(kRope);
       char* kl = kc + l * layer_stride * item;  // this layer's caches and scales
       char* vl = vc + l * layer_stride * item;
@@ -393,36 +499,157 @@ class FusedDecoder {
       }
       clock.mark(kStore);
       scratchlm_attn::Args a{q.data_ptr<float>(), kl, vl, tp, lp, att.data_ptr<float>(), B, H_, Hkv_, D_, bs, maxb,
-                             static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_))), kv, ksl, vsl};
+                             f.scale, kv, ksl, vsl};
+      a.softcap = f.softcap, a.window = f.window;
       scratchlm_attn::paged_decode(a, simd_);
       clock.mark(kAttention);
-      if (w.panel) w.po.forward(att, {&o}, simd_);
-      else linear(att, w.wo, torch::Tensor(), o, nullptr);
+      if (w.panel) {
+        w.po.forward(att, {&o}, simd_);
+        if (f.bo.defined()) o.add_(f.bo);
+      } else {
+        linear(att, w.wo, f.bo, o, nullptr);
+      }
       clock.mark(kO);
-      x.add_(o);
+      if (f.on) residual(f, x, o, f.attn_post, f.attn_post_b, h);
+      else x.add_(o);
       clock.mark(kResidual);
-      rmsnorm_rows(x, w.ffn_norm, h, eps_);
+      if (f.pre) norm_rows(f, x, w.ffn_norm, f.ffn_norm_b, h);
+      const torch::Tensor& m_in = f.pre ? h : x;  // the MLP's input
       clock.mark(kFfnNorm);
       hq.valid = false;
       if (w.panel) {
-        panel_linear(h, w.gu, {&g, &u});
+        if (f.gated) panel_linear(m_in, w.gu, {&g, &u});
+        else panel_linear(m_in, w.gu, {&g});
+        if (f.b1.defined()) g.add_(f.b1);
+        if (f.b3.defined()) u.add_(f.b3);
       } else {
-        linear(h, w.w1, torch::Tensor(), g, &hq);
-        linear(h, w.w3, torch::Tensor(), u, &hq);
+        linear(m_in, w.w1, f.b1, g, &hq);
+        if (f.gated) linear(m_in, w.w3, f.b3, u, &hq);
       }
       clock.mark(kGateUp);
-      silu_mul_out(g, u, s);
+      if (f.on) act_mul_out(f.act, g, f.gated ? u : torch::Tensor(), s);
+      else silu_mul_out(g, u, s);
       clock.mark(kSiluMul);
-      if (w.panel) w.p2.forward(s, {&o}, simd_);
-      else linear(s, w.w2, torch::Tensor(), o, nullptr);
+      if (w.panel) {
+        w.p2.forward(s, {&o}, simd_);
+        if (f.b2.defined()) o.add_(f.b2);
+      } else {
+        linear(s, w.w2, f.b2, o, nullptr);
+      }
       clock.mark(kDown);
-      x.add_(o);
+      if (f.on) residual(f, x, o, f.ffn_post, f.ffn_post_b, h);
+      else x.add_(o);
       clock.mark(kResidual);
     }
     return x;
   }
 
  private:
+  // y = the layer's norm of x (RMSNorm, or LayerNorm with bias b when given).
+  void norm_rows(const Features& f, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                 torch::Tensor& y) const {
+    if (f.layer_norm) layernorm_rows(x, w, b, y, eps_);
+    else rmsnorm_rows(x, w, y, eps_);
+  }
+
+  // q/k-norm in place (RMSNorm, before RoPE): per head on (B * heads, D) rows, or over each token's projection.
+  void qk_norm(const Features& f, torch::Tensor& q, torch::Tensor& k, int64_t B) const {
+    if (!f.q_norm.defined()) return;
+    auto qr = f.q_norm.numel() == D_ ? q.view({B * H_, D_}) : q;  // (rows, width) views of q and k
+    auto kr = f.k_norm.numel() == D_ ? k.view({B * Hkv_, D_}) : k;
+    rmsnorm_rows(qr, f.q_norm, qr, eps_);
+    rmsnorm_rows(kr, f.k_norm, kr, eps_);
+  }
+
+  // x += m * post_norm(o): a sublayer's residual add with its post norm (when placed so) and the multiplier;
+  // tmp (B, d) holds the normed output.
+  void residual(const Features& f, torch::Tensor& x, torch::Tensor& o, const torch::Tensor& post,
+                const torch::Tensor& post_b, torch::Tensor& tmp) const {
+    torch::Tensor* y = &o;
+    if (post.defined()) norm_rows(f, o, post, post_b, tmp), y = &tmp;
+    if (f.mult != 1.0) y->mul_(f.mult);
+    x.add_(*y);
+  }
+
+  // The features of layer i from the maps of runner.fused_decoder_for (see the constructor), its pre norms and
+  // q/k/v biases (into attn_norm / ffn_norm / bias).
+  Features parse_features(const std::map<std::string, torch::Tensor>& t, const std::map<std::string, double>& v,
+                          size_t i, torch::Tensor& attn_norm, torch::Tensor& ffn_norm,
+                          std::vector<torch::Tensor>& bias) const {
+    static const std::vector<std::string> tensor_keys = {
+        "attn_norm", "attn_norm_b", "attn_post_norm", "attn_post_norm_b", "ffn_norm", "ffn_norm_b", "ffn_post_norm",
+        "ffn_post_norm_b", "bq", "bk", "bv", "bo", "b1", "b2", "b3", "q_norm", "k_norm"};
+    static const std::vector<std::string> value_keys = {"scale", "softcap", "window", "rope", "rotary_dim", "act",
+                                                        "gated", "layer_norm", "residual_multiplier"};
+    for (const auto& kv : t)
+      TORCH_CHECK(std::find(tensor_keys.begin(), tensor_keys.end(), kv.first) != tensor_keys.end(), "layer ", i,
+                  ": unknown feature tensor '", kv.first, "'");
+    for (const auto& kv : v)
+      TORCH_CHECK(std::find(value_keys.begin(), value_keys.end(), kv.first) != value_keys.end(), "layer ", i,
+                  ": unknown feature value '", kv.first, "'");
+    for (const auto& key : value_keys) TORCH_CHECK(v.count(key), "layer ", i, ": feature value '", key, "' missing");
+    auto get = [&](const char* key) {
+      const auto it = t.find(key);
+      return it == t.end() ? torch::Tensor() : it->second;
+    };
+    Features f;
+    attn_norm = get("attn_norm"), ffn_norm = get("ffn_norm");
+    f.attn_norm_b = get("attn_norm_b"), f.ffn_norm_b = get("ffn_norm_b");
+    f.attn_post = get("attn_post_norm"), f.attn_post_b = get("attn_post_norm_b");
+    f.ffn_post = get("ffn_post_norm"), f.ffn_post_b = get("ffn_post_norm_b");
+    f.bo = get("bo"), f.b1 = get("b1"), f.b2 = get("b2"), f.b3 = get("b3");
+    f.q_norm = get("q_norm"), f.k_norm = get("k_norm");
+    const auto bq = get("bq"), bk = get("bk"), bv = get("bv");
+    TORCH_CHECK(bq.defined() == bk.defined() && bk.defined() == bv.defined(), "layer ", i,
+                ": bq, bk and bv come together");
+    if (bq.defined()) bias = {bq, bk, bv};
+    f.pre = attn_norm.defined(), f.post = f.attn_post.defined();
+    f.scale = static_cast<float>(v.at("scale")), f.softcap = static_cast<float>(v.at("softcap"));
+    f.window = static_cast<int64_t>(v.at("window")), f.rope = static_cast<int>(v.at("rope"));
+    f.rotary = static_cast<int64_t>(v.at("rotary_dim")), f.act = static_cast<int>(v.at("act"));
+    f.gated = v.at("gated") != 0.0, f.layer_norm = v.at("layer_norm") != 0.0;
+    f.mult = v.at("residual_multiplier");
+    f.on = !f.pre || f.post || f.layer_norm || !f.gated || f.act != kSilu || f.rope != 0 || f.rotary != D_ ||
+           f.softcap != 0.f || f.window != 0 || f.mult != 1.0 || f.bo.defined() || f.b1.defined() ||
+           f.b2.defined() || f.b3.defined() || f.q_norm.defined();
+    return f;
+  }
+
+  // Shapes and ranges of layer i's features and norms.
+  void check_features(const Features& f, const torch::Tensor& attn_norm, const torch::Tensor& ffn_norm,
+                      size_t i) const {
+    TORCH_CHECK(f.pre || f.post, "layer ", i, ": no norm before or after its sublayers");
+    TORCH_CHECK(ffn_norm.defined() == f.pre && f.ffn_post.defined() == f.post, "layer ", i,
+                ": attention and MLP norms must be placed alike");
+    if (f.pre) check_weight(attn_norm, {d_}, "attn_norm", i), check_weight(ffn_norm, {d_}, "ffn_norm", i);
+    if (f.post) check_weight(f.attn_post, {d_}, "attn_post_norm", i), check_weight(f.ffn_post, {d_}, "ffn_post_norm", i);
+    const std::pair<const torch::Tensor*, const char*> norm_biases[4] = {
+        {&f.attn_norm_b, "attn_norm_b"}, {&f.ffn_norm_b, "ffn_norm_b"}, {&f.attn_post_b, "attn_post_norm_b"},
+        {&f.ffn_post_b, "ffn_post_norm_b"}};
+    for (const auto& [b, name] : norm_biases) {
+      if (!b->defined()) continue;
+      TORCH_CHECK(f.layer_norm, "layer ", i, ": ", name, " needs LayerNorm");
+      check_weight(*b, {d_}, name, i);
+    }
+    if (f.bo.defined()) check_weight(f.bo, {d_}, "bo", i);
+    if (f.b1.defined()) check_weight(f.b1, {ff_}, "b1", i);
+    if (f.b2.defined()) check_weight(f.b2, {d_}, "b2", i);
+    if (f.b3.defined()) check_weight(f.b3, {ff_}, "b3", i);
+    TORCH_CHECK(!f.b3.defined() || f.gated, "layer ", i, ": b3 needs a gated MLP");
+    TORCH_CHECK(f.q_norm.defined() == f.k_norm.defined(), "layer ", i, ": q_norm and k_norm come together");
+    if (f.q_norm.defined()) {
+      check_weight(f.q_norm, {f.q_norm.numel() == D_ ? D_ : H_ * D_}, "q_norm", i);
+      check_weight(f.k_norm, {f.k_norm.numel() == D_ ? D_ : Hkv_ * D_}, "k_norm", i);
+    }
+    TORCH_CHECK(f.rope >= -1 && f.rope <= 1, "layer ", i, ": rope must be -1 (none), 0 or 1, got ", f.rope);
+    TORCH_CHECK(f.rotary > 0 && f.rotary <= D_ && f.rotary % 2 == 0, "layer ", i, ": rotary dims ", f.rotary,
+                " must be even and in 1..", D_);
+    TORCH_CHECK(f.act >= kSilu && f.act <= kGelu, "layer ", i, ": act must be 0 (silu), 1 (gelu_tanh) or 2 (gelu)");
+    TORCH_CHECK(f.window >= 0 && f.softcap >= 0.f && f.scale > 0.f, "layer ", i,
+                ": window and softcap must be >= 0 and the scale > 0");
+    TORCH_CHECK(i == 0 || f.rotary == layers_[0].f.rotary, "layer ", i, ": every layer rotates the same dims");
+  }
+
   void add_biases(Layer& l, const std::vector<torch::Tensor>& bias, size_t i) const {
     if (bias.empty()) return;
     l.bq = bias[0], l.bk = bias[1], l.bv = bias[2];
@@ -448,6 +675,7 @@ class FusedDecoder {
   }
 
   std::vector<Layer> layers_;
+  bool second_rope_ = false;  // whether a layer rotates by the second cos/sin tables
   int64_t H_, Hkv_, D_, d_ = 0, ff_ = 0;
   float eps_;
   bool rope_half_, simd_;

@@ -5,7 +5,8 @@
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
 //   panel_pack / panel_linear  fp32 matmuls over panel-packed weights, any rows (panel_gemm.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
-//   rms_norm, rope_, silu_mul  the fused step's row ops, for the unfused path (decoder.h; inference/engine_ops.py)
+//   rms_norm, layer_norm, rope_, silu_mul, act_mul  the fused step's row ops, for the unfused path (decoder.h;
+//                          inference/engine_ops.py)
 // Every entry point releases the GIL.
 
 #include <torch/extension.h>
@@ -104,7 +105,8 @@ scratchlm_attn::KV kv_type(const torch::Tensor& cache) {
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      bool use_simd, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale, int64_t tile_rows, bool avx512) {
+                                     c10::optional<torch::Tensor> v_scale, int64_t tile_rows, bool avx512,
+                                     double softcap, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "q must be (B, H, D), got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k/v caches must be (num_blocks, block_size, Hkv, D) and equal in shape");
@@ -133,10 +135,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.size(3) == D, "head dim of q (", D, ") and cache (", k_cache.size(3), ") differ");
   TORCH_CHECK(H % Hkv == 0, H, " query heads is not a multiple of ", Hkv, " kv heads");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "one block table and length per query");
+  TORCH_CHECK(softcap >= 0.0 && window >= 0, "softcap and window must be >= 0 (0: off), got ", softcap, " and ",
+              window);
   auto out = torch::empty_like(q);
   scratchlm_attn::Args a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                          B, H, Hkv, D, k_cache.size(1), block_tables.size(1), static_cast<float>(scale), kv, ks, vs};
+  a.softcap = static_cast<float>(softcap), a.window = window;
   const int64_t nb = k_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = a.lens[b];
@@ -191,18 +196,46 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-torch::Tensor rope_(torch::Tensor t, int64_t heads, torch::Tensor cos, torch::Tensor sin, bool half_pairs) {
+torch::Tensor rope_(torch::Tensor t, int64_t heads, torch::Tensor cos, torch::Tensor sin, bool half_pairs,
+                    int64_t rotary_dim) {
   check_rows(t, "rope_: t");
   TORCH_CHECK(t.is_contiguous(), "rope_: t must be contiguous (it is rotated in place)");
   TORCH_CHECK(heads > 0 && t.size(1) % heads == 0 && (t.size(1) / heads) % 2 == 0, "rope_: ", t.size(1),
               " columns are not ", heads, " heads of an even head dim");
-  const int64_t D = t.size(1) / heads;
+  const int64_t D = t.size(1) / heads, R = rotary_dim > 0 ? rotary_dim : D;
+  TORCH_CHECK(R <= D && R % 2 == 0, "rope_: rotary dims ", R, " must be even and at most the head dim ", D);
   cos = cos.contiguous(), sin = sin.contiguous();
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
-              cos.numel() == t.size(0) * D / 2, "rope_: cos/sin must be float32 (", t.size(0), ", ", D / 2, "), got ",
+              cos.numel() == t.size(0) * R / 2, "rope_: cos/sin must be float32 (", t.size(0), ", ", R / 2, "), got ",
               cos.sizes(), " and ", sin.sizes());
-  scratchlm_decoder::rope_rows(t, heads, D, cos, sin, half_pairs);
+  scratchlm_decoder::rope_rows(t, heads, D, R, cos, sin, half_pairs);
   return t;
+}
+
+torch::Tensor layer_norm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b, double eps) {
+  check_rows(x, "layer_norm: x");
+  const bool has_b = b.has_value() && b->defined();
+  for (const auto* t : {&w, has_b ? &*b : &w})
+    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->numel() == x.size(1) && t->device().is_cpu(),
+                "layer_norm: weight and bias must be float32 (", x.size(1), ",), got ", t->scalar_type(), " ",
+                t->sizes());
+  x = x.contiguous(), w = w.contiguous();
+  auto y = torch::empty_like(x);
+  scratchlm_decoder::layernorm_rows(x, w, has_b ? b->contiguous() : torch::Tensor(), y, static_cast<float>(eps));
+  return y;
+}
+
+torch::Tensor act_mul(torch::Tensor g, c10::optional<torch::Tensor> u, int64_t act) {
+  check_rows(g, "act_mul: gate");
+  TORCH_CHECK(act >= 0 && act <= 2, "act_mul: act must be 0 (silu), 1 (gelu_tanh) or 2 (gelu), got ", act);
+  const bool gated = u.has_value() && u->defined();
+  if (gated)
+    TORCH_CHECK(u->sizes() == g.sizes() && u->scalar_type() == at::kFloat, "act_mul: up must match gate ",
+                g.sizes(), ", got ", u->sizes());
+  g = g.contiguous();
+  auto s = torch::empty_like(g);
+  scratchlm_decoder::act_mul_out(static_cast<int>(act), g, gated ? u->contiguous() : torch::Tensor(), s);
+  return s;
 }
 
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
@@ -311,29 +344,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_peak_fmas", &scratchlm_panel::peak_fma, "run iters rounds of independent FMAs in registers (time it): "
         "the float FMAs done (AVX-512 if avx512 and the CPU has it, else AVX2; 0 without SIMD)",
         py::arg("iters"), py::arg("avx512") = true, py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("use_simd") = true, py::arg("k_scale") = py::none(),
+  m.def("paged_decode_attention", &paged_decode_attention, "attention of each row's query over its context in a "
+        "paged KV cache (CPU): scores q.k * scale, soft-capped (softcap > 0) and limited to the last `window` keys "
+        "(window > 0)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("use_simd") = true, py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("tile_rows") = PREFILL_TILE_ROWS, py::arg("avx512") = true,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("softcap") = 0.0, py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("kv_store", &kv_store, "write float32 K or V rows into a paged cache of any KV dtype (as the fused step does)",
         py::arg("cache"), py::arg("scales"), py::arg("slots"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool,
                     const std::vector<std::vector<std::vector<torch::Tensor>>>&,
-                    const std::vector<std::vector<int64_t>>&>(),
+                    const std::vector<std::vector<int64_t>>&, const std::vector<std::map<std::string, torch::Tensor>>&,
+                    const std::vector<std::map<std::string, double>>&>(),
            py::arg("layers"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("rope_half"), py::arg("use_simd") = true,
            py::arg("linears") = std::vector<std::vector<std::vector<torch::Tensor>>>{},
-           py::arg("group_sizes") = std::vector<std::vector<int64_t>>{})
+           py::arg("group_sizes") = std::vector<std::vector<int64_t>>{},
+           py::arg("tensors") = std::vector<std::map<std::string, torch::Tensor>>{},
+           py::arg("values") = std::vector<std::map<std::string, double>>{})
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "the fused step's RMSNorm: (x (M, d) * rsqrt(mean(x^2) + eps)) * w, float32",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
-  m.def("rope_", &rope_, "the fused step's RoPE, in place on t (M, heads * D) with cos/sin (M, D/2)", py::arg("t"),
-        py::arg("heads"), py::arg("cos"), py::arg("sin"), py::arg("half_pairs"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "the fused step's RoPE, in place on the first rotary_dim (0: all) dims of each head of t "
+        "(M, heads * D) with cos/sin (M, rotary_dim/2)", py::arg("t"), py::arg("heads"), py::arg("cos"),
+        py::arg("sin"), py::arg("half_pairs"), py::arg("rotary_dim") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("layer_norm", &layer_norm, "the fused step's LayerNorm: ((x - mean) * rsqrt(var + eps)) * w (+ b), float32",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("act_mul", &act_mul, "the fused step's MLP activation: act(gate) (* up when given); act 0 silu, 1 gelu_tanh, "
+        "2 gelu", py::arg("gate"), py::arg("up"), py::arg("act"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "the fused step's silu(gate) * up, float32 (M, d_ff)", py::arg("gate"), py::arg("up"),
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_streaming", &panel_streaming, "whether the panel kernel prefetches its next panel group and writes "

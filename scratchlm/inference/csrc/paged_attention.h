@@ -11,6 +11,12 @@
 //   block_tables (B, max_blocks) int64;  context_lens (B,) int64
 //   out          (B, H, D)  float32
 //
+// A layer's AttentionSpec comes along (Args): any scale, a logit soft-cap (scores -> cap * tanh(score / cap),
+// applied to a row's scores before its softmax: softcap_avx2 / softcap_scalar, one formula for every kernel) and
+// a sliding window (a row of context n sees keys [n - window, n): every kernel starts at the block of that first
+// key, so the blocks before a window are never read, and masks the keys before it in that block; first_key).
+// With neither, the instructions are those of plain attention.
+//
 // Work item = (tile of rows, kv head h): the rows' G = H / Hkv query heads read the same K/V rows (grouped-query
 // attention without repeating K/V: each block's rows come from memory once and serve the G heads from L1). Per query
 // head: scores s[t] = q_g . k_t * scale, a softmax, out_g = sum_t p[t] v_t. A decode row (a tile of one) is one
@@ -64,7 +70,33 @@ struct Args {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   uint64_t call = 0;  // paged_decode's call number: per-thread caches of one call (KtCache) are valid only within it
+  float softcap = 0.f;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); 0: off
+  int64_t window = 0;   // > 0: a row of context length n sees keys [n - window, n) (a sliding window); 0: all
 };
+
+// The first key a row of context length n sees: n - window under a sliding window (a query at position p sees the
+// keys (p - window, p]), else 0. The kernels start at its block: the blocks before it are never read.
+inline int64_t first_key(const Args& a, int64_t n) { return a.window > 0 && n > a.window ? n - a.window : 0; }
+
+// tanh(x) as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with x's sign. The
+// scalar twin of tanh256 (the same formula; std::exp instead of exp256, so the last bit may differ).
+inline float tanh_scalar(float x) {
+  const float ax = std::fabs(x);
+  if (ax >= 0.625f) {
+    const float r = 1.f - 2.f / (std::exp(ax + ax) + 1.f);
+    return x < 0.f ? -r : r;
+  }
+  const float z = x * x;
+  const float p = (((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+                  3.33332819422e-1f;
+  return x + x * z * p;
+}
+
+// s[i] = cap * tanh(s[i] / cap) over [0, n): the attention logit soft-cap, portable path.
+inline void softcap_scalar(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * tanh_scalar(s[i] * inv);
+}
 
 // A tile: rows b0 .. b0 + R - 1 (one block table, non-decreasing lengths), KV head h, a work buffer.
 using TileFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*);
@@ -136,26 +168,27 @@ inline void softmax_columns(float* scores, int64_t T, int64_t G) {
 
 template <KV T>
 void item_scalar(const Args& a, int64_t b, int64_t h, float* scores) {
-  const int64_t G = a.H / a.Hkv, D = a.D, T_len = a.lens[b];
+  const int64_t G = a.H / a.Hkv, D = a.D, T_len = a.lens[b], t0 = first_key(a, T_len);
   const int64_t* table = a.tables + b * a.max_blocks;
   const float* q = a.q + (b * a.H + h * G) * D;  // (G, D)
-  for (int64_t t = 0; t < T_len; ++t) {
+  for (int64_t t = t0; t < T_len; ++t) {  // scores[(t - t0) * G + g]: the keys of the row's window
     const int64_t r = row_index(a, table, t, h);
     const float ks = T == KV::I8 ? a.k_scale[r] : 1.f;
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
       for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * elem<T>(a.k, r * D + d);
-      scores[t * G + g] = acc * ks * a.scale;
+      scores[(t - t0) * G + g] = acc * ks * a.scale;
     }
   }
-  softmax_columns(scores, T_len, G);
+  if (a.softcap > 0.f) softcap_scalar(scores, (T_len - t0) * G, a.softcap);
+  softmax_columns(scores, T_len - t0, G);
   float* o = a.out + (b * a.H + h * G) * D;  // (G, D)
   std::fill(o, o + G * D, 0.f);
-  for (int64_t t = 0; t < T_len; ++t) {
+  for (int64_t t = t0; t < T_len; ++t) {
     const int64_t r = row_index(a, table, t, h);
     const float vs = T == KV::I8 ? a.v_scale[r] : 1.f;
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[t * G + g] * vs;
+      const float p = scores[(t - t0) * G + g] * vs;
       for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * elem<T>(a.v, r * D + d);
     }
   }
@@ -306,6 +339,37 @@ KV_FN inline void block_values(const float* sg, int64_t T, const float* base, in
 #pragma GCC unroll 4
     for (int j = 0; j < GT; ++j)
       for (int c = 0; c < CH; ++c) _mm256_storeu_ps(og + j * D + 8 * (c0 + c), o[j][c]);
+  }
+}
+
+// tanh of 8 floats, tanh_scalar's formula lane by lane (exp256 for the exponential).
+KV_FN inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 e = exp256(_mm256_add_ps(ax, ax));
+  __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(-5.70498872745e-3f), z), _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(5.37397155531e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(3.33332819422e-1f));
+  const __m256 small = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(x, z), p));
+  return _mm256_blendv_ps(small, big, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
+}
+
+// s[i] = cap * tanh(s[i] / cap) over [0, n), 8 lanes at a time (a last partial group through a padded copy), so
+// every score goes through the same instructions wherever it sits: the decode row and the tiles agree bit for bit.
+KV_FN inline void softcap_avx2(float* s, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(s + i), inv))));
+  if (i < n) {
+    float tmp[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::copy(s + i, s + n, tmp);
+    _mm256_storeu_ps(tmp, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(tmp), inv))));
+    std::copy(tmp, tmp + (n - i), s + i);
   }
 }
 
@@ -678,6 +742,10 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
   float* rows = sums + V;            // (block_size, D) converted K or V rows; (16 * ceil(block_size / 16), D) K^T
   const bool v2 = W512 && keys_in_lanes_flag().load(std::memory_order_relaxed);
   const bool lanes_keys = v2 && R > 1;  // scores with keys in lanes, the maxima fused into the score pass
+  // A soft-cap changes the scores after that pass and a window narrows the keys a maximum runs over: then the
+  // maxima are taken after the soft-cap, over each vector's window, as the decode row does.
+  const bool fused_max = lanes_keys && a.softcap == 0.f && a.window == 0;
+  const int64_t blk_begin = first_key(a, lens[0]) / a.bs;  // blocks before every row's window are never read
   const int64_t groups = (a.bs + 15) / 16;  // key groups of 16 per block
   KtCache* kc = nullptr;
   bool keep = false;  // whether the transposed blocks are kept for the next tiles (else one block's room, reused)
@@ -721,24 +789,28 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
     const void* cache = pass == 0 ? a.k : a.v;
     const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
     if (pass == 1) std::fill(obuf, obuf + V * D, 0.f);
-    for (int64_t blk = 0; blk < std::min<int64_t>(PREFETCH_BLOCKS, n_blocks); ++blk)
+    for (int64_t blk = blk_begin; blk < std::min<int64_t>(blk_begin + PREFETCH_BLOCKS, n_blocks); ++blk)
       prefetch_rows(cache, table[blk] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_max - blk * a.bs), row_bytes);
     int64_t r_first = 0;  // the first row whose context reaches the block (rows are sorted by length)
-    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    int64_t r_end = 0;    // past the last row whose window starts at or before the block (all rows without one)
+    for (int64_t blk = blk_begin; blk < n_blocks; ++blk) {
       const int64_t t0 = blk * a.bs;
       const int64_t r0 = table[blk] * a.bs * Hkv + h;  // row index of the block's first token
       const int64_t n = std::min(a.bs, T_max - t0);
       while (lens[r_first] <= t0) ++r_first;
+      while (r_end < R && first_key(a, lens[r_end]) / a.bs <= blk) ++r_end;
       if (const int64_t ahead = blk + PREFETCH_BLOCKS; ahead < n_blocks)
         prefetch_rows(cache, table[ahead] * a.bs * Hkv + h, Hkv, std::min(a.bs, T_max - ahead * a.bs), row_bytes);
+      if (r_first >= r_end) continue;  // no row of the tile sees this block (windows of rows far apart)
+      const int64_t V_end = r_end * G;
       if constexpr (W512) {
         if (lanes_keys && pass == 0) {
           if (!keep) kc->block[0] = -1;
           const float* kt = cached_keys<NC / 2, T>(*kc, cache, cscale, r0, Hkv, keep ? blk : 0, table[blk], n, groups);
           for (int64_t kg = 0; kg * 16 < n; ++kg) {
             const int64_t nk = std::min<int64_t>(16, n - kg * 16);
-            for (int64_t v = r_first * G; v < V; v += 4)
-              groups_t512<NC / 2>(std::min<int64_t>(V - v, 4), qbuf + v * D, kt + kg * 16 * D, nk,
+            for (int64_t v = r_first * G; v < V_end; v += 4)
+              groups_t512<NC / 2>(std::min<int64_t>(V_end - v, 4), qbuf + v * D, kt + kg * 16 * D, nk,
                                   scores + v * T_max + t0 + kg * 16, T_max, t0 + kg * 16, lens, G, v, sums);
           }
           continue;
@@ -747,8 +819,8 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
       if (pass == 1) prefetch_ahead(lines_per_block);
       int64_t stride;
       const float* base = block_rows<NC, T>(cache, cscale, r0, Hkv, n, rows, stride);
-      for (int64_t v = r_first * G; v < V;) {
-        const int64_t gt = std::min<int64_t>(V - v, W512 ? 4 : 3);
+      for (int64_t v = r_first * G; v < V_end;) {
+        const int64_t gt = std::min<int64_t>(V_end - v, W512 ? 4 : 3);
         float* sg = scores + v * T_max + t0;
         if constexpr (W512) {
           group512<NC / 2>(pass, gt, qbuf + v * D, base, stride, n, sg, T_max, obuf + v * D);
@@ -768,11 +840,14 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
     }
     if (pass == 1) break;
     for (int64_t v = 0; v < V; ++v) {  // softmax numerator in place; the normaliser is applied to the output
-      float* sg = scores + v * T_max;
-      const int64_t T_len = lens[v / G];
+      const int64_t T_len_all = lens[v / G], t_first = first_key(a, T_len_all);
+      float* row_scores = scores + v * T_max;
+      float* sg = row_scores + t_first;  // the vector's window [t_first, T_len_all), from here on [0, T_len)
+      const int64_t T_len = T_len_all - t_first;
+      if (a.softcap > 0.f) softcap_avx2(sg, T_len, a.softcap);
       int64_t t = 0;
-      float mx = sums[v];  // fused into the score pass (lanes_keys): the same value, a max is exact
-      if (!lanes_keys) {
+      float mx = sums[v];  // fused into the score pass (fused_max): the same value, a max is exact
+      if (!fused_max) {
         __m256 mv = _mm256_set1_ps(-INFINITY);
         for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
         mx = hmax256(mv);
@@ -795,7 +870,8 @@ KV_FN inline void tile_avx2(const Args& a, int64_t b0, int64_t R, int64_t h, flo
           sum += sg[t];
         }
       }
-      std::fill(sg + T_len, sg + T_max, 0.f);  // the causal mask: keys past the row's own context
+      std::fill(row_scores + T_len_all, row_scores + T_max, 0.f);  // the causal mask: keys past the row's context
+      std::fill(row_scores + t_first / a.bs * a.bs, sg, 0.f);      // keys before the window in its first block
       sums[v] = sum;
     }
   }
@@ -838,6 +914,7 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool f
   const int64_t row_bytes = D * kv_itemsize(T);
   const int64_t* table = a.tables + b * a.max_blocks;
   const int64_t n_blocks = (T_len + a.bs - 1) / a.bs;
+  const int64_t t_first = first_key(a, T_len), blk0 = t_first / a.bs;  // a window's first key and its block
   float* scores = buf;               // (H, T_len)
   float* obuf = scores + H * T_len;  // (H, D) unnormalised outputs
   float* qbuf = obuf + H * D;        // (H, D) q * scale
@@ -850,26 +927,31 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool f
     for (int c = 0; c < NC; ++c)
       _mm256_storeu_ps(qbuf + v * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(qrow + v * D + 8 * c), scale));
   if (first)  // the first row of a thread's run; the others' first K blocks came with the previous row's V pass
-    for (int64_t blk = 0; blk < std::min<int64_t>(DECODE_PREFETCH_BLOCKS, n_blocks); ++blk)
+    for (int64_t blk = blk0; blk < std::min<int64_t>(blk0 + DECODE_PREFETCH_BLOCKS, n_blocks); ++blk)
       prefetch_part(a.k, table[blk] * a.bs * Hkv, std::min(a.bs, T_len - blk * a.bs) * Hkv, row_bytes, 0, 1);
   for (int pass = 0; pass < 2; ++pass) {  // 0: K -> scores; 1: V -> outputs
     const void* cache = pass == 0 ? a.k : a.v;
     const float* cscale = pass == 0 ? a.k_scale : a.v_scale;
     if (pass == 1) std::fill(obuf, obuf + H * D, 0.f);
-    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    for (int64_t blk = blk0; blk < n_blocks; ++blk) {
       const int64_t t0 = blk * a.bs;
       const int64_t n = std::min(a.bs, T_len - t0);
       // The block DECODE_PREFETCH_BLOCKS ahead in the stream this thread reads: this pass's blocks, then V's
-      // (after K), then the next row's K blocks (after V).
+      // (after K), then the next row's K blocks (after V), each from its window's first block.
       const int64_t ahead = blk + DECODE_PREFETCH_BLOCKS;
       const void* pf_cache = cache;
       const int64_t* pf_table = table;
       int64_t pf_blk = ahead, pf_len = T_len;
       if (ahead >= n_blocks) {
-        pf_blk = ahead - n_blocks;
-        if (pass == 0) pf_cache = a.v;
-        else if (next >= 0) pf_cache = a.k, pf_table = a.tables + next * a.max_blocks, pf_len = a.lens[next];
-        else pf_cache = nullptr;
+        pf_blk = ahead - n_blocks + blk0;
+        if (pass == 0) {
+          pf_cache = a.v;
+        } else if (next >= 0) {
+          pf_cache = a.k, pf_table = a.tables + next * a.max_blocks, pf_len = a.lens[next];
+          pf_blk = ahead - n_blocks + first_key(a, pf_len) / a.bs;
+        } else {
+          pf_cache = nullptr;
+        }
       }
       const int64_t pf_rows = pf_cache && pf_blk * a.bs < pf_len ? std::min(a.bs, pf_len - pf_blk * a.bs) * Hkv : 0;
       const int64_t pf_first = pf_rows ? pf_table[pf_blk] * a.bs * Hkv : 0;
@@ -910,26 +992,29 @@ KV_FN inline void decode_row_avx2(const Args& a, int64_t b, int64_t next, bool f
       }
     }
     if (pass == 1) break;
+    const int64_t n_keys = T_len - t_first;  // the window's keys: scores [t_first, T_len) of each vector
     for (int64_t v = 0; v < H; ++v) {  // tile_avx2's softmax numerator and sum
-      float* sg = scores + v * T_len;
+      float* sg = scores + v * T_len + t_first;
+      if (a.softcap > 0.f) softcap_avx2(sg, n_keys, a.softcap);
       __m256 mv = _mm256_set1_ps(-INFINITY);
       int64_t t = 0;
-      for (; t + 8 <= T_len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+      for (; t + 8 <= n_keys; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
       float mx = hmax256(mv);
-      for (; t < T_len; ++t) mx = std::max(mx, sg[t]);
+      for (; t < n_keys; ++t) mx = std::max(mx, sg[t]);
       mv = _mm256_set1_ps(mx);
       __m256 sv = _mm256_setzero_ps();
-      for (t = 0; t + 8 <= T_len; t += 8) {
+      for (t = 0; t + 8 <= n_keys; t += 8) {
         const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
         _mm256_storeu_ps(sg + t, e);
         sv = _mm256_add_ps(sv, e);
       }
       float sum = hsum256(sv);
-      for (; t < T_len; ++t) {
+      for (; t < n_keys; ++t) {
         sg[t] = std::exp(sg[t] - mx);
         sum += sg[t];
       }
       sums[v] = sum;
+      std::fill(scores + v * T_len + blk0 * a.bs, sg, 0.f);  // keys before the window in its first block
     }
   }
   for (int64_t v = 0; v < H; ++v) {
