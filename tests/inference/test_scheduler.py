@@ -206,3 +206,48 @@ def test_engine_config_validates_the_policy():
     assert EngineConfig().scheduling_policy == "shortest-first"
     with pytest.raises(ValueError, match="scheduling_policy='lifo' must be shortest-first or fcfs"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_windowed_pool_frees_blocks_as_sequences_advance_and_preempts_cleanly():
+    """Every layer windowed (window 10, blocks of 4): after each step a sequence holds only the blocks of its window
+    (3 while decoding, at most max_blocks_held with its chunk), sequences far longer than the pool run to the end,
+    preemption frees what they hold and they recompute; prefix hits take only the window's blocks."""
+    window, bs = 10, 4
+    bm = BlockManager(9, bs, window=window)  # 8 usable blocks: 32 tokens
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    bound = bm.max_blocks_held(10**6, 8)
+    seqs = [make_seq(n) for n in (30, 7, 19)]
+    for s in seqs:
+        sched.add(s)
+    preempted = 0
+    for _ in range(400):
+        out = step(sched)
+        preempted += len(out.preempted)
+        bm.check_invariants(sched.owners())
+        for s in sched.running:
+            assert len(s.block_table) - s.num_dropped_blocks <= bound
+            assert s.block_table[: s.num_dropped_blocks] == [bm.null_block] * s.num_dropped_blocks
+            if s.num_computed_tokens >= s.num_prompt_tokens:
+                assert len(s.block_table) - s.num_dropped_blocks <= -(-(window - 1) // bs) + 1
+        for s in list(sched.running):
+            if len(s.output_ids) >= 60:
+                sched.finish(s, "length")
+        if not sched.has_unfinished():
+            break
+    assert all(len(s.output_ids) == 60 for s in seqs)  # 90 tokens in a pool of 32
+    assert preempted > 0  # three sequences of 3 blocks do not fit next to a chunk
+    assert bm.num_free_blocks == bm.num_usable_blocks and bm.num_dropped > 0
+    # a prompt sharing a finished one's 30 tokens hits 7 blocks (28 tokens) but takes only blocks 4-6: the keys
+    # 19..28 of the window of position 28; its first blocks were dropped (and partly evicted) long before
+    first = make_seq(30, token=10**6)
+    sched.add(first)
+    while not first.output_ids:
+        step(sched)
+    sched.finish(first, "length")
+    hits = bm.prefix_cache_hits
+    again = make_seq(30, token=10**6)
+    sched.add(again)
+    out = sched.schedule()
+    assert again.block_table[:4] == [bm.null_block] * 4 and again.num_dropped_blocks == 4
+    assert out.scheduled[0].seq is again and again.num_computed_tokens == 28 and bm.prefix_cache_hits == hits + 7
+    bm.check_invariants(sched.owners())

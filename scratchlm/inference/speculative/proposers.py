@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from scratchlm.inference.block_manager import BlockManager
-from scratchlm.inference.kv_cache import KVCache
+from scratchlm.inference.kv_cache import KVCache, kv_window
 from scratchlm.inference.runner import ModelRunner, build_model_input
 from scratchlm.inference.sampler import SamplingRow
 from scratchlm.inference.scheduler import ScheduledSequence, SchedulerOutput
@@ -86,6 +86,7 @@ class _DraftSeq:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_dropped_blocks: int = 0  # leading entries freed by the draft's sliding window (null block)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -109,12 +110,16 @@ class ModelProposer:
     Each sequence's draft state remembers which tokens the draft has computed; before drafting, the
     state is cut back to the longest prefix that still agrees with the sequence (rejected drafts are
     dropped) and the missing tokens are fed in the first forward (a catch-up chunk).
+
+    The cache is shaped by the draft's `kv_spec` (its layers' heads and head_dim, `KVCache.for_spec`). When every
+    draft layer is windowed, the blocks before the window of the cut-back point are freed after each cut (the
+    cut-back point never moves back: later cuts keep at least the tokens the draft had caught up to).
     """
 
-    def __init__(self, model: torch.nn.Module, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, cost: float, max_len: int):
-        self.cache = KVCache.allocate(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, model: torch.nn.Module, kv_spec: list[Any], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, cost: float, max_len: int):
+        self.cache = KVCache.for_spec(kv_spec, num_blocks, block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False, window=kv_window(kv_spec))
         self.runner = ModelRunner(model, self.cache, device)
         self.states: dict[int, _DraftSeq] = {}
         self.cost = cost
@@ -139,6 +144,7 @@ class ModelProposer:
         st.num_computed_tokens = i
         st.token_ids = list(new)
         st.num_prompt_tokens = seq.num_prompt_tokens
+        st.num_dropped_blocks = self.blocks.drop_out_of_window(st.block_table, i, st.num_dropped_blocks)
         return st
 
     def propose(self, seqs: list[Sequence], ks: list[int], rows: list[SamplingRow]) -> list[Proposal]:
@@ -211,6 +217,6 @@ def build_model_proposer(engine: Any, method: Any) -> ModelProposer:
         draft = loaded.model.to(device=c.device, dtype=c.torch_dtype).eval()
         max_len = mc.max_seq_len
     cost = model_cost(draft) / max(1, model_cost(target))
-    n_layers = len(draft.layers)
-    return ModelProposer(draft, n_layers, mc.n_kv_heads, mc.head_dim, engine.block_manager.num_blocks,
-                         engine.block_manager.block_size, c.torch_dtype, torch.device(c.device), cost, max_len)
+    spec = mc.kv_spec()[: len(draft.layers)]  # layers:K runs the target's first K layers
+    return ModelProposer(draft, spec, engine.block_manager.num_blocks, engine.block_manager.block_size,
+                         c.torch_dtype, torch.device(c.device), cost, max_len)
