@@ -338,11 +338,12 @@ def gguf_meta(meta: dict[str, Any], arch: str, key: str, source: str, default: A
 
 
 def gguf_vector(tensors: dict[str, Any], name: str, source: str) -> list[float]:
-    """A small float tensor of the file (RoPE factors) as a list; it must be stored as F32 or F16."""
+    """A small float tensor of the file (RoPE factors) as a list, each value the shortest decimal that rounds to
+    the same float32 (as the config.json lists they were written from: 2.3, not 2.299999952...); F32 or F16."""
     t = tensors[name]
     if getattr(t, "type_name", None) not in ("F32", "F16") or getattr(t, "data", None) is None:
         raise FamilyError(f"{source}: tensor {name} must be F32 or F16 data (got {getattr(t, 'type_name', None)})")
-    return [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    return [float(str(x)) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
 
 
 def llama3_from_freq_factors(factors: list[float], head_dim: int, theta: float, source: str) -> RopeFeatures:

@@ -7,6 +7,10 @@ reads the tensor descriptors that follow. Type sizes come from the `gguf` packag
 Layout (v2/v3, little endian): magic "GGUF", u32 version,
 u64 tensor count, u64 kv count, kv pairs, tensor infos (name, u32 n_dims, u64 dims fastest-first,
 u32 type, u64 offset), padding to `general.alignment`, then tensor data.
+
+Metadata floats are mostly FLOAT32 in the file: llama.cpp's converter had a decimal (1e-6, 0.4) that float32
+cannot hold exactly. A scalar float that is exact in float32 is read back as the shortest decimal that rounds to
+the same float32 (9.999999974752427e-07 -> 1e-06), so a config read from the GGUF equals the one from config.json.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ class GGUFTensor:
     data: np.ndarray
 
 
+def shortest_float32(value: float) -> float:
+    """`value` as the shortest decimal that rounds to the same float32, when it is exact in float32; else itself."""
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value and np.isfinite(single) else value
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     """(metadata, {name: tensor}) of a GGUF file; tensor data are views of one read-only memmap.
 
@@ -41,6 +51,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     size = path.stat().st_size
     with open(path, "rb", buffering=1 << 20) as f:
         n_tensors, meta, r = read_header(f, path)
+        meta = {k: shortest_float32(v) if isinstance(v, float) else v for k, v in meta.items()}
         infos = []
         for _ in range(n_tensors):
             name = r.string()
