@@ -223,3 +223,29 @@ def test_llamacpp_logits_equal_ours(name, converted):
     theirs = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
     ours = load(path).model(torch.tensor([ids]))[0]
     assert (ours - theirs).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_scaling_recovered_from_rope_freqs(factor):
+    """Llama 3.1 / 3.2's RoPE (head_dim 128, theta 500000, original 8192): convert stores only the per-frequency
+    divisors (`rope_freqs.weight` = plain / scaled frequencies, here from HF's own llama3 frequencies); the
+    loader's llama3 parameters reproduce them. Divisors of no llama3 scaling are an error, not an approximation."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from scratchlm.model.families import FamilyError
+    from scratchlm.model.families.base import llama3_from_freq_factors
+
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, max_position_embeddings=131072,
+                      rope_parameters=params)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    divisors = (plain / scaled.double()).float().tolist()  # float32, as in the GGUF
+    rope = llama3_from_freq_factors(divisors, 128, 500000.0, "test")
+    assert (rope.scaling, rope.original_max_seq_len) == ("llama3", 8192)
+    assert rope.factor == pytest.approx(factor, rel=1e-6)  # HF's float32 frequencies; convert writes it exactly
+    assert (rope.low_freq_factor, rope.high_freq_factor) == (1.0, 4.0)
+    with pytest.raises(FamilyError, match="not a Llama 3 RoPE scaling"):
+        llama3_from_freq_factors([1.0 + 0.37 * (i % 3) for i in range(64)], 128, 500000.0, "test")
