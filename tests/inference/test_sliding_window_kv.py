@@ -216,3 +216,30 @@ def test_speculative_decoding_with_dropped_blocks(mistral, spec: str) -> None:
         check_against_hf(hf, prompt, outs[rid].outputs[0])
     if spec.startswith("layers"):
         assert engine.speculator.proposer.blocks.window == WINDOW and engine.speculator.proposer.blocks.num_dropped
+
+
+def test_kv_spec_shapes_the_cache_and_names_what_is_unsupported() -> None:
+    from scratchlm.inference.kv_cache import kv_shape, kv_window
+    from scratchlm.model.config import LayerKV
+
+    spec = [LayerKV(2, 16, 8), LayerKV(2, 16, 8)]
+    assert kv_shape(spec) == (2, 2, 16) and kv_window(spec) == 8
+    assert KVCache.for_spec(spec, 3, BS, torch.float32, "cpu").k.shape == (2, 3, BS, 2, 16)
+    assert kv_window([LayerKV(2, 16, 8), LayerKV(2, 16, None)]) is None  # a full layer reads every block
+    assert kv_window([LayerKV(2, 16, 4), LayerKV(2, 16, 8)]) == 8  # the widest window decides
+    with pytest.raises(ValueError, match="different KV heads x head_dim .*0: 2x16, 1: 4x16.*not supported"):
+        kv_shape([LayerKV(2, 16, None), LayerKV(4, 16, None)])
+
+
+def test_mixed_layer_models_keep_every_block_and_say_why(tmp_path, caplog) -> None:
+    """Gemma 2 alternates windowed and full layers: one block table cannot drop what a full layer reads, so the pool
+    has no window, the engine logs why at start-up, and its sizing is that of full attention."""
+    save_tiny("gemma2", tmp_path)
+    with caplog.at_level("INFO", logger="scratchlm.inference.engine"):
+        engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(block_size=BS, kv_cache_memory=1 << 20))
+    assert engine.block_manager.window is None and engine.block_manager.null_block is None
+    assert any("2 of 4 layers are windowed" in r.message and "hybrid allocator" in r.message for r in caplog.records)
+    outs = run(engine, {"g": (PROMPTS[0], greedy(12))})
+    seq_blocks = -(-(len(PROMPTS[0]) + 12) // BS)
+    assert engine.block_manager.num_dropped == 0 and len(outs["g"].outputs[0].token_ids) == 12
+    assert engine.block_manager.max_blocks_held(len(PROMPTS[0]) + 12, 16) == seq_blocks
