@@ -248,10 +248,11 @@ def fused_step_unsupported(config) -> list[str]:
     The fused step implements every feature of `ModelConfig`'s block (`_layer_features` hands them over per
     layer); the embedding (scale, learned positions), the final norm, logit scale and final soft-cap stay in
     Python around it (`TransformerLM.embed` / `finish_logits`), and sequence-length dependent RoPE (dynamic,
-    LongRoPE) gets per-row cos/sin tables (`ModelRunner._row_rope`). What is left: an odd head dim."""
+    LongRoPE) gets per-row cos/sin tables (`ModelRunner._row_rope`). What is left: an odd head dim or an odd
+    number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide)."""
     missing = []
-    if config.head_dim % 2:
-        missing.append(f"an odd head dim ({config.head_dim})")
+    if config.head_dim % 2 or config.rotary_dim % 2:
+        missing.append(f"an odd head dim or rotary dims ({config.head_dim}, {config.rotary_dim})")
     return missing
 
 
@@ -283,7 +284,7 @@ def _layer_features(model: torch.nn.Module, i: int) -> tuple[dict[str, torch.Ten
         "softcap": spec.softcap or 0.0,
         "window": spec.window or 0,
         "rope": -1 if rope is None or rope.layout == "none" else 0 if rope is model.rope else 1,
-        "rotary_dim": c.rotary_dim if c.rope_layout != "none" else c.head_dim,
+        "rotary_dim": c.rotary_dim,
         "act": _ACTS[f.act],
         "gated": float(f.gated),
         "layer_norm": float(c.norm.kind == "layer"),

@@ -253,6 +253,8 @@ inline void act_mul_out(int act, const torch::Tensor& g, const torch::Tensor& u,
 
 // Where a fused step's time goes, for benchmarks/decode_step.py: with profiling on, forward adds the calling
 // thread's CPU seconds of each stage (all layers) into one process-wide table (off: one flag test per stage).
+// Features go to the stage beside them: q/k-norm to "rope", post norms and the residual multiplier to "residual",
+// any MLP activation to "silu_mul"; norms of post-only placement are not "attn_norm" / "ffn_norm".
 enum Stage : int { kSetup, kAttnNorm, kQKV, kRope, kStore, kAttention, kO, kResidual, kFfnNorm, kGateUp, kSiluMul,
                    kDown, kStages };
 inline const char* const kStageNames[kStages] = {"setup", "attn_norm", "qkv_gemm", "rope", "kv_store", "attention",
