@@ -237,10 +237,10 @@ class ShardedLM(nn.Module):
         if "tok_embeddings.weight" in state:
             embed = VocabParallelEmbedding(_pad_rows(state["tok_embeddings.weight"], shard), layout.vocab[0], comm)
         lm.tok_embeddings = embed if layout.is_first_stage else None
-        if lm.pos_embeddings is not None:
-            lm.pos_embeddings = None if not layout.is_first_stage else lm.pos_embeddings
-            if lm.pos_embeddings is not None:
-                lm.pos_embeddings.weight = _frozen(state["pos_embeddings.weight"])
+        if lm.pos_embeddings is not None and layout.is_first_stage:  # learned positions: replicated
+            lm.pos_embeddings.weight = _frozen(state["pos_embeddings.weight"])
+        elif lm.pos_embeddings is not None:
+            lm.pos_embeddings = None
         self.head = None
         if layout.is_last_stage:
             for n, _ in list(lm.norm.named_parameters()):
@@ -267,8 +267,7 @@ class ShardedLM(nn.Module):
         """Run this stage's blocks on x (B, T, d_model); `attn` indexes layers locally (0 = first of the stage).
         `rope_lengths`: each row's sequence length, for length-dependent RoPE scalings (None: one sequence)."""
         lm = self.lm
-        tables = (lm.rope_tables(positions, x.dtype) if rope_lengths is None
-                  else lm.rope_tables(positions, x.dtype, rope_lengths))
+        tables = lm.rope_tables(positions, x.dtype, rope_lengths)
         for j, block in enumerate(lm.layers):
             rope = lm.layer_rope(self.first_layer + j)
             cos, sin = tables[id(rope)] if rope is not None else (None, None)

@@ -230,7 +230,8 @@ def test_tp2_engine_greedy_and_logprobs_equal_hf(name, root) -> None:
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 
     directory, hf = _checkpoint(name, root)
-    prompts = [PROMPT, [11, 4, 120], [90, 91, 92, 93, 94, 95, 96, 97, 98, 1, 2, 3]]
+    prompts = [PROMPT, [11, 4, 120], [90, 91, 92, 93, 94, 95, 96, 97, 98, 1, 2, 3],
+               PROMPT + PROMPT[:15]]  # 34 tokens: past LongRoPE's original 32 (phi3), beside shorter sequences
     n_new = 8
     engine = LLMEngine.from_pretrained(directory, EngineConfig(tensor_parallel_size=2, max_model_len=48,
                                                                block_size=4))
