@@ -256,3 +256,30 @@ def test_tp2_engine_greedy_and_logprobs_equal_hf(name, root) -> None:
         assert out.token_ids == ref[0, len(p):].tolist(), (name, i)
         for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
             assert abs(lp[tok] - logp[len(p) - 1 + j, tok].item()) < 1e-4, (name, i, j)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["gpt2", "olmo2", "qwen2"])
+def test_cp2_engine_runs_the_features_it_implements(name, root) -> None:
+    """Context parallelism (CP = 2, ring-prefilled chunks of >= 16 tokens) with learned positions, LayerNorm and
+    biases (gpt2), full-width q/k-norm (olmo2), q/k/v biases (qwen2): greedy ids equal HF generate."""
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+
+    directory, hf = _checkpoint(name, root)
+    prompts = [PROMPT + PROMPT[:14], [11, 4, 120]]
+    engine = LLMEngine.from_pretrained(directory, EngineConfig(context_parallel_size=2, context_parallel_threshold=16,
+                                                               max_model_len=48, block_size=4))
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for r in engine.step():
+                if r.finished:
+                    done[r.request_id] = r.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+    for i, p in enumerate(prompts):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert done[str(i)] == ref, (name, i)
