@@ -13,8 +13,8 @@ alpha-beta model per collective:
 The model's figures come from `ModelConfig`'s own counts (`num_parameters`, `layer_parameters`,
 `matmul_weights_per_layer`, `attended_tokens`, `kv_spec`), split by how tensor parallelism divides them
 (`split_count`): no parameter or KV formula lives here, so every family's features (biases, q/k-norms, sandwich
-norms, plain MLPs, learned positions) count as the model builds them, and a sliding window caps a layer's attention
-work and KV bytes at its window.
+norms, plain MLPs, learned positions) count as the model builds them. A sliding window caps a layer's attention
+work at its window, and the KV bytes as the engine frees them (`kv_bytes_per_sequence`).
 
 Rank placement: TP innermost (neighbouring ranks), then CP, then PP, then DP; a group whose ranks
 fall on different nodes uses the inter-node link.
@@ -196,11 +196,17 @@ def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1) -> list[int]:
 
 def kv_bytes_per_sequence(c: ModelConfig, layers: range, ctx: int, tp: int = 1, cp: int = 1,
                           dtype_bytes: float = 4) -> float:
-    """K and V bytes one sequence of `ctx` tokens keeps in `layers` on one rank (`ModelConfig.kv_spec()`): a
-    windowed layer keeps only its window, a rank its KV heads and 1/cp of the tokens."""
+    """K and V bytes one sequence of `ctx` tokens keeps in `layers` on one rank (`ModelConfig.kv_spec()`): a rank
+    keeps its KV heads and 1/cp of the tokens. Windows as the engine frees KV: its one block table serves every
+    layer, so a sequence keeps only the window when every layer is windowed (`inference.kv_cache.kv_window`, e.g.
+    Mistral), the whole context otherwise (Gemma 2/3 alternate windowed and full layers)."""
+    from scratchlm.inference.kv_cache import kv_window
+
     spec = c.kv_spec()
-    return sum(2 * math.ceil(min(ctx, spec[i].window or ctx) / cp) * math.ceil(spec[i].n_kv_heads / tp)
-               * spec[i].head_dim * dtype_bytes for i in layers)
+    window = kv_window(spec)
+    kept = ctx if window is None else min(ctx, window)
+    return sum(2 * math.ceil(kept / cp) * math.ceil(spec[i].n_kv_heads / tp) * spec[i].head_dim * dtype_bytes
+               for i in layers)
 
 
 def _allreduce(n: float, p: int, lat: float, bw: float) -> float:
@@ -308,8 +314,8 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     emb = math.ceil(c.vocab_size / tp) * c.d_model  # the head's rows on one rank
     pred.weights_bytes = max(rank_parameters(c, tp, pp)) * e
 
-    # KV cache: this replica's sequences, its stage's layers (a windowed one: its window), its KV heads, 1/cp of
-    # the tokens.
+    # KV cache: this replica's sequences, its stage's layers, its KV heads, 1/cp of the tokens (windows: as the
+    # engine frees them).
     batch = math.ceil(w.concurrency / dp)
     ctx = w.prompt_len + w.output_len
     pred.kv_bytes = batch * max(kv_bytes_per_sequence(c, r, ctx, tp, cp, ekv) for r in stage_range)

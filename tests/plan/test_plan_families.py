@@ -52,16 +52,25 @@ def test_parameter_counts_equal_the_models(name) -> None:
     assert rank_parameters(c, tp=2, pp=2) == [_held(c, 2, 2, 0), _held(c, 2, 2, 2)]
 
 
+def _without_window(c):
+    return dataclasses.replace(c, attn=dataclasses.replace(c.attn, sliding_window=None))
+
+
 def test_sliding_windows_shrink_kv_and_attention_work() -> None:
-    windowed = _config("gemma2")  # window 6 on every other layer
-    full = dataclasses.replace(windowed, attn=dataclasses.replace(windowed.attn, sliding_window=None))
+    """Every layer windowed (Mistral, window 8): the KV cache keeps the window, as the engine frees blocks; mixed
+    windowed / full layers (Gemma 2, window 6 on every other layer): the whole context (one block table serves
+    every layer), but the windowed layers' attention work shrinks."""
     w = Workload(prompt_len=512, output_len=64, concurrency=4)
-    a, b = predict(windowed, w, BIG, Layout()), predict(full, w, BIG, Layout())
-    layers = windowed.n_layers
-    kv_layer = 2 * (512 + 64) * windowed.n_kv_heads * windowed.head_dim * BIG.kv_dtype_bytes * 4
-    assert b.kv_bytes == pytest.approx(layers * kv_layer)
-    windows = [i for i in range(layers) if windowed.window(i) is not None]
-    assert a.kv_bytes == pytest.approx((layers - len(windows)) * kv_layer + len(windows) * kv_layer * 6 / 576)
+    mistral = _config("mistral")
+    a, b = predict(mistral, w, BIG, Layout()), predict(_without_window(mistral), w, BIG, Layout())
+    kv_layer = 2 * mistral.n_kv_heads * mistral.head_dim * BIG.kv_dtype_bytes * 4  # per token kept, batch 4
+    assert b.kv_bytes == pytest.approx(mistral.n_layers * kv_layer * (512 + 64))
+    assert a.kv_bytes == pytest.approx(mistral.n_layers * kv_layer * 8)
+    assert a.prefill.compute < b.prefill.compute and a.decode.total < b.decode.total
+    assert a.activation_bytes < b.activation_bytes  # every layer's scores are narrowed to the window
+    gemma2 = _config("gemma2")
+    a, b = predict(gemma2, w, BIG, Layout()), predict(_without_window(gemma2), w, BIG, Layout())
+    assert a.kv_bytes == b.kv_bytes
     assert a.prefill.compute < b.prefill.compute and a.decode.total < b.decode.total
     assert a.activation_bytes == pytest.approx(b.activation_bytes)  # a full layer's scores are still the peak
 
