@@ -20,7 +20,7 @@ from scratchlm.inference.attention import AttentionMetadata, PagedAttention, Pre
 from scratchlm.inference.block_manager import BlockManager  # noqa: E402
 from scratchlm.inference.kv_cache import KVCache, bytes_per_block_spec  # noqa: E402
 from scratchlm.model.layers import AttentionSpec, spec_attention  # noqa: E402
-from tests.model.families.tiny import save_tiny  # noqa: E402
+from tests.model.families.tiny import hf_model, save_tiny  # noqa: E402
 
 WINDOW, BS = 8, 4
 DECODE_BOUND = -(-(WINDOW - 1) // BS) + 1  # blocks over the window's keys before a decode step: 3
@@ -202,11 +202,20 @@ def test_paged_attention_ignores_null_entries_before_the_window(use_kernel: bool
         torch.testing.assert_close(out[0], ref[start:], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["ngram", "layers:2"])
-def test_speculative_decoding_with_dropped_blocks(mistral, spec: str) -> None:
-    """Drafts verified over a windowed pool (and, for layers:2, a windowed draft cache that drops blocks too):
-    greedy ids equal HF's, rollbacks never touch dropped blocks, the pool stays consistent."""
+@pytest.mark.parametrize("spec", ["ngram", "layers:2", "draft"])
+def test_speculative_decoding_with_dropped_blocks(mistral, spec: str, tmp_path) -> None:
+    """Drafts verified over a windowed pool (and, for layers:2 and a draft model, a windowed draft cache that drops
+    blocks too): greedy ids equal HF's, rollbacks never touch dropped blocks, the pool stays consistent. The tiny
+    model's own layers agree on every token, so "draft" is the same checkpoint with perturbed embeddings: most of
+    its drafts are rejected."""
     root, hf = mistral
+    if spec == "draft":
+        draft = hf_model("mistral")
+        with torch.no_grad():
+            torch.manual_seed(9)
+            draft.model.embed_tokens.weight.add_(torch.randn_like(draft.model.embed_tokens.weight) * 0.3)
+        draft.save_pretrained(tmp_path)
+        spec = f"draft:{tmp_path}"
     engine = make_engine(root, speculative=spec, num_speculative_tokens=3)
     engine.speculator.adaptive = False  # always draft k (the cost model would rarely let a 2-of-3-layer draft run)
     prompts = {"r": ([4, 8, 15, 16, 23, 42] * 4, greedy(40)), "p": (PROMPTS[1], greedy(30))}
@@ -214,8 +223,10 @@ def test_speculative_decoding_with_dropped_blocks(mistral, spec: str) -> None:
     assert engine.speculator.stats.verifies > 0
     for rid, (prompt, _) in prompts.items():
         check_against_hf(hf, prompt, outs[rid].outputs[0])
-    if spec.startswith("layers"):
+    if spec != "ngram":
         assert engine.speculator.proposer.blocks.window == WINDOW and engine.speculator.proposer.blocks.num_dropped
+    if spec.startswith("draft"):
+        assert engine.speculator.stats.rejected > 0
 
 
 def test_kv_spec_shapes_the_cache_and_names_what_is_unsupported() -> None:
