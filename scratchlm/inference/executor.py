@@ -82,8 +82,7 @@ class UniProcExecutor:
 
     def start(self, num_blocks: int) -> ModelRunner:
         c, m = self.config, self.model_config
-        cache = KVCache.allocate(m.n_layers, num_blocks, c.block_size, m.n_kv_heads, m.head_dim, c.kv_torch_dtype,
-                                 torch.device(c.device))
+        cache = KVCache.for_spec(m.kv_spec(), num_blocks, c.block_size, c.kv_torch_dtype, torch.device(c.device))
         self.runner = ModelRunner(self.model, cache, c.device)
         return self.runner
 
