@@ -110,6 +110,13 @@ def _gpt2():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
+def _smollm3():
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**(BASE | dict(num_hidden_layers=4)), tie_word_embeddings=True, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)  # layer 3 has no RoPE
+
+
 FAMILIES = {
     "llama": lambda: _llama(tie_word_embeddings=False),
     "llama_tied": lambda: _llama(tie_word_embeddings=True),
@@ -129,6 +136,7 @@ FAMILIES = {
     "olmo2": _olmo2,
     "granite": _granite,
     "gpt2": _gpt2,
+    "smollm3": _smollm3,
 }
 
 
