@@ -21,10 +21,9 @@ from scratchlm.model import ModelConfig, load
 from scratchlm.parallel.launch import check_engine_config, load_shard
 from scratchlm.parallel.layout import check_cp_features, plan_layout, read_model_config
 from scratchlm.parallel.tensor import ShardedLM, check_shardable, module_shards
-from tests.model.families.tiny import save_tiny
+from tests.model.families.tiny import FAMILIES, save_tiny
 
-CASES = ["llama3", "qwen2", "qwen3", "gemma2", "phi3", "phi4_mini", "gpt2", "olmo2", "granite", "gemma3",
-         "llama_bias", "llama_dynamic"]
+CASES = sorted(FAMILIES)
 PROMPT = [5, 17, 3, 99, 42, 7, 150, 8, 23, 61, 2, 77, 9, 31, 44, 12, 100, 6, 59]  # longer than every window
 
 
