@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
-from scratchlm.inference.kv_cache import KVCache
+from scratchlm.inference.kv_cache import KVCache, kv_shape
 from scratchlm.inference.runner import ModelInput
 from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.pipeline import split_model_input
@@ -81,8 +81,9 @@ class ParallelRunner:
     # --- set-up ----------------------------------------------------------------------------------
     def _allocate(self, num_blocks: int) -> None:
         c, lay = self.model.config, self.layout
-        self.cache = KVCache.allocate(lay.layers[1] - lay.layers[0], num_blocks, self.block_size,
-                                      lay.kv_heads[1] - lay.kv_heads[0], c.head_dim, self.dtype, self.device)
+        n_layers, _, head_dim = kv_shape(c.kv_spec()[lay.layers[0]:lay.layers[1]])  # this stage's layers' KV
+        self.cache = KVCache.allocate(n_layers, num_blocks, self.block_size, lay.kv_heads[1] - lay.kv_heads[0],
+                                      head_dim, self.dtype, self.device)  # this rank's KV heads
 
     def start(self, num_blocks: int) -> ParallelRunner:
         """Rank 0: tell every rank the KV pool size the engine chose, allocate this rank's cache shard."""
