@@ -1,4 +1,7 @@
-"""`SamplingParams`: how one request is sampled and when it stops (vLLM / OpenAI semantics)."""
+"""`SamplingParams`: how one request is sampled and when it stops (vLLM / OpenAI semantics).
+
+Every field is validated at construction (a `ValueError` naming it); nothing is silently dropped.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ SEED_RANGE = (-(2**63), 2**64)  # any signed or unsigned 64-bit integer
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no bound
 MAX_STOP_CHARS = 256  # per stop string; also the longest text held back while streaming
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range): -100 effectively bans a token, +100 forces it
 
 
 @dataclass
@@ -38,6 +42,9 @@ class SamplingParams:
     logprobs: None, or the number of top alternatives to return next to each sampled token's logprob.
     presence_penalty / frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
     repetition_penalty: HF semantics, in [0.01, 10] (1 = off), over prompt and generated tokens.
+    logit_bias: OpenAI semantics: {token id: bias in [-100, 100]} added to those logits (after the penalties,
+        before temperature / top-k / top-p / greedy); keys may be ints or decimal strings (JSON's keys) and are
+        normalized to ints. None or {} = off. The engine's sampler rejects ids outside its vocabulary.
     """
 
     temperature: float = 1.0
@@ -56,6 +63,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -134,6 +142,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -141,5 +150,38 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
-    def has_penalties(self) -> bool:
+    def has_repetition_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether anything changes the raw logits before the min_tokens mask: a penalty or a logit_bias
+        (the sampler's first stage, shared with speculative decoding's target distribution)."""
+        return self.has_repetition_penalties or bool(self.logit_bias)
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+    """`bias` as {int token id: float}, or None when empty; a ValueError naming the bad entry otherwise."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams.logit_bias: got {type(bias).__name__}, expected a dict of token id -> "
+                         f"bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token = key
+        else:
+            raise ValueError(f"SamplingParams.logit_bias: got the key {key!r}, expected a non-negative token id "
+                             "(an int or a decimal string)")
+        if token in out:
+            raise ValueError(f"SamplingParams.logit_bias: token id {token} is given twice")
+        if (isinstance(value, bool) or not isinstance(value, int | float) or value != value
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ValueError(f"SamplingParams.logit_bias: got {value!r} for token id {token}, expected a number in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        out[token] = float(value)
+    return out or None

@@ -1,7 +1,11 @@
 """The sampler: logits of the sampled positions -> next token ids (and logprobs), per-request params.
 
 Order of the logits processors (as vLLM): repetition / frequency / presence penalties on the raw
-logits, the min_tokens mask, temperature, then top-k, top-p and min-p filtering. Each one matches
+logits, the request's ``logit_bias`` (OpenAI semantics: the bias added to the token's logit), the
+min_tokens mask, temperature, then top-k, top-p and min-p filtering (greedy takes the argmax of the
+biased, masked logits). Each stage runs only when some row of the batch uses it: a batch without a
+penalty or a logit_bias does no tensor work for them. Returned logprobs are those of the raw model
+logits (as vLLM's default), whatever the processors did. Each one matches
 its Hugging Face counterpart on the same logits (tests/inference/test_sampler.py). Sampling uses the
 exponential race (argmax p_i / E_i with E_i ~ Exp(1)) drawn from the request's own generator, so a
 seeded request gives the same tokens whatever else is in the batch.
@@ -53,6 +57,19 @@ def apply_presence_frequency(
 ) -> torch.Tensor:
     """OpenAI semantics: logit - frequency * count - presence * (count > 0), counts of generated tokens."""
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[int], ids: Sequence[int], bias: Sequence[float]
+                     ) -> torch.Tensor:
+    """`logits` with bias[j] added at (rows[j], ids[j]) (out of place); ids outside the vocabulary raise."""
+    vocab = logits.shape[-1]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"logit_bias holds token ids outside the vocabulary [0, {vocab}): {sorted(set(bad))[:5]}")
+    device = logits.device
+    index = (torch.as_tensor(rows, dtype=torch.long, device=device), torch.as_tensor(ids, dtype=torch.long,
+                                                                                     device=device))
+    return logits.index_put(index, torch.as_tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -148,6 +165,18 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The penalties, then the logit biases, each only when some row has one (`SamplingParams.has_penalties`)."""
+        if any(r.params.has_repetition_penalties for r in rows):
+            logits = Sampler._repetition_penalties(logits, rows)
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+        if biased:
+            row_of = [i for i, b in biased for _ in b]
+            logits = apply_logit_bias(logits, row_of, [t for _, b in biased for t in b],
+                                      [v for _, b in biased for v in b.values()])
+        return logits
+
+    @staticmethod
+    def _repetition_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         S, V = logits.shape
         device = logits.device
         out = torch.zeros(S, V, device=device)

@@ -3,7 +3,8 @@
 ``create_app(engine, config)`` builds the app around an engine that honours the contract in
 docs/contracts.md ("Inference engine"). Every request is validated before it reaches the engine;
 every failure becomes an OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``)
-and the server keeps serving.
+and the server keeps serving. A field the server does not implement is a 400 naming it in ``param``
+(code ``unsupported_parameter``), never silently ignored (the policy is in protocol.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from scratchlm.server.config import ServerConfig
 from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
+    UNSUPPORTED,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -295,6 +297,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        unsupported = [e for e in errors if e.get("type") in ("extra_forbidden", UNSUPPORTED)]
+        if unsupported:  # a field the server does not implement: named (dotted path) in `param`, never ignored
+            def path_of(err: dict) -> str:  # "messages.0.tool_calls" (pydantic's union-branch tags left out)
+                return ".".join(str(x) for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str)
+                                                                                          and "[" in x))
+
+            parts = []
+            for err in unsupported[:5]:
+                path = path_of(err)
+                if err.get("type") == "extra_forbidden":
+                    parts.append(f"`{path}` is not a field this server implements")
+                else:
+                    parts.append(f"`{path}`: {err.get('msg', 'not supported')}")
+            first = path_of(unsupported[0])
+            message = ("Unsupported parameter: " + "; ".join(parts) + ". Remove it (docs/server.md lists the "
+                       "fields this server supports).")
+            if len(unsupported) > 5:
+                message += f" And {len(unsupported) - 5} more."
+            return error_response(400, message, param=first, code=UNSUPPORTED)
         by_field: dict[str, list[dict]] = {}
         for err in errors:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -477,6 +498,9 @@ def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, l
         raise APIError(400, "`stop` strings must not be empty.", param="stop")
     if req.stop_token_ids:
         _check_token_ids(state, req.stop_token_ids, "stop_token_ids")
+    logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+    if logit_bias:
+        _check_token_ids(state, list(logit_bias), "logit_bias")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop or None,
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -489,6 +513,8 @@ def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, l
         kwargs["min_p"] = req.min_p
     if req.repetition_penalty is not None:
         kwargs["repetition_penalty"] = req.repetition_penalty
+    if logit_bias:
+        kwargs["logit_bias"] = logit_bias
     try:
         return state.sampling_params_cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -756,7 +782,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len, root=state.model_root,
+        # the model's name, never its local path (which says where the server's files are)
+        root = None if state.model_root is None else Path(state.model_root).name
+        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len, root=root,
                          created=int(state.started))
         return dump(ModelList(data=[card]))
 

@@ -1,9 +1,18 @@
 """Pydantic models of the OpenAI HTTP API (the subset this server speaks).
 
 Requests are validated here: a wrong type or an out-of-range value becomes a 400 whose OpenAI-shaped
-error body names the field (see ``app.py``). Unknown fields are ignored, as vLLM does, so that
-clients that send newer OpenAI fields keep working. ``top_k``, ``min_p`` and ``repetition_penalty``
-are extensions (vLLM's names).
+error body names the field (see ``app.py``).
+
+No field is silently ignored. Every request model forbids unknown fields (a 400 naming the field, code
+``unsupported_parameter``). OpenAI fields this server does not implement (``tools``, ``tool_choice``,
+``functions``, ``function_call``, ``response_format`` other than ``{"type": "text"}``,
+``parallel_tool_calls``, ``audio``, ``prediction``, ...) are declared so that their error says so, and
+are accepted only when absent, null, or set to the value that changes nothing (``tool_choice: "none"``
+with no tools, ``store: false``, ``modalities: ["text"]``). Fields that never change the output
+(``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``) are accepted. The vLLM-style
+extensions the engine implements (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt``) are
+accepted; vLLM's ``prompt_logprobs`` is not implemented (400). The table is in docs/server.md.
 """
 
 from __future__ import annotations
@@ -11,9 +20,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from scratchlm.inference.params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -46,14 +57,33 @@ class ErrorResponse(BaseModel):
 # ---------------------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
+UNSUPPORTED = "unsupported_parameter"  # the pydantic error type (and the 400's code) of an unimplemented field
+
+
+def unsupported(what: str) -> PydanticCustomError:
+    """The validation error of a field this server does not implement (its 400 names the field)."""
+    return PydanticCustomError(UNSUPPORTED, "{what} is not supported by this server", {"what": what})
+
+
+def _reject_unless(value: Any, allowed: tuple, what: str) -> Any:
+    """`value` when it is one of `allowed` (the values that change nothing), else the unsupported error."""
+    if any(value == a and type(value) is type(a) for a in allowed):
+        return value
+    raise unsupported(what)
+
+
+class StrictModel(BaseModel):
+    """A request model that answers an unknown field with a 400 naming it instead of ignoring it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictModel):
     """The sampling fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="served model name; omitted means the served model")
     max_tokens: int | None = Field(
@@ -70,7 +100,17 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="an end-user id; accepted, changes nothing")
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = Field(
+        None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling; "
+                          "ids must be in the vocabulary")
+    # OpenAI fields that change nothing here (accepted) or are not implemented (400 unless null / the no-op value).
+    metadata: dict[str, str] | None = Field(None, description="stored-completion tags; accepted, changes nothing")
+    safety_identifier: str | None = Field(None, description="accepted, changes nothing")
+    prompt_cache_key: str | None = Field(None, description="a caching hint; accepted, changes nothing "
+                                                           "(the prefix cache is automatic)")
+    store: bool | None = Field(None, description="only false: stored completions are not implemented")
+    service_tier: str | None = Field(None, description="only \"auto\" or \"default\"")
     # Extensions (vLLM names).
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
                               description="extension: sample among the k most likely (k <= vocabulary); -1/0 = off")
@@ -82,6 +122,26 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                              description="extension: token ids that end the generation")
     include_stop_str_in_output: bool = Field(False, description="extension: keep the matched stop string")
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: Any) -> Any:
+        return _reject_unless(v, (None, False), "`store: true` (stored completions)")
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v: Any) -> Any:
+        return _reject_unless(v, (None, "auto", "default"),
+                              f"`service_tier: {repr(v)[:40]}` (only \"auto\" or \"default\")")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, v: Any) -> Any:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise PydanticCustomError("invalid_value", "logit_bias keys must be token ids (decimal integers), got "
+                                                           "{key}", {"key": repr(key)[:40]})
+        return v
 
 
 class CompletionRequest(SamplingFields):
@@ -95,19 +155,44 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
+    prompt_logprobs: Any = Field(None, description="not supported (vLLM extension): 400 unless null")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: Any) -> Any:
+        return _reject_unless(v, (None,), "`prompt_logprobs`")
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(StrictModel):
+    """One message. Only `role` and `content` reach the chat template; the fields an OpenAI client echoes back
+    from a reply (``tool_calls``, ``function_call``, ``refusal``, ``audio``, ``annotations``) are accepted
+    when null or empty, and are a 400 otherwise (tool calling is not implemented), as are ``name`` and
+    ``tool_call_id``, which the template would never see."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    name: Any = Field(None, description="not supported: 400 unless null")
+    tool_calls: Any = Field(None, description="not supported: 400 unless null or empty")
+    tool_call_id: Any = Field(None, description="not supported: 400 unless null")
+    function_call: Any = Field(None, description="not supported: 400 unless null")
+    refusal: Any = Field(None, description="400 unless null")
+    audio: Any = Field(None, description="not supported: 400 unless null")
+    annotations: Any = Field(None, description="400 unless null or empty")
+
+    @field_validator("name", "tool_call_id", "function_call", "refusal", "audio")
+    @classmethod
+    def _null_only(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None,), f"a message's `{info.field_name}`")
+
+    @field_validator("tool_calls", "annotations")
+    @classmethod
+    def _null_or_empty(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None, []), f"a message's `{info.field_name}`")
 
     def text(self) -> str:
         if self.content is None:
@@ -125,12 +210,45 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (newer OpenAI name)")
     add_generation_prompt: bool = Field(True, description="extension: end the prompt with the assistant header")
+    # OpenAI fields that are not implemented: 400 unless null (or the value that changes nothing).
+    tools: Any = Field(None, description="not supported (tool calling): 400 unless null")
+    tool_choice: Any = Field(None, description="only \"none\" (no tools can be given)")
+    functions: Any = Field(None, description="not supported (deprecated tool calling): 400 unless null")
+    function_call: Any = Field(None, description="only \"none\"")
+    parallel_tool_calls: Any = Field(None, description="not supported (tool calling): 400 unless null")
+    response_format: Any = Field(None, description='only {"type": "text"}: structured outputs are not supported')
+    modalities: Any = Field(None, description='only ["text"]')
+    audio: Any = Field(None, description="not supported: 400 unless null")
+    prediction: Any = Field(None, description="not supported (predicted outputs): 400 unless null")
+    reasoning_effort: Any = Field(None, description="not supported: 400 unless null")
+    verbosity: Any = Field(None, description="not supported: 400 unless null")
+    web_search_options: Any = Field(None, description="not supported: 400 unless null")
+
+    @field_validator("tools", "functions", "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
+                     "verbosity", "web_search_options")
+    @classmethod
+    def _null_only(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None,), f"`{info.field_name}`")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _none_only(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None, "none"), f"`{info.field_name}` other than \"none\" (tool calling)")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: Any) -> Any:
+        return _reject_unless(v, (None, {"type": "text"}), '`response_format` other than {"type": "text"} '
+                                                           "(structured outputs)")
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, v: Any) -> Any:
+        return _reject_unless(v, (None, ["text"]), '`modalities` other than ["text"]')
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictModel):
     """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -145,9 +263,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
 

@@ -37,6 +37,16 @@ from scratchlm.inference import SamplingParams
         ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: -101}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {1: True}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"logit_bias": {1.0: 1}}, "logit_bias"),
+        ({"logit_bias": {1: 1, "1": 2}}, "logit_bias"),
+        ({"logit_bias": [(1, 1)]}, "logit_bias"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs: dict, message: str) -> None:
@@ -62,3 +72,14 @@ def test_tiny_temperature_is_greedy_as_vllm() -> None:
     assert SamplingParams(temperature=1e-39).greedy and SamplingParams(temperature=9e-6).greedy
     assert not SamplingParams(temperature=1e-5).greedy
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_logit_bias_normalization() -> None:
+    """JSON's string keys and ints both become int ids; an empty map is off; a bias alone counts as a penalty
+    stage (the sampler's first stage, shared with speculative decoding) but not as a repetition penalty."""
+    p = SamplingParams(logit_bias={"5": -100, 7: 2.5, "0012": 100})
+    assert p.logit_bias == {5: -100.0, 7: 2.5, 12: 100.0} and all(type(k) is int for k in p.logit_bias)
+    assert p.has_penalties and not p.has_repetition_penalties
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams(logit_bias={}).has_penalties
+    with pytest.raises(ValueError, match=r"got 101 for token id 3, expected a number in \[-100, 100\]"):
+        SamplingParams(logit_bias={"3": 101})

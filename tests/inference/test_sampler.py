@@ -8,12 +8,14 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 from scratchlm.inference import SamplingParams
+from scratchlm.inference import sampler as sampler_module
 from scratchlm.inference.sampler import (
     Sampler,
     SamplingRow,
@@ -162,3 +164,101 @@ def test_extreme_penalties_and_top_k_above_vocab_do_not_break_the_row() -> None:
                                     torch.Generator().manual_seed(2), [], [])])
     assert 0 <= res.token_ids[0] < V and 0 <= res.token_ids[1] < V
     assert res.token_ids[0] == top  # the penalty of 0.01 < 1 rewards the seen, already largest token
+
+
+# ---------------------------------------------------------------------------------------------- logit_bias
+
+
+def hf_bias(x: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """HF's SequenceBiasLogitsProcessor with one-token sequences: OpenAI's logit_bias."""
+    if not bias:
+        return x.clone()
+    return SequenceBiasLogitsProcessor(sequence_bias=[[[t], b] for t, b in bias.items()])(
+        torch.zeros(x.shape[0], 1, dtype=torch.long), x.clone())
+
+
+def test_logit_bias_after_penalties_matches_hf() -> None:
+    """Per row: repetition penalty (HF), then the bias (HF's sequence bias); rows without a bias untouched."""
+    x = logits(10, rows=3)
+    biases = [{3: 2.5, 10: -100.0, 49: 100.0}, {}, {0: -0.5}]
+    rows = [SamplingRow(SamplingParams(logit_bias=b or None, repetition_penalty=1.5 if i == 0 else 1.0), None,
+                        [3, 4], [5]) for i, b in enumerate(biases)]
+    ours = Sampler._penalize(x, rows)
+    ids = torch.tensor([[3, 4, 5]])
+    for i, b in enumerate(biases):
+        want = RepetitionPenaltyLogitsProcessor(1.5)(ids, x[i : i + 1].clone()) if i == 0 else x[i : i + 1]
+        torch.testing.assert_close(ours[i : i + 1], hf_bias(want, b))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_minus_100_bans_and_plus_100_forces(temperature: float) -> None:
+    x = logits(11, rows=2)
+    top, low = int(x[0].argmax()), int(x[1].argmin())
+    rows = [SamplingRow(SamplingParams(temperature=temperature, seed=i, logit_bias=b), torch.Generator().manual_seed(i),
+                        [], []) for i, b in enumerate([{top: -100}, {low: 100}])]
+    sampler = Sampler()
+    for _ in range(50):
+        res = sampler(x, rows).token_ids
+        assert res[0] != top and res[1] == low
+
+
+def test_mixed_batch_rows_without_bias_equal_their_unbiased_runs() -> None:
+    """Greedy and seeded rows next to a biased row give what they give alone, step after step."""
+    x = logits(12, rows=3)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=4, top_p=0.9),
+              SamplingParams(temperature=0.8, seed=5, logit_bias={int(x[2].argmax()): -100, 1: 3})]
+
+    def run(which: list[int]) -> list[list[int]]:
+        gens = {i: torch.Generator().manual_seed(i) for i in which}
+        out = []
+        for _ in range(30):
+            rows = [SamplingRow(params[i], None if params[i].greedy else gens[i], [], []) for i in which]
+            out.append(Sampler()(x[which], rows).token_ids)
+        return out
+
+    together = run([0, 1, 2])
+    assert [t[0] for t in together] == [t[0] for t in run([0])]
+    assert [t[1] for t in together] == [t[0] for t in run([1])]
+    assert [t[2] for t in together] == [t[0] for t in run([2])]
+
+
+def test_no_bias_in_the_batch_costs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No row with a bias: the bias stage never runs; a bias alone does not run the repetition-penalty stage."""
+    calls = {"bias": 0, "penalties": 0}
+    real_bias, real_pen = sampler_module.apply_logit_bias, Sampler._repetition_penalties
+
+    def count_bias(*a, **k):
+        calls["bias"] += 1
+        return real_bias(*a, **k)
+
+    def count_pen(*a, **k):
+        calls["penalties"] += 1
+        return real_pen(*a, **k)
+
+    monkeypatch.setattr(sampler_module, "apply_logit_bias", count_bias)
+    monkeypatch.setattr(Sampler, "_repetition_penalties", staticmethod(count_pen))
+    x = logits(13, rows=2)
+    plain = [SamplingRow(SamplingParams(temperature=0), None, [1], [2]),
+             SamplingRow(SamplingParams(temperature=0, presence_penalty=0.5), None, [1], [2])]
+    Sampler()(x, plain)
+    assert calls == {"bias": 0, "penalties": 1}
+    Sampler()(x, [SamplingRow(SamplingParams(temperature=0, logit_bias={3: 1}), None, [1], [2]), plain[0]])
+    assert calls == {"bias": 1, "penalties": 1}
+
+
+def test_bias_on_an_id_outside_the_vocabulary_raises() -> None:
+    row = SamplingRow(SamplingParams(temperature=0, logit_bias={V: 1}), None, [], [])
+    with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {V}\): \[{V}\]"):
+        Sampler()(logits(14, rows=1), [row])
+
+
+def test_speculative_target_distribution_includes_the_bias() -> None:
+    """Speculative decoding's target logits (processed_logits) go through the same first stage."""
+    from scratchlm.inference.speculative.rejection import processed_logits
+
+    x = logits(15, rows=2)
+    rows = [SamplingRow(SamplingParams(logit_bias={2: -100.0, 9: 7.0}), None, [], []),
+            SamplingRow(SamplingParams(), None, [], [])]
+    out = processed_logits(x, rows)
+    torch.testing.assert_close(out[:1], hf_bias(x[:1], {2: -100.0, 9: 7.0}))
+    torch.testing.assert_close(out[1:], x[1:])

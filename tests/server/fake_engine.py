@@ -56,6 +56,7 @@ class FakeSamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # accepted, not applied (the echo engine does not sample)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
