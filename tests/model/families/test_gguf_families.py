@@ -198,18 +198,24 @@ LLAMA_CPP = r'''
 import json, sys
 import numpy as np
 from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+# F32 K/V (llama.cpp's default cache is F16, which alone moves these logits by ~1e-3)
+llm = Llama(model_path=sys.argv[1], n_ctx=32, logits_all=True, n_threads=1, verbose=False, type_k=0, type_v=0)
 ids = json.loads(sys.argv[2])
 llm.eval(ids)
 print(json.dumps(np.asarray(llm.scores[:len(ids)]).tolist()))
 '''
+#: Cases llama.cpp is not compared on, and why: phi3's 160-piece SentencePiece vocabulary has no <0x0A> byte piece,
+#: which llama.cpp's SPM vocabulary loader requires ("unordered_map::at"); phi4_mini (partial rotary + LongRoPE)
+#: differs from HF's reference by 6e-3 in llama.cpp, while ours equals HF's within 1e-5 (test_gguf_logits_match_hf).
+NOT_COMPARED = {"phi3", "phi4_mini"}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt2", "llama", "llama3", "olmo2", "phi3", "qwen3"])
+@pytest.mark.parametrize("name", [c for c in CASES if c not in NOT_COMPARED])
 @torch.no_grad()
 def test_llamacpp_logits_equal_ours(name, converted):
     """llama.cpp (built by benchmarks/llamacpp_decode.py --setup-peers) on the same F32 GGUF: its logits equal ours
-    (1e-3: ggml's kernels sum in another order and its F32 matmuls may round through F16)."""
+    within 2e-4 of the largest logit (ggml's kernels sum in another order; measured: 1e-7..8e-6 for most families,
+    1.3e-4 GPT-2, 2.1e-3 / 2.5e-3 of logits up to 28 / 22 for Gemma 3 / Gemma 2)."""
     from benchmarks.llamacpp_decode import LIB_DIR, VENV
 
     python = VENV / "bin" / "python"
@@ -222,7 +228,7 @@ def test_llamacpp_logits_equal_ours(name, converted):
                           text=True, env=env, timeout=120, check=True)
     theirs = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
     ours = load(path).model(torch.tensor([ids]))[0]
-    assert (ours - theirs).abs().max().item() < 1e-3
+    assert (ours - theirs).abs().max().item() < 2e-4 * max(1.0, theirs.abs().max().item())
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])
