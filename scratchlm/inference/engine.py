@@ -217,6 +217,9 @@ class LLMEngine:
         if params.top_k is not None and params.top_k > vocab:
             raise ValueError(f"SamplingParams.top_k: got {params.top_k}, expected -1/0 (off) or an integer in "
                              f"[1, {vocab}] (the vocabulary size)")
+        bad = sorted(t for t in params.logit_bias or {} if not 0 <= t < vocab)
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:  # every sample is a running sequence (it could never be scheduled)
             raise ValueError(f"SamplingParams.n: got {params.n}, expected at most max_num_seqs="
                              f"{self.config.max_num_seqs} (each sample is one running sequence)")

@@ -83,3 +83,14 @@ def test_logit_bias_normalization() -> None:
     assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams(logit_bias={}).has_penalties
     with pytest.raises(ValueError, match=r"got 101 for token id 3, expected a number in \[-100, 100\]"):
         SamplingParams(logit_bias={"3": 101})
+
+
+def test_engine_refuses_logit_bias_outside_the_vocabulary():
+    from scratchlm.inference import SamplingParams
+    from tests.inference.helpers import make_engine, tiny_model
+
+    model, cfg = tiny_model()
+    engine = make_engine(model, cfg)
+    with pytest.raises(ValueError, match=r"logit_bias: token id\(s\) \[48\] outside the vocabulary \[0, 48\)"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, logit_bias={48: 5.0}))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2, logit_bias={47: 5.0}))
