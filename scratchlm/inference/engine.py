@@ -278,6 +278,27 @@ class LLMEngine:
             log.error("request %s failed in the engine (the others continue): %s", req.request_id, req.error)
         self._finish_all(req, "error")
 
+    def embed(self, token_lists: list[list[int]], pooling: str = "last", normalize: bool = True) -> list[list[float]]:
+        """Pooled final hidden states of each token list (inference/embeddings.py): a plain forward outside the
+        scheduler and the KV cache, so call it between steps. Needs the whole model in this process (the
+        one-process executor: NotImplementedError otherwise); lengths and ids are checked here (ValueError naming
+        the input's index)."""
+        from scratchlm.inference.embeddings import embed_tokens
+
+        model = getattr(self.executor, "model", None)
+        if model is None or not hasattr(model, "hidden_states"):
+            raise NotImplementedError(f"embeddings need the whole model in this process; the "
+                                      f"{type(self.executor).__name__} runs it elsewhere")
+        vocab = self.model_config.vocab_size
+        for i, ids in enumerate(token_lists):
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"input {i} holds token ids outside the vocabulary [0, {vocab})")
+        return embed_tokens(model, token_lists, pooling, normalize)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -48,6 +48,10 @@ from scratchlm.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -812,6 +816,48 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         _check_token_ids(state, req.tokens, "tokens")
         return dump(DetokenizeResponse(prompt=_require_tokenizer(state, "tokens").decode(req.tokens)))
 
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse,
+              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def embeddings(req: EmbeddingRequest) -> dict:
+        """Pooled final hidden states (after the final norm), L2-normalised unless ``normalize: false``; run by
+        the engine between steps in chunks of at most max_num_batched_tokens tokens (inference/embeddings.py)."""
+        _check_request_text(req)
+        _check_model(state, req.model)
+        width = getattr(getattr(state.engine, "model_config", None), "d_model", None)  # None: not a model's engine
+        if req.dimensions is not None and req.dimensions != width:
+            raise APIError(400, f"`dimensions: {req.dimensions}` is not supported by this server: this model's "
+                                f"embeddings have {width} dimensions and only that value is accepted.",
+                           param="dimensions", code=UNSUPPORTED)
+        inputs = _embedding_inputs(state, req.input)
+        texts = [i for i, x in enumerate(inputs) if isinstance(x, str)]
+        for i, ids in zip(texts, await _encode(state, [inputs[i] for i in texts], "input")):
+            inputs[i] = ids
+        for i, ids in enumerate(inputs):
+            if len(ids) > state.max_model_len:
+                raise APIError(400, f"input {i} has {len(ids)} tokens; this model's maximum context length is "
+                                    f"{state.max_model_len} tokens: shorten it.", param="input",
+                               code="context_length_exceeded")
+        pooling = req.pooling or state.config.embedding_pooling
+        budget = int(getattr(state.engine.config, "max_num_batched_tokens", 0) or 0)
+        vectors: list[list[float]] = []
+        chunk: list[list[int]] = []
+        for ids in [*inputs, None]:  # chunks of <= budget tokens (one input at least): the engine steps between
+            if chunk and (ids is None or sum(map(len, chunk)) + len(ids) > budget):
+                try:
+                    vectors += await state.loop.embed(chunk, pooling, req.normalize)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="input") from e
+                except NotImplementedError as e:
+                    raise APIError(400, f"Embeddings are not available: {e}.", code="unsupported") from e
+                chunk = []
+            if ids is not None:
+                chunk.append(ids)
+        data = [EmbeddingData(index=i, embedding=v if req.encoding_format == "float" else _base64_f32(v))
+                for i, v in enumerate(vectors)]
+        n = sum(map(len, inputs))
+        return dump(EmbeddingResponse(data=data, model=state.model_name,
+                                      usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))
+
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                          429: {"model": ErrorResponse}})
@@ -964,6 +1010,40 @@ def _normalize_prompts(state: ServerState, prompt: Any) -> list[str | list[int]]
                 raise APIError(400, "A token-id prompt is empty.", param="prompt", code="empty_prompt")
             _check_token_ids(state, p, "prompt")
     return prompts
+
+
+def _embedding_inputs(state: ServerState, value: Any) -> list[str | list[int]]:
+    """The request's `input` as a list of texts and token-id lists, checked (none empty, ids in the vocabulary)."""
+    if isinstance(value, str):
+        inputs: list[str | list[int]] = [value]
+    elif not value:
+        raise APIError(400, "`input` is empty: send a string, a list of strings or token ids.", param="input",
+                       code="empty_input")
+    elif all(isinstance(x, int) for x in value):
+        inputs = [list(value)]
+    else:
+        inputs = list(value)
+    if len(inputs) > state.config.max_prompts:
+        raise APIError(400, f"{len(inputs)} inputs in one request is above the limit of {state.config.max_prompts} "
+                            "(--max-prompts).", param="input")
+    vocab = _vocab_size(state)
+    for i, x in enumerate(inputs):
+        if not x:
+            raise APIError(400, f"input {i} is empty.", param="input", code="empty_input")
+        if isinstance(x, list):
+            bad = [t for t in x if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"input {i} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                               param="input", code="invalid_token_id")
+    return inputs
+
+
+def _base64_f32(vector: list[float]) -> str:
+    """OpenAI's base64 encoding of an embedding: its little-endian float32 bytes."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def api_key_from_env(config: ServerConfig) -> ServerConfig:

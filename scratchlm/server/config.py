@@ -37,7 +37,8 @@ class ServerConfig:
                   "more get 429"},
     )
     max_n: int = field(default=16, metadata={"help": "largest `n` (completions per prompt) a request may ask"})
-    max_prompts: int = field(default=64, metadata={"help": "largest number of prompts in one /v1/completions call"})
+    max_prompts: int = field(default=64, metadata={"help": "largest number of prompts in one /v1/completions call "
+                                                            "(inputs in one /v1/embeddings call)"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "request bodies above this get 413"})
     cors_origins: list[str] | None = field(
         default=None, metadata={"help": "origins allowed by CORS (e.g. '*'); CORS is off unless given"}
@@ -58,6 +59,10 @@ class ServerConfig:
     )
     keep_alive_timeout_s: float = field(
         default=5.0, metadata={"help": "idle keep-alive connections are closed after this many seconds"}
+    )
+    embedding_pooling: str = field(
+        default="last", metadata={"help": "how /v1/embeddings pools the final hidden states when a request does not "
+                                          "say: 'last' (the last token's) or 'mean' (over every token)"}
     )
     log_level: str = field(default="info", metadata={"help": "logging level: debug, info, warning, error"})
 
@@ -96,5 +101,7 @@ class ServerConfig:
             problems.append(f"log_level={self.log_level!r} (expected debug, info, warning, error or critical)")
         if self.api_key is not None and not self.api_key:
             problems.append("api_key is empty (omit it to serve without a key)")
+        if self.embedding_pooling not in ("last", "mean"):
+            problems.append(f"embedding_pooling={self.embedding_pooling!r} (expected last or mean)")
         if problems:
             raise ValueError("invalid server options: " + "; ".join(problems))

@@ -93,6 +93,16 @@ class RequestStream:
             yield item
 
 
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve `future` (on its event loop) unless its awaiter gave up."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 def _put_all(items: list[tuple[RequestStream, TimedOutput]]) -> None:
     for stream, item in items:
         stream._put(item)
@@ -146,6 +156,13 @@ class EngineLoop:
         """Abort a request (no-op when it already finished); its blocks are freed at the next step."""
         self._inbox.put(("abort", request_id))
 
+    async def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+        """Pooled embeddings of `token_lists` (``LLMEngine.embed``), computed in the engine thread between steps;
+        raises what it raised (ValueError: a bad input; NotImplementedError: this engine cannot)."""
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("embed", (future, token_lists, pooling, normalize)))
+        return await future
+
     def stats(self) -> Any | None:
         """The EngineStats snapshot taken after the latest step (or when the engine went idle)."""
         with self._stats_lock:
@@ -185,6 +202,16 @@ class EngineLoop:
                 return
             self._streams[stream.request_id] = stream
             stream.loop.call_soon_threadsafe(stream._accept, None)
+        elif kind == "embed":
+            future, token_lists, pooling, normalize = payload
+            try:
+                if not hasattr(self.engine, "embed"):
+                    raise NotImplementedError(f"this engine ({type(self.engine).__name__}) does not compute embeddings")
+                result, error = self.engine.embed(token_lists, pooling, normalize), None
+            except Exception as e:  # a bad input must never take the loop down
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(settle, future, result, error)
         elif kind == "abort":
             stream = self._streams.pop(payload, None)
             if stream is not None:

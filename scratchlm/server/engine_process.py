@@ -18,6 +18,10 @@ them are in the outbox unread (a semaphore the child takes per event and the rea
 event received); beyond that the child keeps the newest ``events_in_flight`` in a local ring and drops the
 oldest, counting them (``outbox_dropped`` on every event it sends, shown by the inspector page). So a
 stalled HTTP process costs the child a bounded amount of memory, never a blocked step.
+
+Embeddings (``/v1/embeddings``) are a request kind of their own, off the generation path: ``("embed", id,
+token_lists, pooling, normalize)`` is run by the child between two steps (``LLMEngine.embed``: one plain forward
+per distinct length, no KV cache) and answered with ``("embedded", id, (vectors, error, error_kind))``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scratchlm.server.engine_loop import EngineDeadError, RequestStream, TimedOutput, _put_all
+from scratchlm.server.engine_loop import EngineDeadError, RequestStream, TimedOutput, _put_all, settle
 
 log = logging.getLogger("scratchlm.server")
 
@@ -137,6 +141,13 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
                     continue
                 live.add(rid)
                 outbox.put(("accepted", rid, None))
+            elif kind == "embed":  # a plain forward between steps (LLMEngine.embed); ValueError: a bad input
+                eid, token_lists, pooling, normalize = payload
+                try:
+                    outbox.put(("embedded", eid, (engine.embed(token_lists, pooling, normalize), None, None)))
+                except Exception as e:  # sent back as its kind: ValueError (a bad input), NotImplementedError, other
+                    kind_ = type(e).__name__ if isinstance(e, ValueError | NotImplementedError) else None
+                    outbox.put(("embedded", eid, (None, str(e) if kind_ else f"{type(e).__name__}: {e}", kind_)))
             elif kind == "inspect":
                 _inspect(engine, events, payload[0], watching)
             elif kind == "abort" and payload[0] in live:
@@ -197,6 +208,8 @@ class EngineProcessLoop:
         self.engine: EngineInfo = payload
         self._stats = stats
         self._streams: dict[str, RequestStream] = {}
+        self._embeds: dict[int, asyncio.Future] = {}  # embed calls awaiting the child's answer
+        self._next_embed = 0
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._stopped = False
@@ -257,6 +270,22 @@ class EngineProcessLoop:
     def stats(self) -> Any | None:
         return self._stats
 
+    async def embed(self, token_lists: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+        """Pooled embeddings of `token_lists`, computed by the engine process between steps (``LLMEngine.embed``);
+        raises ValueError for a bad input, NotImplementedError when the engine cannot, EngineDeadError when the
+        process died."""
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._next_embed += 1
+            eid = self._next_embed
+            self._embeds[eid] = future
+        self._inbox.put(("embed", eid, token_lists, pooling, normalize))
+        try:
+            return await future
+        finally:
+            with self._lock:
+                self._embeds.pop(eid, None)
+
     def inspect(self, on: bool) -> None:
         """Ask the engine process to start (or stop) sending its step events to `on_event`."""
         with contextlib.suppress(Exception):
@@ -293,6 +322,15 @@ class EngineProcessLoop:
                     error = None if extra is None else ValueError(extra)
                     with contextlib.suppress(RuntimeError):
                         stream.loop.call_soon_threadsafe(stream._accept, error)
+            elif kind == "embedded":
+                vectors, error, error_kind = extra
+                with self._lock:
+                    future = self._embeds.pop(payload, None)
+                if future is not None:
+                    kinds = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}
+                    exc = None if error is None else kinds.get(error_kind, RuntimeError)(error)
+                    with contextlib.suppress(RuntimeError):
+                        future.get_loop().call_soon_threadsafe(settle, future, vectors, exc)
             elif kind == "outputs":
                 outputs, at = payload
                 self._stats = extra
@@ -321,6 +359,11 @@ class EngineProcessLoop:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            embeds = list(self._embeds.values())
+            self._embeds.clear()
+        for future in embeds:
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(settle, future, None, error)
         for stream in streams:
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream._put, error)

@@ -12,7 +12,9 @@ with no tools, ``store: false``, ``modalities: ["text"]``). Fields that never ch
 (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``) are accepted. The vLLM-style
 extensions the engine implements (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt``) are
-accepted; vLLM's ``prompt_logprobs`` is not implemented (400). The table is in docs/server.md.
+accepted; vLLM's ``prompt_logprobs`` is not implemented (400). ``/v1/embeddings`` accepts ``dimensions``
+only when it equals the model's width, and the extensions ``pooling`` and ``normalize``. The table is in
+docs/server.md.
 """
 
 from __future__ import annotations
@@ -272,6 +274,24 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EmbeddingRequest(StrictModel):
+    """POST /v1/embeddings. The vector is the model's final hidden state (after the final norm) pooled over the
+    input (inference/embeddings.py). ``dimensions`` is accepted only when it equals the model's width
+    (truncating a vector is not implemented); ``pooling`` and ``normalize`` are extensions (vLLM-style)."""
+
+    model: str | None = Field(None, description="served model name; omitted means the served model")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a text, a list of texts, token ids, or a list of token-id lists (none empty)")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="\"base64\": each vector as base64 of its little-endian float32 bytes")
+    dimensions: int | None = Field(None, ge=1, description="only the model's width (hidden size)")
+    user: str | None = Field(None, description="an end-user id; accepted, changes nothing")
+    pooling: Literal["last", "mean"] | None = Field(
+        None, description="extension: the last token's state or the mean over tokens; default: the server's "
+                          "--embedding-pooling")
+    normalize: bool = Field(True, description="extension: L2-normalise each vector (false: the raw pooled state)")
+
+
 # --------------------------------------------------------------------------------------- responses
 
 
@@ -362,6 +382,24 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):
