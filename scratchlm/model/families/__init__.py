@@ -73,9 +73,5 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     return for_hf_config(cfg, source).config_from_hf(cfg, source)
 
 
-def hf_rules(config: ModelConfig, family: Family) -> list[Rule]:
-    return family.hf_rules(config)
-
-
 __all__ = ["Family", "FamilyError", "Rule", "config_from_hf", "families", "for_export",
            "for_gguf_arch", "for_hf_config"]

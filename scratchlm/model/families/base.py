@@ -54,6 +54,11 @@ def rename(ours: str, theirs: str) -> Rule:
     return Rule(theirs, (ours,))
 
 
+def norm_rule(ours: str, theirs: str, delta: float) -> Rule:
+    """A norm gain: renamed, or stored as (w - delta) when `delta` (Gemma's (1 + w) gains in HF files)."""
+    return offset(ours, theirs, delta) if delta else rename(ours, theirs)
+
+
 def offset(ours: str, theirs: str, delta: float) -> Rule:
     """A gain stored as (w - delta) in the file (Gemma's norms keep w with a (1 + w) gain): ours = file + delta."""
     return Rule(theirs, (ours,), lambda t: (t.float().add(delta).to(t.dtype),),
@@ -240,6 +245,11 @@ def sliding_layers_from_types(cfg: dict[str, Any], n_layers: int) -> list[int] |
     return [i for i, t in enumerate(types[:n_layers]) if t == "sliding_attention"]
 
 
+def layer_types(config: ModelConfig) -> list[str]:
+    """transformers' `layer_types` of `config` (the inverse of `sliding_layers_from_types`)."""
+    return ["sliding_attention" if config.window(i) is not None else "full_attention" for i in range(config.n_layers)]
+
+
 def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
     """HF `rope_parameters` (transformers 5) and the older `rope_theta` / `rope_scaling` keys for `config`."""
     r = config.rope
@@ -298,7 +308,7 @@ def llama_rules(config: ModelConfig, *, prefix: str = "model.", norm_delta: floa
     norms = norms or {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
     def norm(ours: str, theirs: str) -> Rule:
-        return offset(ours, theirs, norm_delta) if norm_delta else rename(ours, theirs)
+        return norm_rule(ours, theirs, norm_delta)
 
     rules = [rename("tok_embeddings.weight", f"{prefix}embed_tokens.weight"),
              norm("norm.weight", f"{prefix}norm.weight")]
@@ -474,7 +484,7 @@ def gguf_llama_rules(config: ModelConfig, *, permute_qk: bool = False, norm_delt
     norms = norms or {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
 
     def norm(ours: str, theirs: str) -> Rule:
-        return offset(ours, theirs, norm_delta) if norm_delta else rename(ours, theirs)
+        return norm_rule(ours, theirs, norm_delta)
 
     rules = [rename("tok_embeddings.weight", "token_embd.weight"), norm("norm.weight", "output_norm.weight")]
     if not config.tie_embeddings:

@@ -15,6 +15,7 @@ from scratchlm.model.families.base import (
     gguf_base_config,
     gguf_llama_rules,
     gguf_meta,
+    layer_types,
     llama_rules,
     sliding_layers_from_types,
 )
@@ -53,13 +54,11 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     a = config.attn
-    layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
     return base_hf_config(config, "gemma2", "Gemma2ForCausalLM") | {
         "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": query_pre_attn_scalar(config), "attn_logit_softcapping": a.logit_softcap,
         "final_logit_softcapping": config.final_logit_softcap, "sliding_window": a.sliding_window,
-        "layer_types": ["sliding_attention" if a.sliding_window and i in layers else "full_attention"
-                        for i in range(config.n_layers)]}
+        "layer_types": layer_types(config)}
 
 
 def gguf_sliding_layers(meta: dict[str, Any], arch: str, n: int, default_pattern: int) -> list[int]:

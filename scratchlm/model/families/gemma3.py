@@ -16,6 +16,7 @@ from scratchlm.model.families.base import (
     gguf_base_config,
     gguf_llama_rules,
     gguf_meta,
+    layer_types,
     llama_rules,
     rope_parameters,
     rope_to_hf,
@@ -54,7 +55,6 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     a, r = config.attn, config.rope
-    layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
     full = rope_to_hf(config)["rope_parameters"]
     local = {"rope_type": "default", "rope_theta": r.local_theta or config.rope_theta}
     out = base_hf_config(config, "gemma3_text", "Gemma3ForCausalLM")
@@ -65,8 +65,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "final_logit_softcapping": config.final_logit_softcap, "sliding_window": a.sliding_window,
         "rope_local_base_freq": local["rope_theta"],
         "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "layer_types": ["sliding_attention" if a.sliding_window and i in layers else "full_attention"
-                        for i in range(config.n_layers)]}
+        "layer_types": layer_types(config)}
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:

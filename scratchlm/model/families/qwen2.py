@@ -13,34 +13,42 @@ from scratchlm.model.families.base import (
     check_act,
     gguf_base_config,
     gguf_llama_rules,
+    layer_types,
     llama_rules,
     sliding_layers_from_types,
 )
 
 
+def window_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen's window fields (`use_sliding_window`, `sliding_window`, and `layer_types` or `max_window_layers`: the
+    layers from it on slide) as `AttentionFeatures` keyword arguments; Qwen3 shares them."""
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return {}
+    n = int(cfg["num_hidden_layers"])
+    layers = sliding_layers_from_types(cfg, n)
+    if layers is None:
+        layers = list(range(int(cfg.get("max_window_layers", n)), n))
+    return {"sliding_window": int(cfg["sliding_window"]), "sliding_layers": layers}
+
+
+def window_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The inverse of `window_from_hf`."""
+    if config.attn.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None}
+    types = layer_types(config)
+    return {"use_sliding_window": True, "sliding_window": config.attn.sliding_window, "layer_types": types,
+            "max_window_layers": types.index("sliding_attention") if "sliding_attention" in types else config.n_layers}
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
-    attn = AttentionFeatures()
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        n = int(cfg["num_hidden_layers"])
-        layers = sliding_layers_from_types(cfg, n)
-        if layers is None:
-            layers = list(range(int(cfg.get("max_window_layers", n)), n))
-        attn = AttentionFeatures(sliding_window=int(cfg["sliding_window"]), sliding_layers=layers)
-    return base_config(cfg, source, qkv_bias=True, attn=attn, mlp=MLPFeatures(act=check_act(cfg, source)))
+    return base_config(cfg, source, qkv_bias=True, attn=AttentionFeatures(**window_from_hf(cfg)),
+                       mlp=MLPFeatures(act=check_act(cfg, source)))
 
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     if not config.qkv_bias:
         raise ValueError("qwen2 has q/k/v biases")
-    a = config.attn
-    out = base_hf_config(config, "qwen2", "Qwen2ForCausalLM") | {"use_sliding_window": False, "sliding_window": None}
-    if a.sliding_window is not None:
-        layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
-        out |= {"use_sliding_window": True, "sliding_window": a.sliding_window,
-                "max_window_layers": min(layers, default=config.n_layers),
-                "layer_types": ["sliding_attention" if i in layers else "full_attention"
-                                for i in range(config.n_layers)]}
-    return out
+    return base_hf_config(config, "qwen2", "Qwen2ForCausalLM") | window_to_hf(config)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:

@@ -14,6 +14,7 @@ from scratchlm.model.families.base import (
     check_act,
     gguf_base_config,
     gguf_llama_rules,
+    layer_types,
     llama_rules,
     sliding_layers_from_types,
 )
@@ -34,13 +35,11 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     a = config.attn
-    layers = a.sliding_layers if a.sliding_layers is not None else list(range(config.n_layers))
     return base_hf_config(config, "smollm3", "SmolLM3ForCausalLM") | {
         "attention_bias": config.qkv_bias, "mlp_bias": config.mlp.bias,
         "no_rope_layers": [int(i not in config.rope.nope_layers) for i in range(config.n_layers)],
         "use_sliding_window": a.sliding_window is not None, "sliding_window": a.sliding_window,
-        "layer_types": ["sliding_attention" if a.sliding_window and i in layers else "full_attention"
-                        for i in range(config.n_layers)]}
+        "layer_types": layer_types(config)}
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:

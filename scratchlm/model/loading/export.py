@@ -25,11 +25,6 @@ from scratchlm.model.loading.common import log
 from scratchlm.model.transformer import TransformerLM
 
 
-def adjacent_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Per head, rows (0,1),(2,3),.. -> (0,2,4,..,1,3,5,..): adjacent-pair RoPE weights in rotate-half order."""
-    return permute_to_half(w, n_heads)
-
-
 def _half_layout(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """An adjacent-pair RoPE model as the equal rotate-half one (q/k rows permuted per head)."""
     if config.rope_layout != "adjacent":
@@ -37,15 +32,16 @@ def _half_layout(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[M
     out = dict(state)
     for name, t in state.items():
         if any(s in name for s in ("q_proj", "q_bias", "k_proj", "k_bias")):
-            out[name] = adjacent_to_half(t, config.n_heads if ".q_" in name else config.n_kv_heads)
+            out[name] = permute_to_half(t, config.n_heads if ".q_" in name else config.n_kv_heads)
     return dataclasses.replace(config, rope_layout="half"), out
 
 
-def hf_config(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]:
-    """The config.json dict of the HF model that equals `config` (see the module docstring)."""
+def hf_config(config: ModelConfig, tokenizer: Any = None, family: families.Family | None = None) -> dict[str, Any]:
+    """The config.json dict of the HF model that equals `config` (see the module docstring); `family`: the one
+    `families.for_export` chose, when the caller already has it."""
     if config.rope_layout == "adjacent":
         config = dataclasses.replace(config, rope_layout="half")
-    cfg = families.for_export(config).hf_config(config)
+    cfg = (family or families.for_export(config)).hf_config(config)
     if tokenizer is not None:
         for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
             if getattr(tokenizer, attr, None) is not None:
@@ -76,7 +72,7 @@ def export_hf(model: TransformerLM, config: ModelConfig | None = None, tokenizer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    cfg_text = json.dumps(hf_config(config, tokenizer), indent=2)
+    cfg_text = json.dumps(hf_config(config, tokenizer, family), indent=2)
     _atomic_write(out / "config.json", lambda p: p.write_text(cfg_text))
     if tokenizer is not None:
         try:

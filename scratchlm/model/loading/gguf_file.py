@@ -20,7 +20,7 @@ from tqdm import tqdm
 from scratchlm.model import families
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.families import Family, FamilyError, Rule
-from scratchlm.model.families.base import GGUF_CONFIG_TENSORS, permute_to_half
+from scratchlm.model.families.base import GGUF_CONFIG_TENSORS
 from scratchlm.model.loading.common import (
     CheckpointError,
     LoadedModel,
@@ -31,14 +31,6 @@ from scratchlm.model.loading.common import (
 )
 from scratchlm.model.loading.dequant import dequantize
 from scratchlm.model.loading.gguf_reader import GGUFTensor, read_gguf
-
-
-def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's q/k row permutation: per head, rows (0,1),(2,3).. back to halves (0..D/2, D/2..D).
-
-    Works for weights (n_heads*D, d_in) and biases (n_heads*D,).
-    """
-    return permute_to_half(w, n_heads)
 
 
 def _dequantize(t: GGUFTensor, source: str) -> Tensor:
