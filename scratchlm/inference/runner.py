@@ -130,38 +130,16 @@ class ModelRunner:
 
     def _rope_lengths(self, inp: ModelInput) -> torch.Tensor | None:
         """Each row's sequence length in this step (a decode row: its context; a prefill chunk's rows: the chunk's
-        context), for RoPE scalings that depend on it (dynamic NTK, LongRoPE); None for the others."""
-        rope = getattr(self.model, "rope", None)
-        if rope is None or not getattr(rope, "length_dependent", False):
+        context), for RoPE scalings that depend on it (dynamic NTK, LongRoPE: `RotaryEmbedding.cos_sin` then
+        computes each row's frequencies from its own sequence, as HF does for that sequence alone); None for the
+        others. The fused and the Python step both use it."""
+        ropes = (getattr(self.model, "rope", None), getattr(self.model, "local_rope", None))
+        if not any(getattr(r, "length_dependent", False) for r in ropes):
             return None
         lengths = list(inp.decode_context_lens)
         for _, ql, cl, _ in inp.prefills:
             lengths += [cl] * ql
         return self._tensor(lengths)
-
-    def _row_rope(self, rope, inp: ModelInput, positions: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (N, R/2) of every row of the step for the fused step. RoPE whose frequencies depend on the
-        sequence length (dynamic NTK, LongRoPE: `RotaryEmbedding.cos_sin` takes it from the largest position it is
-        given) gets each row's from its own sequence in this step (a decode row: its position + 1; a prefill chunk:
-        its context length), as HF computes them for that sequence alone; the Python step computes one length for
-        the whole step (its largest position), so the two differ there when sequences of different lengths share
-        a step."""
-        scaling = getattr(rope, "scaling", None)
-        if scaling is None or scaling.scaling not in ("dynamic", "longrope"):
-            cos, sin = rope.cos_sin(positions, dtype)  # (N, 1, R/2)
-            return cos[:, 0], sin[:, 0]
-        seq_len = positions + 1  # decode rows; a prefill chunk's rows take the chunk's context length
-        for qs, ql, cl, _ in inp.prefills:
-            seq_len[qs : qs + ql] = cl
-        cos = torch.empty(len(positions), rope.rotary_dim // 2, dtype=dtype, device=positions.device)
-        sin = torch.empty_like(cos)
-        for n in torch.unique(seq_len).tolist():
-            rows = (seq_len == n).nonzero()[:, 0]
-            with_len = torch.cat([positions[rows], positions.new_tensor([n - 1])])  # the largest position: n - 1
-            c, s = rope.cos_sin(with_len, dtype)  # (rows + 1, 1, R/2)
-            cos[rows], sin[rows] = c[:-1, 0], s[:-1, 0]
-        return cos, sin
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -184,9 +162,13 @@ class ModelRunner:
         index = self._tensor(inp.logits_indices)
         if self._runs_fused(inp):
             x = self.model.embed(tokens[0], positions)  # (N, d): embedding scale and learned positions included
-            cos, sin = self._row_rope(self.model.rope, inp, positions, x.dtype)  # (N, R/2) each
+            lengths = self._rope_lengths(inp)
+            cos, sin = self.model.rope.cos_sin(positions, x.dtype, lengths)  # (N, 1, R/2) each
+            cos, sin = cos[:, 0], sin[:, 0]  # (N, R/2)
             local = getattr(self.model, "local_rope", None)
-            cos2, sin2 = self._row_rope(local, inp, positions, x.dtype) if local is not None else (None, None)
+            cos2 = sin2 = None
+            if local is not None:
+                cos2, sin2 = (t[:, 0] for t in local.cos_sin(positions, x.dtype, lengths))  # (N, R/2) each
             tables, lens = self._row_tables(inp, meta)
             c = self.cache
             h = self.fused_decoder.forward(x, c.k, c.v, meta.slot_mapping, cos, sin, tables, lens, c.k_scale,
@@ -248,7 +230,7 @@ def fused_step_unsupported(config) -> list[str]:
     The fused step implements every feature of `ModelConfig`'s block (`_layer_features` hands them over per
     layer); the embedding (scale, learned positions), the final norm, logit scale and final soft-cap stay in
     Python around it (`TransformerLM.embed` / `finish_logits`), and sequence-length dependent RoPE (dynamic,
-    LongRoPE) gets per-row cos/sin tables (`ModelRunner._row_rope`). What is left: an odd head dim or an odd
+    LongRoPE) gets per-row cos/sin tables (`ModelRunner._rope_lengths`). What is left: an odd head dim or an odd
     number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide)."""
     missing = []
     if config.head_dim % 2 or config.rotary_dim % 2:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from scratchlm.model.rope import inv_freq
+
 
 def trunc_normal_(t: Tensor, std: float) -> Tensor:
     """In-place truncated normal N(0, std^2) clipped at +-3 std."""
@@ -152,8 +154,6 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape (*positions.shape, 1, R/2), ready to broadcast over heads. `lengths` (like positions):
         each row's sequence length in this step, for length-dependent scalings; default: one sequence, the
         longest position + 1."""
-        from scratchlm.model.rope import inv_freq
-
         if self.length_dependent and lengths is not None and positions.numel():
             cos = torch.empty(*positions.shape, self.rotary_dim // 2, device=positions.device)
             sin = torch.empty_like(cos)

@@ -101,8 +101,8 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
 @pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
 def test_fused_step_matches_hf(ext, family) -> None:
     """Prefill, a decode row beside a prefill chunk, a second chunk, decode rows: every row's logits within 1e-4 of
-    HF's; the Python step gives the same bits (dynamic NTK RoPE aside: there the fused step computes each
-    sequence's frequencies from its own length, the Python step from the step's longest, runner._row_rope)."""
+    HF's; the Python step gives the same bits (both compute a length-dependent RoPE's frequencies per row, from
+    each sequence's own length: runner._rope_lengths)."""
     hf, model, cfg = family
     a, b = _prompt(1, 10, cfg.vocab_size), _prompt(2, 16, cfg.vocab_size)
     xa, yb = _prompt(3, 3, cfg.vocab_size), _prompt(4, 1, cfg.vocab_size)
@@ -118,9 +118,6 @@ def test_fused_step_matches_hf(ext, family) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
     python = _run_steps(model, steps, fused=False)
-    if cfg.rope.scaling == "dynamic":  # the mixed steps' RoPE lengths differ (see the docstring)
-        torch.testing.assert_close(python[0], got[0], atol=0, rtol=0)
-        return
     for i, (g, p) in enumerate(zip(got, python, strict=True)):
         assert torch.equal(g, p), f"step {i}: fused != Python step"
 

@@ -128,9 +128,10 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     if extra:
         raise CheckpointError(f"{directory}: tensors the {family_of(hf_config).name} family does not use: {extra[:8]}"
                               f"{' ...' if len(extra) > 8 else ''} (a feature scratchlm does not implement?)")
+    features = config.features()
     log.info("loading %s model from %s: %d layers, d_model %d, vocab %d%s", hf_config.get("model_type"), directory,
              config.n_layers, config.d_model, config.vocab_size,
-             f"; features: {', '.join(config.features())}" if config.features() else "")
+             f"; features: {', '.join(features)}" if features else "")
     model = build_model(config, _read_tensors(files, rules, directory), str(directory), dtype, device)
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
