@@ -53,7 +53,7 @@ from scratchlm.inference.config import EngineConfig
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading import detect_format, load
 from scratchlm.model.loading.common import CheckpointError, optional_tokenizer
-from scratchlm.model.loading.hf import hf_rules, unused_tensors, weight_files
+from scratchlm.model.loading.hf import checked_rules
 from scratchlm.parallel.comm import (
     IDLE_TIMEOUT,
     RENDEZVOUS_TIMEOUT,
@@ -136,14 +136,7 @@ def _read_hf_shard(path: Path, model_config: ModelConfig, plan: dict[str, Shard]
     from safetensors import safe_open
 
     cfg_path = path / "config.json"
-    rules = hf_rules(json.loads(cfg_path.read_text()), model_config, str(cfg_path))
-    files = weight_files(path)
-    missing = [r.theirs for r in rules if r.theirs not in files]
-    if missing:
-        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:8]}")
-    extra = [n for n in unused_tensors(files, rules) if not (model_config.tie_embeddings and n == "lm_head.weight")]
-    if extra:  # as load_hf_dir: a tensor no rule reads is a feature scratchlm does not implement
-        raise CheckpointError(f"{path}: tensors the model's family does not use: {extra[:8]}")
+    rules, files = checked_rules(path, json.loads(cfg_path.read_text()), model_config, str(cfg_path))
     handles: dict[Path, Any] = {}
     state: dict[str, torch.Tensor] = {}
     for rule in rules:

@@ -83,12 +83,9 @@ def _safetensors_names(path: Path) -> list[str]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _read_tensors(files: dict[str, Path], rules: list[Rule], source: Path) -> Iterator[tuple[str, Tensor]]:
+def _read_tensors(files: dict[str, Path], rules: list[Rule]) -> Iterator[tuple[str, Tensor]]:
     """Yield (scratchlm name, tensor) through the rules' transforms, opening each shard once (safetensors reads
     through mmap)."""
-    missing = [r.theirs for r in rules if r.theirs not in files]
-    if missing:
-        raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing[:8]}")
     by_file: dict[Path, list[Rule]] = {}
     for rule in rules:
         by_file.setdefault(files[rule.theirs], []).append(rule)
@@ -103,11 +100,25 @@ def _read_tensors(files: dict[str, Path], rules: list[Rule], source: Path) -> It
             raise CheckpointError(f"{path}: could not read tensors ({e})") from None
 
 
-def unused_tensors(files: dict[str, Path], rules: list[Rule]) -> list[str]:
-    """Checkpoint tensors no rule reads (a feature the family file does not know would hide there)."""
+def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig,
+                  source: str = "config.json") -> tuple[list[Rule], dict[str, Path]]:
+    """The family's tensor rules for the checkpoint in `directory` and {HF tensor name: safetensors file}, after
+    checking that every rule's tensor is there and that every tensor of the checkpoint is read by a rule (a
+    feature the family file does not know would hide in one that is not). The whole-model loader and the sharded
+    loader of tensor-parallel ranks both start here."""
+    rules = hf_rules(cfg, config, source)
+    files = weight_files(directory)
+    missing = [r.theirs for r in rules if r.theirs not in files]
+    if missing:
+        raise CheckpointError(f"{directory}: tensors missing from the checkpoint: {missing[:8]}")
     used = {r.theirs for r in rules}
     ignorable = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers old exports carry
-    return sorted(n for n in files if n not in used and not n.endswith(ignorable))
+    extra = sorted(n for n in files if n not in used and not n.endswith(ignorable)
+                   and not (config.tie_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise CheckpointError(f"{directory}: tensors the {family_of(cfg).name} family does not use: {extra[:8]}"
+                              f"{' ...' if len(extra) > 8 else ''} (a feature scratchlm does not implement?)")
+    return rules, files
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -122,17 +133,12 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
     config = config_from_hf(hf_config, str(config_path))
-    files = weight_files(directory)
-    rules = hf_rules(hf_config, config, str(config_path))
-    extra = [n for n in unused_tensors(files, rules) if not (config.tie_embeddings and n == "lm_head.weight")]
-    if extra:
-        raise CheckpointError(f"{directory}: tensors the {family_of(hf_config).name} family does not use: {extra[:8]}"
-                              f"{' ...' if len(extra) > 8 else ''} (a feature scratchlm does not implement?)")
+    rules, files = checked_rules(directory, hf_config, config, str(config_path))
     features = config.features()
     log.info("loading %s model from %s: %d layers, d_model %d, vocab %d%s", hf_config.get("model_type"), directory,
              config.n_layers, config.d_model, config.vocab_size,
              f"; features: {', '.join(features)}" if features else "")
-    model = build_model(config, _read_tensors(files, rules, directory), str(directory), dtype, device)
+    model = build_model(config, _read_tensors(files, rules), str(directory), dtype, device)
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         tokenizer = optional_tokenizer("formats.load_hf_dir", directory)
