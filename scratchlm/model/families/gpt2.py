@@ -12,6 +12,13 @@ from scratchlm.model.families.base import Family, FamilyError, Rule, gguf_meta, 
 ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
+def _block(act: str) -> dict[str, Any]:
+    """GPT-2's block as `ModelConfig` features: learned positions and no RoPE, biases everywhere, LayerNorm, a plain
+    MLP."""
+    return dict(rope_layout="none", learned_positions=True, qkv_bias=True, attn=AttentionFeatures(o_bias=True),
+                norm=NormFeatures(kind="layer", bias=True), mlp=MLPFeatures(act=act, gated=False, bias=True))
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if cfg.get(key):
@@ -26,10 +33,8 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]), d_model=d, n_layers=int(cfg["n_layer"]), n_heads=int(cfg["n_head"]),
             d_ff=int(cfg.get("n_inner") or 4 * d), max_seq_len=int(cfg.get("n_positions", 1024)),
-            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), rope_layout="none",
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=True, learned_positions=True,
-            attn=AttentionFeatures(o_bias=True), norm=NormFeatures(kind="layer", bias=True),
-            mlp=MLPFeatures(act=ACTS[act], gated=False, bias=True))
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), **_block(ACTS[act]))
     except KeyError as e:
         raise FamilyError(f"{source}: required field {e.args[0]!r} is missing") from None
 
@@ -45,24 +50,45 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
             "dtype": "float32"}
 
 
-def hf_rules(c: ModelConfig) -> list[Rule]:
-    d = c.d_model
-    rules = [rename("tok_embeddings.weight", "transformer.wte.weight"),
-             rename("pos_embeddings.weight", "transformer.wpe.weight"),
-             rename("norm.weight", "transformer.ln_f.weight"), rename("norm.bias", "transformer.ln_f.bias")]
+#: The tensor names of GPT-2's block in each format: {our piece: (HF name, GGUF name)} with {t} the layer prefix.
+NAMES = {
+    "embed": ("transformer.wte.weight", "token_embd.weight"), "pos": ("transformer.wpe.weight", "position_embd.weight"),
+    "norm": ("transformer.ln_f", "output_norm"), "head": ("lm_head.weight", "output.weight"),
+    "ln_1": ("{t}ln_1", "{t}attn_norm"), "qkv": ("{t}attn.c_attn", "{t}attn_qkv"),
+    "o": ("{t}attn.c_proj", "{t}attn_output"), "ln_2": ("{t}ln_2", "{t}ffn_norm"),
+    "fc": ("{t}mlp.c_fc", "{t}ffn_up"), "proj": ("{t}mlp.c_proj", "{t}ffn_down"),
+}
+
+
+def _rules(c: ModelConfig, gguf: bool) -> list[Rule]:
+    """GPT-2's tensors in HF (`transformer.h.N.`, Conv1D weights stored (d_in, d_out)) or llama.cpp's names (`blk.N.`,
+    its converter stores them transposed to (d_out, d_in) already)."""
+    d, prefix = c.d_model, "blk.{i}." if gguf else "transformer.h.{i}."
+
+    def name(piece: str, i: int = 0) -> str:
+        return NAMES[piece][gguf].format(t=prefix.format(i=i))
+
+    def weight(ours: str, piece: str, i: int) -> Rule:  # a Conv1D weight
+        theirs = name(piece, i) + ".weight"
+        return rename(ours, theirs) if gguf else transposed(ours, theirs)
+
+    rules = [rename("tok_embeddings.weight", name("embed")), rename("pos_embeddings.weight", name("pos")),
+             rename("norm.weight", name("norm") + ".weight"), rename("norm.bias", name("norm") + ".bias")]
     if not c.tie_embeddings:
-        rules.append(rename("lm_head.weight", "lm_head.weight"))
+        rules.append(rename("lm_head.weight", name("head")))
     for i in range(c.n_layers):
-        o, t = f"layers.{i}.", f"transformer.h.{i}."
+        o = f"layers.{i}."
         rules += [
-            rename(f"{o}attn_norm.weight", f"{t}ln_1.weight"), rename(f"{o}attn_norm.bias", f"{t}ln_1.bias"),
-            split(f"{t}attn.c_attn.weight", tuple(f"{o}attn.{p}_proj.weight" for p in "qkv"), (d, d, d), 0, True),
-            split(f"{t}attn.c_attn.bias", tuple(f"{o}attn.{p}_bias" for p in "qkv"), (d, d, d)),
-            transposed(f"{o}attn.o_proj.weight", f"{t}attn.c_proj.weight"),
-            rename(f"{o}attn.o_bias", f"{t}attn.c_proj.bias"),
-            rename(f"{o}ffn_norm.weight", f"{t}ln_2.weight"), rename(f"{o}ffn_norm.bias", f"{t}ln_2.bias"),
-            transposed(f"{o}ffn.w1.weight", f"{t}mlp.c_fc.weight"), rename(f"{o}ffn.b1", f"{t}mlp.c_fc.bias"),
-            transposed(f"{o}ffn.w2.weight", f"{t}mlp.c_proj.weight"), rename(f"{o}ffn.b2", f"{t}mlp.c_proj.bias"),
+            rename(f"{o}attn_norm.weight", name("ln_1", i) + ".weight"),
+            rename(f"{o}attn_norm.bias", name("ln_1", i) + ".bias"),
+            split(name("qkv", i) + ".weight", tuple(f"{o}attn.{p}_proj.weight" for p in "qkv"), (d, d, d), 0,
+                  transpose=not gguf),
+            split(name("qkv", i) + ".bias", tuple(f"{o}attn.{p}_bias" for p in "qkv"), (d, d, d)),
+            weight(f"{o}attn.o_proj.weight", "o", i), rename(f"{o}attn.o_bias", name("o", i) + ".bias"),
+            rename(f"{o}ffn_norm.weight", name("ln_2", i) + ".weight"),
+            rename(f"{o}ffn_norm.bias", name("ln_2", i) + ".bias"),
+            weight(f"{o}ffn.w1.weight", "fc", i), rename(f"{o}ffn.b1", name("fc", i) + ".bias"),
+            weight(f"{o}ffn.w2.weight", "proj", i), rename(f"{o}ffn.b2", name("proj", i) + ".bias"),
         ]
     return rules
 
@@ -76,34 +102,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str)
         n_heads=int(gguf_meta(meta, a, "attention.head_count", source)),
         d_ff=int(gguf_meta(meta, a, "feed_forward_length", source)),
         max_seq_len=int(gguf_meta(meta, a, "context_length", source)),
-        norm_eps=float(meta.get(f"{a}.attention.layer_norm_epsilon", 1e-5)), rope_layout="none",
-        tie_embeddings="output.weight" not in tensors, qkv_bias=True, learned_positions=True,
-        attn=AttentionFeatures(o_bias=True), norm=NormFeatures(kind="layer", bias=True),
-        mlp=MLPFeatures(act="gelu_tanh", gated=False, bias=True))
-
-
-def gguf_rules(c: ModelConfig) -> list[Rule]:
-    """llama.cpp's gpt2 names; its converter stores the Conv1D weights transposed to (d_out, d_in) already."""
-    d = c.d_model
-    rules = [rename("tok_embeddings.weight", "token_embd.weight"),
-             rename("pos_embeddings.weight", "position_embd.weight"),
-             rename("norm.weight", "output_norm.weight"), rename("norm.bias", "output_norm.bias")]
-    if not c.tie_embeddings:
-        rules.append(rename("lm_head.weight", "output.weight"))
-    for i in range(c.n_layers):
-        o, t = f"layers.{i}.", f"blk.{i}."
-        rules += [
-            rename(f"{o}attn_norm.weight", f"{t}attn_norm.weight"),
-            rename(f"{o}attn_norm.bias", f"{t}attn_norm.bias"),
-            split(f"{t}attn_qkv.weight", tuple(f"{o}attn.{p}_proj.weight" for p in "qkv"), (d, d, d)),
-            split(f"{t}attn_qkv.bias", tuple(f"{o}attn.{p}_bias" for p in "qkv"), (d, d, d)),
-            rename(f"{o}attn.o_proj.weight", f"{t}attn_output.weight"),
-            rename(f"{o}attn.o_bias", f"{t}attn_output.bias"),
-            rename(f"{o}ffn_norm.weight", f"{t}ffn_norm.weight"), rename(f"{o}ffn_norm.bias", f"{t}ffn_norm.bias"),
-            rename(f"{o}ffn.w1.weight", f"{t}ffn_up.weight"), rename(f"{o}ffn.b1", f"{t}ffn_up.bias"),
-            rename(f"{o}ffn.w2.weight", f"{t}ffn_down.weight"), rename(f"{o}ffn.b2", f"{t}ffn_down.bias"),
-        ]
-    return rules
+        norm_eps=float(meta.get(f"{a}.attention.layer_norm_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors, **_block("gelu_tanh"))
 
 
 FAMILY = Family(
@@ -113,7 +113,7 @@ FAMILY = Family(
     gguf_archs=("gpt2",),
     config_from_hf=config_from_hf,
     hf_config=hf_config,
-    hf_rules=hf_rules,
+    hf_rules=lambda c: _rules(c, gguf=False),
     config_from_gguf=config_from_gguf,
-    gguf_rules=gguf_rules,
+    gguf_rules=lambda c: _rules(c, gguf=True),
 )
