@@ -5,7 +5,8 @@ Every field is validated at construction (a `ValueError` naming it); nothing is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json as _json
+from dataclasses import dataclass, fields
 
 # Bounds shared by the offline API and the HTTP server (docs/server.md, "Limits and guarantees").
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
@@ -22,6 +23,78 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range): -100 effectively bans a token, +100 forces it
 
 
+@dataclass(frozen=True, eq=False)
+class StructuredOutputs:
+    """A grammar the output must follow (vLLM's ``structured_outputs``; OpenAI's ``response_format`` maps onto it).
+
+    Exactly one field is set; anything else raises a `ValueError` naming the fields. The engine compiles it with
+    llguidance when the request is added (scratchlm/inference/structured.py), so a schema or grammar the library
+    cannot compile is a `ValueError` carrying the library's message, and the sequence stops with finish reason
+    "stop" once the grammar is complete.
+
+    json: a JSON schema, as a dict or its JSON text (which must hold an object).
+    json_object: True = any JSON object (OpenAI's ``{"type": "json_object"}``).
+    regex: the whole output matches this regex (Rust ``regex`` syntax, as llguidance reads it).
+    choice: the output is exactly one of these strings (a non-empty list).
+    grammar: a Lark grammar in llguidance's dialect (may embed ``%json { schema }``), or a GBNF grammar
+        (llama.cpp's), which llguidance converts.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputs: exactly one of json, json_object, regex, choice, grammar must be "
+                             f"set, got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            schema = value
+            if isinstance(value, str):
+                try:
+                    schema = _json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputs.json: the text is not JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"StructuredOutputs.json: got {type(schema).__name__}, expected a JSON schema "
+                                 "object (a dict or its JSON text)")
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"StructuredOutputs.json_object: got {value!r}, expected true or false")
+        elif kind == "choice":
+            if not isinstance(value, list | tuple) or not value or not all(isinstance(c, str) for c in value):
+                raise ValueError(f"StructuredOutputs.choice: got {value!r}, expected a non-empty list of strings")
+            object.__setattr__(self, "choice", list(value))
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"StructuredOutputs.{kind}: got {value!r}, expected a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal specs (a dict schema by its JSON text, key order kept); the compile cache's
+        key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        elif self.kind == "choice":
+            value = _json.dumps(value, ensure_ascii=False)
+        return self.kind, str(value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputs) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options. Invalid values raise a `ValueError` at construction.
@@ -32,7 +105,8 @@ class SamplingParams:
     min_p: drop tokens whose probability is below min_p * (probability of the most likely token).
     seed: seeds this request's own generator, so its samples do not depend on the rest of the batch
         (any 64-bit integer, signed or unsigned).
-    max_tokens: the most tokens to generate (None = up to the engine's max_model_len).
+    max_tokens: the most tokens to generate (None = up to the engine's max_model_len); 0 only with prompt_logprobs
+        (score the prompt, generate nothing: finish reason "length").
     min_tokens: EOS, stop_token_ids and stop strings are ignored before this many tokens.
     stop: strings that end the generation; removed from the text unless include_stop_str_in_output
         (at most 16 strings of at most 256 characters).
@@ -40,11 +114,17 @@ class SamplingParams:
     ignore_eos: keep generating past the tokenizer's EOS.
     n: number of samples for the prompt; they share the prompt's KV blocks.
     logprobs: None, or the number of top alternatives to return next to each sampled token's logprob.
+    prompt_logprobs: None (off), or k in [0, 20]: each prompt token's logprob (the raw model's log-softmax at the
+        position before it) and the k most likely alternatives there, computed in the prefill (vLLM semantics; the
+        first prompt token has none). Sample 0 computes them once per request.
     presence_penalty / frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
     repetition_penalty: HF semantics, in [0.01, 10] (1 = off), over prompt and generated tokens.
     logit_bias: OpenAI semantics: {token id: bias in [-100, 100]} added to those logits (after the penalties,
         before temperature / top-k / top-p / greedy); keys may be ints or decimal strings (JSON's keys) and are
         normalized to ints. None or {} = off. The engine's sampler rejects ids outside its vocabulary.
+    structured_outputs: None, or a `StructuredOutputs` grammar the output follows (token masks from llguidance, applied
+        after logit_bias and the min_tokens mask); the engine refuses a spec it cannot compile when the request is
+        added, and stops the sequence (finish reason "stop") once the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -60,10 +140,12 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -99,8 +181,11 @@ class SamplingParams:
         if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise bad("seed", "None or a 64-bit integer in [-2**63, 2**64)")
         max_tokens = integer("max_tokens", True)
-        if max_tokens is not None and max_tokens < 1:
-            raise bad("max_tokens", "an integer >= 1 or None")
+        prompt_logprobs = integer("prompt_logprobs", True)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if max_tokens is not None and max_tokens < (0 if prompt_logprobs is not None else 1):
+            raise bad("max_tokens", "an integer >= 1 or None (0 only with prompt_logprobs: score the prompt alone)")
         min_tokens = integer("min_tokens", False)
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
             raise bad("min_tokens", f"an integer in [0, max_tokens={max_tokens}]")
@@ -143,6 +228,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "None or a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:
