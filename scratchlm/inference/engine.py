@@ -10,6 +10,12 @@ sampler runs batched; when the batched call raises, each row is sampled on its o
 culprit(s) (greedy rows get the same token either way; a seeded row sampled before the failure may
 draw a different, equally valid, sample that step). A failure of the forward pass itself still
 fails the whole step (the caller, e.g. the server's engine loop, fails the requests in flight).
+
+Structured outputs (`SamplingParams.structured_outputs`, inference/structured.py): the spec is compiled when the
+request is added (a spec llguidance cannot compile is a ValueError carrying its message), and each sample gets its
+own grammar matcher. The token masks of the step's constrained samples are filled on a worker thread while the
+forward runs and applied by the batched sampler on those rows only; the matcher consumes each appended token (a
+token it rejects fails that request alone), and a complete grammar stops the sequence with finish reason "stop".
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from scratchlm.inference.runner import build_model_input
 from scratchlm.inference.sampler import Sampler, SamplingRow
 from scratchlm.inference.scheduler import Scheduler, SchedulerOutput
 from scratchlm.inference.sequence import Sequence, SequenceStatus
+from scratchlm.inference.structured import GrammarCompiler, GrammarMatcher, MaskFill, check_structured
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +58,17 @@ class Request:
     forked: bool = False
     aborted: bool = False
     error: str | None = None  # why the engine failed this request alone (sampling, detokenizing, stop check)
+    matchers: list[GrammarMatcher] = field(default_factory=list)  # one per sample under structured_outputs
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def sampling_group(self, seq: Sequence) -> list[Sequence]:
+        """The samples that draw a token from `seq`'s logits: all n when sample 0 has just finished the prompt."""
+        if self.params.n > 1 and not self.forked and seq.index == 0:
+            return self.seqs
+        return [seq]
 
 
 def stop_prefix_hold(text: str, stops: list[str]) -> int:
@@ -102,6 +116,8 @@ class LLMEngine:
         self.runner = self.executor.start(num_blocks)  # allocates the KV cache (each rank its shard)
         self.cache = self.runner.cache
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(tokenizer) if tokenizer is not None else None  # structured outputs
+        self._masks: dict[int, torch.Tensor] = {}  # seq_id -> this step's grammar masks (1 + its drafts rows)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._rng = random.Random(c.seed)
@@ -180,6 +196,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's ranks, if any (also done at exit); the engine cannot step afterwards."""
         self.executor.shutdown()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # --- requests ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | SequenceABC[int]) -> tuple[str | None, list[int]]:
@@ -236,7 +254,8 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens needs {needed} KV blocks, the cache has {bm.num_usable_blocks}"
                 f"; raise kv_cache_memory"
             )
-        req = Request(request_id, text, ids, params)
+        matchers = self._grammar_matchers(params)
+        req = Request(request_id, text, ids, params, matchers=matchers)
         for i in range(params.n):
             req.seqs.append(Sequence(
                 seq_id=self._new_seq_id(), request_id=request_id, index=i, params=params, prompt_ids=list(ids),
@@ -246,6 +265,19 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self._prompt_tokens_total += len(ids)
+
+    def _grammar_matchers(self, params: SamplingParams) -> list[GrammarMatcher]:
+        """One matcher per sample for `params.structured_outputs` (none without); compiling (cached) raises a
+        ValueError carrying llguidance's message."""
+        spec = params.structured_outputs
+        if spec is None:
+            return []
+        if self.grammars is None:
+            from scratchlm.model.loading.tokenizers import NO_TOKENIZER
+
+            raise ValueError(f"SamplingParams.structured_outputs needs the model's tokenizer: {NO_TOKENIZER}")
+        check_structured(spec, self.grammars)
+        return [self.grammars.matcher(spec) for _ in range(params.n)]
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's entries for blocks no request holds; returns how many blocks it forgot."""
@@ -311,6 +343,7 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        self._masks = {}
         if self.speculator is not None:
             return self.speculator.step()  # the same three stages, with drafting and verification
         plan = self.scheduler.schedule()
@@ -321,9 +354,39 @@ class LLMEngine:
         if plan.is_empty and not plan.block_copies:
             return None
         inp, rows = build_model_input(plan, self.block_manager.block_size)
-        logits = self.runner.execute(inp)
+        fill = self._start_masks(plan)
+        try:
+            logits = self.runner.execute(inp)
+        finally:
+            self._wait_masks(fill)
         self.scheduler.commit(plan)
         return logits, rows
+
+    def _start_masks(self, plan: SchedulerOutput, drafts: dict[int, list[int]] | None = None
+                     ) -> tuple[MaskFill, list[Sequence]] | None:
+        """Start filling the grammar masks of every constrained sample this step samples (`drafts`: seq_id -> the
+        draft tokens it verifies, one mask per position); call before the forward, `_wait_masks` after it."""
+        jobs: list[tuple[GrammarMatcher, list[int]]] = []
+        seqs: list[Sequence] = []
+        for entry in plan.scheduled:
+            req = self.requests.get(entry.seq.request_id)
+            if not entry.samples or req is None or not req.matchers or req.error is not None:
+                continue
+            if req.params.max_tokens == 0:
+                continue
+            for s in req.sampling_group(entry.seq):
+                jobs.append((req.matchers[s.index], (drafts or {}).get(s.seq_id, [])))
+                seqs.append(s)
+        return (self.grammars.start_fill(jobs), seqs) if jobs else None
+
+    def _wait_masks(self, started: tuple[MaskFill, list[Sequence]] | None) -> None:
+        """Join the fill started by `_start_masks`: `self._masks[seq_id]` = that sample's mask rows."""
+        if started is None:
+            return
+        fill, seqs = started
+        masks = fill.wait()
+        ends = [*fill.offsets[1:], masks.shape[0]]
+        self._masks = {s.seq_id: masks[a:b] for s, a, b in zip(seqs, fill.offsets, ends)}
 
     def _postprocess(self, plan: SchedulerOutput, result: tuple[torch.Tensor, list[int]] | None) -> list[RequestOutput]:
         progressed: dict[str, Request] = {}
@@ -340,10 +403,7 @@ class LLMEngine:
                     continue
                 seq = entry.seq
                 req = self.requests[seq.request_id]
-                group = [seq]
-                if req.params.n > 1 and not req.forked and seq.index == 0:
-                    group = req.seqs  # sample 0 finished the prompt: all n samples draw from its logits
-                for s in group:
+                for s in req.sampling_group(seq):  # sample 0 finished the prompt: all n samples draw from it
                     sample_rows.append(self._sampling_row(s))
                     logit_rows.append(row)
                     targets.append((s, req))
@@ -428,7 +488,9 @@ class LLMEngine:
         if len(seq.output_ids) < p.min_tokens:
             eos = getattr(self.tokenizer, "eos_id", None)
             banned = list(p.stop_token_ids) + ([eos] if eos is not None and not p.ignore_eos else [])
-        return SamplingRow(p, seq.generator, seq.prompt_ids, seq.output_ids, banned, request_id=seq.request_id)
+        mask = self._masks.get(seq.seq_id)
+        return SamplingRow(p, seq.generator, seq.prompt_ids, seq.output_ids, banned, request_id=seq.request_id,
+                           token_mask=None if mask is None else mask[0])
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's computed prompt: full blocks shared, the partial last block copied."""
@@ -451,22 +513,37 @@ class LLMEngine:
         child.num_computed_tokens = n_tokens
         self.scheduler.add_running(child)
 
+    def _advance_grammar(self, seq: Sequence) -> bool:
+        """Feed the newest output token to the sample's grammar (a ValueError when it rejects it); whether the
+        grammar is now complete."""
+        req = self.requests.get(seq.request_id)
+        if req is None or not req.matchers:
+            return False
+        matcher = req.matchers[seq.index]
+        matcher.advance(seq.output_ids[-1])
+        return matcher.finished
+
     def _check_stop(self, seq: Sequence) -> None:
+        """After a token is appended: advance the grammar, detokenize, and finish the sequence on EOS, a stop id or
+        string, a complete grammar (whatever min_tokens says: nothing else may follow), max_tokens or max_model_len."""
         p = seq.params
         token = seq.output_ids[-1]
         n_out = len(seq.output_ids)
         reason: str | None = None
         stop_reason: str | int | None = None
         by_token = False
-        if n_out >= p.min_tokens:
-            eos = getattr(self.tokenizer, "eos_id", None)
+        grammar_done = self._advance_grammar(seq)
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if grammar_done and token == eos:  # the grammar took the EOS (also under ignore_eos)
+            reason, by_token = "stop", True
+        elif n_out >= p.min_tokens:
             if not p.ignore_eos and token == eos:
                 reason, by_token = "stop", True
             elif token in p.stop_token_ids:
                 reason, stop_reason, by_token = "stop", token, True
         ids = seq.output_ids[:-1] if by_token else seq.output_ids
         old_len = len(seq.text)
-        self._detokenize(seq, ids, final=reason is not None)
+        self._detokenize(seq, ids, final=reason is not None or grammar_done)
         if reason is None and p.stop and n_out >= p.min_tokens:
             longest = max(len(s) for s in p.stop)
             start = max(0, old_len - longest + 1)
@@ -476,6 +553,8 @@ class LLMEngine:
                 i, s = min(hits)
                 seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                 reason, stop_reason = "stop", s
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -525,8 +604,10 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role", "content"}]) with the tokenizer's Jinja chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the tokenizer's Jinja chat template, as HF's ``apply_chat_template(messages,
+        tokenize=False, ...)``; `kwargs` are `render_chat`'s (``tools``, ``documents``, ``chat_template``, template
+        variables such as ``enable_thinking``)."""
         from scratchlm.inference.chat_template import render_chat
 
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)

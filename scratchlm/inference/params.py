@@ -63,6 +63,10 @@ class StructuredOutputs:
             if not isinstance(schema, dict):
                 raise ValueError(f"StructuredOutputs.json: got {type(schema).__name__}, expected a JSON schema "
                                  "object (a dict or its JSON text)")
+            try:
+                value = _json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"StructuredOutputs.json: the schema is not JSON data ({e})") from None
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"StructuredOutputs.json_object: got {value!r}, expected true or false")
@@ -70,24 +74,21 @@ class StructuredOutputs:
             if not isinstance(value, list | tuple) or not value or not all(isinstance(c, str) for c in value):
                 raise ValueError(f"StructuredOutputs.choice: got {value!r}, expected a non-empty list of strings")
             object.__setattr__(self, "choice", list(value))
+            value = _json.dumps(self.choice, ensure_ascii=False)
         elif not isinstance(value, str) or not value:
             raise ValueError(f"StructuredOutputs.{kind}: got {value!r}, expected a non-empty string")
+        object.__setattr__(self, "_key", (kind, str(value)))
 
     @property
     def kind(self) -> str:
         """Which field is set: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return self._key[0]
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, text): equal for equal specs (a dict schema by its JSON text, key order kept); the compile cache's
-        key."""
-        value = getattr(self, self.kind)
-        if self.kind == "json" and isinstance(value, dict):
-            value = _json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-        elif self.kind == "choice":
-            value = _json.dumps(value, ensure_ascii=False)
-        return self.kind, str(value)
+        """(kind, text): equal for equal specs (a schema, dict or text, by its compact JSON with the key order kept);
+        the compile cache's key."""
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StructuredOutputs) and self.key == other.key

@@ -2,7 +2,8 @@
 
 Order of the logits processors (as vLLM): repetition / frequency / presence penalties on the raw
 logits, the request's ``logit_bias`` (OpenAI semantics: the bias added to the token's logit), the
-min_tokens mask, temperature, then top-k, top-p and min-p filtering (greedy takes the argmax of the
+min_tokens mask and a grammar's token mask (structured outputs: -inf on the tokens it disallows, only on the
+rows that have one), temperature, then top-k, top-p and min-p filtering (greedy takes the argmax of the
 biased, masked logits). Each stage runs only when some row of the batch uses it: a batch without a
 penalty or a logit_bias does no tensor work for them. Returned logprobs are those of the raw model
 logits (as vLLM's default), whatever the processors did. Each one matches
@@ -37,6 +38,7 @@ class SamplingRow:
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()  # tokens masked out (EOS / stop ids while below min_tokens)
     request_id: str | None = None  # whose row this is (logging, fault injection in tests)
+    token_mask: torch.Tensor | None = None  # (W,) int32 bit words: the tokens a grammar allows (structured.py)
 
 
 @dataclass
@@ -70,6 +72,44 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[int], ids: Sequence[in
     index = (torch.as_tensor(rows, dtype=torch.long, device=device), torch.as_tensor(ids, dtype=torch.long,
                                                                                      device=device))
     return logits.index_put(index, torch.as_tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> torch.Tensor:
+    """-inf in row ``rows[j]`` of `logits` (S, V) wherever ``masks[j]`` ((R, W) int32, bit b of word w = token
+    32 w + b) disallows the token, in place; tokens past 32 W (beyond the tokenizer) are disallowed. Only the
+    listed rows are touched. A mask that allows no token of the vocabulary raises a ValueError (the engine fails
+    that request alone)."""
+    vocab = logits.shape[-1]
+    masks = masks.to(logits.device)  # the packed words travel, not the expanded (R, V) booleans
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (R, 32 W)
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    dead = (~allowed.any(dim=-1)).nonzero().flatten().tolist()
+    if dead:
+        raise ValueError(f"structured output: the grammar allows no token of the model's vocabulary here (rows "
+                         f"{[rows[i] for i in dead]})")
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, index, sub)
+
+
+def mask_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.Tensor) -> torch.Tensor:
+    """The banned ids (min_tokens) and the grammar masks as -inf, each only when some row has one; `logits` is
+    copied first when it is still `raw` (the model's logits are never written)."""
+    banned = [(i, list(r.banned_ids)) for i, r in enumerate(rows) if r.banned_ids]
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+    if not banned and not masked:
+        return logits
+    if logits is raw:
+        logits = logits.clone()
+    for i, ids in banned:
+        logits[i, ids] = float("-inf")
+    if masked:
+        apply_token_bitmask(logits, masked, torch.stack([rows[i].token_mask for i in masked]))
+    return logits
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -118,11 +158,7 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = _finite(self._penalize(logits, rows))
-        banned = [(i, list(r.banned_ids)) for i, r in enumerate(rows) if r.banned_ids]
-        if banned:
-            logits = logits.clone()
-            for i, ids in banned:
-                logits[i, ids] = float("-inf")
+        logits = mask_logits(logits, rows, raw)
 
         greedy = [p.greedy for p in params]
         if all(greedy):

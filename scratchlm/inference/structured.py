@@ -23,8 +23,8 @@ Policy:
   `MaskFill.wait` before sampling. A row with draft tokens (speculative decoding) gets one mask per draft position
   from llguidance's draft fill, which advances through the drafts and rolls back itself: positions after an
   invalid draft stay all-allowed (the target rejects that draft anyway, as its masked probability is 0).
-  `apply_token_masks` turns rows into -inf on the disallowed logits; ids past the tokenizer (a vocabulary padded
-  beyond it) are disallowed.
+  The sampler's `apply_token_bitmask` turns a row into -inf on the disallowed logits; ids past the tokenizer (a
+  vocabulary padded beyond it) are disallowed.
 """
 
 from __future__ import annotations
@@ -104,9 +104,8 @@ class _Vocabulary:
 def grammar_of(spec: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON text) for `spec`; a `ValueError` when the text cannot even be read."""
     kind = spec.kind
-    if kind == "json":
-        schema = spec.json if isinstance(spec.json, dict) else json.loads(spec.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    if kind == "json":  # its compact JSON text, as validated (a dict changed since cannot slip past the cache)
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.key[1], defaults=JSON_DEFAULTS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if kind == "regex":
@@ -236,21 +235,6 @@ class GrammarCompiler:
             self._worker.shutdown(wait=True)
             self._worker = None
             self._executor = None
-
-
-def apply_token_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> torch.Tensor:
-    """`logits` (S, V) with -inf wherever ``masks[j]`` (int32 bit words) disallows a token in row ``rows[j]``;
-    in place. Ids past the masks' width (beyond the tokenizer) are disallowed."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
-    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (R, 32 W)
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
-    else:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, index).masked_fill_(~allowed.to(logits.device), float("-inf"))
-    return logits.index_copy_(0, index, sub)
 
 
 def check_structured(spec: StructuredOutputs, tokenizer: Any) -> None:

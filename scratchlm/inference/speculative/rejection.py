@@ -21,20 +21,15 @@ from collections.abc import Sequence
 import torch
 
 from scratchlm.inference.params import SamplingParams
-from scratchlm.inference.sampler import Sampler, SamplingRow, apply_min_p, apply_top_k, apply_top_p
+from scratchlm.inference.sampler import Sampler, SamplingRow, apply_min_p, apply_top_k, apply_top_p, mask_logits
 
 
 def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """(S, V) raw logits -> float logits after penalties and banned ids (the Sampler's first stage)."""
-    logits = logits.float()
+    """(S, V) raw logits -> float logits after penalties, banned ids and grammar masks (the Sampler's first stage)."""
+    logits = raw = logits.float()
     if any(r.params.has_penalties for r in rows):
         logits = Sampler._penalize(logits, rows)
-    banned = [(i, list(r.banned_ids)) for i, r in enumerate(rows) if r.banned_ids]
-    if banned:
-        logits = logits.clone()
-        for i, ids in banned:
-            logits[i, ids] = float("-inf")
-    return logits
+    return mask_logits(logits, rows, raw)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

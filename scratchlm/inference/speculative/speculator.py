@@ -14,6 +14,12 @@
 5. The accepted tokens + the corrected/bonus token are appended one by one with the engine's stop checks;
    everything else (prefills, k = 0 decodes, n > 1 forks) goes through the engine's own postprocess.
 
+Structured outputs: a constrained sequence drafts like any other; its grammar masks for the k + 1 verified
+positions (the state after each draft prefix, from llguidance's draft fill, while the forward runs) mask the target
+logits, so a draft the grammar disallows has probability 0 and is rejected, and the corrected/bonus token is drawn
+from the masked target: the output follows the grammar with the target's distribution. The grammar matcher
+consumes only the tokens appended (the engine's stop check), so nothing is rolled back.
+
 Adaptive k: each sequence keeps a decayed estimate of its per-token acceptance rate alpha and drafts the k in
 [0, k_max] that maximizes the expected tokens per step over the step's cost,
 (1 - alpha^(k+1)) / (1 - alpha) / (1 + k c + [k > 0] (v0 + v k)), where c is the draft's cost per token relative
@@ -224,10 +230,12 @@ class Speculator:
         spans = []
         for pd in pend:
             r, k = pd.row, len(pd.proposal.tokens)
+            masks = self.engine._masks.get(pd.entry.seq.seq_id)  # a grammar's mask at each of the k + 1 positions
             for j in range(k + 1):
                 out = [*r.output_ids, *pd.proposal.tokens[:j]]
                 banned = r.banned_ids if len(out) < r.params.min_tokens else ()
-                hist.append(SamplingRow(r.params, r.generator, r.prompt_ids, out, banned))
+                hist.append(SamplingRow(r.params, r.generator, r.prompt_ids, out, banned,
+                                        token_mask=None if masks is None else masks[j]))
             spans.append((index[id(pd.entry.seq)], k + 1))
         sel = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(logits.device)
         target = processed_logits(logits.index_select(0, sel), hist)  # (sum(k + 1), V)
@@ -253,7 +261,11 @@ class Speculator:
         if plan.is_empty and not plan.block_copies:
             return eng._postprocess(plan, None)
         inp, rows = build_model_input(plan, eng.block_manager.block_size)
-        logits = eng.runner.execute(inp)
+        fill = eng._start_masks(plan, {pd.entry.seq.seq_id: pd.proposal.tokens for pd in pend})
+        try:
+            logits = eng.runner.execute(inp)
+        finally:
+            eng._wait_masks(fill)
         self.stats.steps += 1
         if pend:
             self._verify(plan, pend, logits, rows)
