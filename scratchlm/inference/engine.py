@@ -11,6 +11,11 @@ culprit(s) (greedy rows get the same token either way; a seeded row sampled befo
 draw a different, equally valid, sample that step). A failure of the forward pass itself still
 fails the whole step (the caller, e.g. the server's engine loop, fails the requests in flight).
 
+Prompt log-probabilities (`SamplingParams.prompt_logprobs`) are computed in the prefill: each chunk of such a prompt
+returns its positions' logits (scheduler.py), turned here into {token: logprob} dicts and ranks on sample 0 (once
+per request) and shown in `RequestOutput.prompt_logprobs` once the prompt is complete; max_tokens 0 finishes the
+request ("length") at its last prompt token instead of sampling.
+
 Structured outputs (`SamplingParams.structured_outputs`, inference/structured.py): the spec is compiled when the
 request is added (a spec llguidance cannot compile is a ValueError carrying its message), and each sample gets its
 own grammar matcher. The token masks of the step's constrained samples are filled on a worker thread while the
@@ -242,13 +247,14 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.n: got {params.n}, expected at most max_num_seqs="
                              f"{self.config.max_num_seqs} (each sample is one running sequence)")
         text, ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
+        generated = 0 if params.max_tokens == 0 else 1  # max_tokens 0 (prompt logprobs alone) only scores the prompt
+        if len(ids) + generated > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
-                f"(prompt + at least one generated token)"
+                + ("(prompt + at least one generated token)" if generated else "")
             )
         bm = self.block_manager
-        needed = bm.max_blocks_held(len(ids) + 1, self.config.max_num_batched_tokens)
+        needed = bm.max_blocks_held(len(ids) + generated, self.config.max_num_batched_tokens)
         if needed > bm.num_usable_blocks:
             raise ValueError(
                 f"prompt of {len(ids)} tokens needs {needed} KV blocks, the cache has {bm.num_usable_blocks}"
@@ -403,6 +409,19 @@ class LLMEngine:
                     continue
                 seq = entry.seq
                 req = self.requests[seq.request_id]
+                if entry.num_prompt_logits and req.error is None:  # its prompt rows come first
+                    try:
+                        self._collect_prompt_logprobs(entry, logits[row : row + entry.num_prompt_logits])
+                    except Exception as e:
+                        self._fail_request(req, e)
+                        progressed[req.request_id] = req
+                row += entry.num_prompt_logits
+                if seq.num_computed_tokens < len(seq):  # (committed) the chunk did not reach the last token
+                    continue
+                if req.params.max_tokens == 0:  # the prompt is scored: nothing to sample
+                    self._finish_all(req, "length")
+                    progressed[req.request_id] = req
+                    continue
                 for s in req.sampling_group(seq):  # sample 0 finished the prompt: all n samples draw from it
                     sample_rows.append(self._sampling_row(s))
                     logit_rows.append(row)
@@ -443,6 +462,36 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _collect_prompt_logprobs(self, entry: Any, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs of `entry`'s chunk to its sequence: logits row j is position start + j, which
+        scores prompt token start + j + 1 (raw log-softmax, as the sampled logprobs). Rows of positions already held
+        (a recompute after preemption) are skipped; one past the first missing position would lose it (an error)."""
+        seq = entry.seq
+        start = seq.num_computed_tokens - entry.num_new_tokens  # `commit` already advanced it
+        k = logits.shape[0]
+        if start + 1 > len(seq.prompt_logprobs):
+            raise RuntimeError(f"prompt logprobs: a chunk starts at position {start}, after the first missing one "
+                               f"({len(seq.prompt_logprobs) - 1})")
+        top_n = seq.params.prompt_logprobs
+        targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + k], device=logits.device)
+        for a in range(0, k, 256):  # log-softmax in slices: one float32 copy of at most 256 x vocab
+            lp = logits[a : a + 256].float().log_softmax(dim=-1)  # (rows, vocab)
+            chosen = lp.gather(1, targets[a : a + 256, None])  # (rows, 1)
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            chosen_l = chosen[:, 0].tolist()
+            top = lp.topk(top_n, dim=-1) if top_n else None
+            top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+            for j in range(lp.shape[0]):
+                position = start + a + j
+                if position + 1 < len(seq.prompt_logprobs):
+                    continue
+                token = seq.prompt_ids[position + 1]
+                d = {token: chosen_l[j]}
+                for v, t in zip(top_v[j] if top_n else (), top_i[j] if top_n else ()):
+                    d.setdefault(t, v)
+                seq.prompt_logprobs.append(d)
+                seq.prompt_ranks.append(ranks[j])
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], targets: list[tuple[Sequence, Request]]
                 ) -> tuple[list[int | None], list[dict[int, float] | None] | None]:
@@ -590,7 +639,11 @@ class LLMEngine:
             )
             for s in req.seqs
         ]
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished, error=req.error)
+        first = req.seqs[0]  # sample 0 scores the prompt (once per request); shown once complete
+        scored = first.prompt_logprobs is not None and first.prompt_logprobs_from is None
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished, error=req.error,
+                             prompt_logprobs=first.prompt_logprobs if scored else None,
+                             prompt_logprob_ranks=first.prompt_ranks if scored else None)
 
     # --- introspection -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

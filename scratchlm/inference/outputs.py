@@ -29,6 +29,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # set when the engine failed this request alone (it is then finished)
+    # SamplingParams.prompt_logprobs: entry j = {prompt token j: its logprob, + the top-k alternatives} (raw model
+    # log-softmax at position j - 1; entry 0 is None), once per request (n > 1 too); None until the prompt is scored.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank in the vocabulary (1 = top)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 `ModelInput` is plain Python data (lists of ints), built by the engine from the scheduler's plan,
 so a runner could live in another process (the parallelism work ships it over a pipe). The runner
 turns it into tensors, copies forked blocks, runs the model once with the paged-attention backend
-and returns logits only for the positions that are sampled.
+and returns logits only for the positions that are sampled, and those of the prompt chunks whose prompt
+logprobs are asked for (`ModelInput.logits_indices`: vocab x rows, only the rows that need them).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ class ModelInput:
 
 
 def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInput, list[int]]:
-    """The runner input of a plan, and for each scheduled entry its logits row (-1 if not sampled)."""
+    """The runner input of a plan, and for each scheduled entry its first logits row (-1 if it has none).
+
+    An entry's logits rows are its `num_prompt_logits` first positions (prompt logprobs: every position of a prefill
+    chunk that scores a prompt token), then, when it samples, its last `num_logits` positions (1; k + 1 for a
+    speculative verify); so the sampled row of an entry is its first row + `num_prompt_logits`."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -49,7 +54,6 @@ def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInpu
     dec_lens: list[int] = []
     prefills: list[tuple[int, int, int, list[int]]] = []
     logits_indices: list[int] = []
-    rows: list[int] = []
     # Decodes (one new token) first, then chunks: the attention backend relies on this order.
     order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].num_new_tokens != 1)
     row_of = [-1] * len(plan.scheduled)
@@ -68,15 +72,17 @@ def build_model_input(plan: SchedulerOutput, block_size: int) -> tuple[ModelInpu
             dec_lens.append(start + 1)
         else:
             prefills.append((q_start, n, start + n, list(table)))
-        if s.samples:
-            row_of[i] = len(logits_indices)  # the first of its num_logits rows (speculative verify: k + 1)
+        first = len(logits_indices)
+        logits_indices.extend(range(q_start, q_start + s.num_prompt_logits))  # prompt logprobs: positions in order
+        if s.samples:  # its num_logits last rows (speculative verify: k + 1)
             logits_indices.extend(range(len(token_ids) - s.num_logits, len(token_ids)))
+        if len(logits_indices) > first:
+            row_of[i] = first
     width = max((len(t) for t in dec_tables), default=0)
     dec_tables = [t + [0] * (width - len(t)) for t in dec_tables]
     inp = ModelInput(token_ids, positions, slots, num_decode, dec_tables, dec_lens, prefills, logits_indices,
                      list(plan.block_copies))
-    rows = row_of
-    return inp, rows
+    return inp, row_of
 
 
 # Prefill chunks whose context (cached prefix + chunk) is at most this long run in the fused C++ step (each row one

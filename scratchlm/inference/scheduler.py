@@ -28,6 +28,12 @@ step feeds each scheduled sequence some of its uncomputed tokens, within a token
    fully cached prompt still computes its last block, so that the last token has logits to sample
    (and cached blocks are never written). The priority counts uncomputed tokens, not cache hits.
 
+Prompt logprobs (`SamplingParams.prompt_logprobs`): every chunk of such a prompt returns the logits of each of its
+positions (`ScheduledSequence.num_prompt_logits`), so they are computed in the prefill, chunk by chunk, with no
+second pass; such a sequence takes prefix-cache hits only for the positions whose logprobs it already holds (none
+for a new request, as vLLM skips the cache for them), and its blocks are still registered for others.
+With max_tokens 0 the engine finishes the request at its last prompt token instead of sampling there.
+
 Sliding windows (a block manager with a `window`, every layer windowed): after each step `commit` frees the
 blocks that fell before the window of the sequence's next query (`BlockManager.drop_out_of_window`; their
 table entries become the null block), so a running sequence holds at most the blocks of its window plus its
@@ -49,6 +55,7 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
     num_logits: int = 1  # rows whose logits are returned when it samples: the last ones (k + 1 for a verify)
+    num_prompt_logits: int = 0  # leading rows whose logits are returned for prompt logprobs (`prompt_logit_rows`)
 
     @property
     def samples(self) -> bool:
@@ -74,6 +81,22 @@ class SchedulerOutput:
 
 
 POLICIES = ("shortest-first", "fcfs")
+
+
+def scheduled(seq: Sequence, num_new: int) -> ScheduledSequence:
+    """The plan entry of `seq` feeding `num_new` tokens from its `num_computed_tokens`, with the rows of its prompt
+    logprobs (`prompt_logit_rows`)."""
+    return ScheduledSequence(seq, num_new, num_prompt_logits=prompt_logit_rows(seq, seq.num_computed_tokens, num_new))
+
+
+def prompt_logit_rows(seq: Sequence, start: int, num_new: int) -> int:
+    """How many rows of a chunk (positions start .. start + num_new - 1) return their logits for the prompt logprobs:
+    from the chunk's first up to the prompt's second-to-last position (position p scores prompt token p + 1), while
+    some are missing. A chunk never starts after the first missing position (prefix-cache hits stop there), so no
+    position is lost; one that starts before it (a recompute after preemption) returns a few rows again."""
+    if seq.prompt_logprobs_from is None:
+        return 0
+    return max(0, min(start + num_new, seq.num_prompt_tokens - 1) - start)
 
 
 class Scheduler:
@@ -182,7 +205,7 @@ class Scheduler:
                 break  # it preempted itself: nothing after it can run either
             if need > 0:
                 seq.block_table.extend(self.blocks.allocate(need))
-            entry = ScheduledSequence(seq, num_new)
+            entry = scheduled(seq, num_new)
             (decodes if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens else prefills).append(entry)
             budget -= num_new
             i += 1
@@ -195,6 +218,8 @@ class Scheduler:
                 cached, hashes = [], []
                 if not seq.block_table:
                     max_cached = (len(seq) - 1) // self.blocks.block_size
+                    if seq.prompt_logprobs_from is not None:  # its positions' logits are still needed: compute them
+                        max_cached = min(max_cached, seq.prompt_logprobs_from // self.blocks.block_size)
                     cached, hashes = self.blocks.match_prefix(seq.token_ids, max_cached)
                 start = len(cached) * self.blocks.block_size if cached else seq.num_computed_tokens
                 num_new = min(len(seq) - start, budget)
@@ -214,7 +239,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 slots += 1 + seq.pending_forks
-                prefills.append(ScheduledSequence(seq, num_new))
+                prefills.append(scheduled(seq, num_new))
                 budget -= num_new
 
         out.scheduled = decodes + prefills

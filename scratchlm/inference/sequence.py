@@ -44,6 +44,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    # Sample 0 of a request with prompt_logprobs: entry j scores prompt token j (entry 0 is None), filled as the
+    # prefill goes (the scheduler returns the logits of the positions still missing); ranks alongside (1 = top).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     pending_forks: int = 0  # samples 1..n-1 that fork from this one: the scheduler reserves their slots
     # Detokenization state (see engine._detokenize)
     text: str = ""
@@ -55,6 +59,8 @@ class Sequence:
             self.token_ids = list(self.prompt_ids) + list(self.output_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -66,6 +72,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first position whose logits the prompt logprobs still need (position p scores token p + 1), or None
+        when none are (not asked for, or complete)."""
+        lps = self.prompt_logprobs
+        return None if lps is None or len(lps) >= len(self.prompt_ids) else len(lps) - 1
 
     @property
     def is_finished(self) -> bool:

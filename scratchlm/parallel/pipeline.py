@@ -59,8 +59,9 @@ def split_model_input(inp: ModelInput, num_microbatches: int) -> list[tuple[Mode
             else:
                 _, ql, cl, table = inp.prefills[pj]
                 sub.prefills.append((q_start, ql, cl, table))
-            if stop - 1 in where:
-                sub.logits_indices.append(len(sub.token_ids) - 1)
-                positions.append(where[stop - 1])
+            for row in range(start, stop):  # its sampled row, or every row of a prompt-logprobs chunk
+                if row in where:
+                    sub.logits_indices.append(q_start + row - start)
+                    positions.append(where[row])
         out.append((sub, positions))
     return out
