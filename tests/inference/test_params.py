@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from scratchlm.inference import SamplingParams
+from scratchlm.inference.params import StructuredOutputs
 
 
 @pytest.mark.parametrize(
@@ -94,3 +97,21 @@ def test_engine_refuses_logit_bias_outside_the_vocabulary():
     with pytest.raises(ValueError, match=r"logit_bias: token id\(s\) \[48\] outside the vocabulary \[0, 48\)"):
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, logit_bias={48: 5.0}))
     engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2, logit_bias={47: 5.0}))
+
+
+def test_structured_outputs_validation() -> None:
+    """Exactly one field, each of its type; a schema's JSON text and its dict are the same spec (the cache's key)."""
+    bad = [({}, "exactly one"), ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
+           ({"json": "[1, 2]"}, "StructuredOutputs.json"), ({"json": "{nope"}, "StructuredOutputs.json"),
+           ({"json": 3}, "StructuredOutputs.json"), ({"regex": ""}, "StructuredOutputs.regex"),
+           ({"choice": []}, "StructuredOutputs.choice"), ({"choice": ["a", 2]}, "StructuredOutputs.choice"),
+           ({"choice": "ab"}, "StructuredOutputs.choice"), ({"grammar": 5}, "StructuredOutputs.grammar"),
+           ({"json_object": "yes"}, "StructuredOutputs.json_object"),
+           ({"json": {"maximum": float("nan")}}, "not JSON data"), ({"json": {"x": object()}}, "not JSON data")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            StructuredOutputs(**kwargs)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert StructuredOutputs(json={"a": 1}) == StructuredOutputs(json='{"a":1}')
+    assert StructuredOutputs(choice=("x", "y")).choice == ["x", "y"]

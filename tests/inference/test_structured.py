@@ -317,19 +317,3 @@ def test_token_table_of_each_tokenizer_kind(data_dir) -> None:
     assert tokens[:3] == [b"A", b"B", b"C"] and special == [47] and eos == 47
     compiler = GrammarCompiler(CharTokenizer(48))  # no EOS: a phantom one past the vocabulary
     assert compiler.lltokenizer.vocab_size == 49 and compiler.lltokenizer.eos_token == 48
-
-
-def test_structured_outputs_validation() -> None:
-    bad = [({}, "exactly one"), ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
-           ({"json": "[1, 2]"}, "StructuredOutputs.json"), ({"json": "{nope"}, "StructuredOutputs.json"),
-           ({"json": 3}, "StructuredOutputs.json"), ({"regex": ""}, "StructuredOutputs.regex"),
-           ({"choice": []}, "StructuredOutputs.choice"), ({"choice": ["a", 2]}, "StructuredOutputs.choice"),
-           ({"choice": "ab"}, "StructuredOutputs.choice"), ({"grammar": 5}, "StructuredOutputs.grammar"),
-           ({"json_object": "yes"}, "StructuredOutputs.json_object")]
-    for kwargs, message in bad:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            StructuredOutputs(**kwargs)
-    with pytest.raises(ValueError, match="structured_outputs"):
-        SamplingParams(structured_outputs={"json": {}})
-    assert StructuredOutputs(json={"a": 1}) == StructuredOutputs(json='{"a":1}')
-    assert StructuredOutputs(choice=("x", "y")).choice == ["x", "y"]
