@@ -83,22 +83,56 @@ def token_table(tokenizer: Any) -> tuple[list[bytes], list[int], int | None]:
 
 
 class _Vocabulary:
-    """What ``llguidance.TokenizerWrapper`` reads: tokens, EOS/BOS, special ids, and an encoder (bytes -> ids)."""
+    """What ``llguidance.TokenizerWrapper`` reads: tokens, EOS/BOS, special ids, and an encoder (bytes -> ids).
+
+    llguidance tokenizes forced bytes with the encoder and trusts that the ids spell exactly those bytes. A
+    SentencePiece or llama2.c tokenizer prepends a space (its dummy prefix), a normalizer may change the text, and
+    bytes may stop inside a UTF-8 character: whenever the tokenizer's ids do not spell the bytes exactly (or hold a
+    special token), the encoder spells them greedily, longest token first, from the vocabulary instead."""
 
     def __init__(self, tokenizer: Any):
         self.tokens, self.special_token_ids, eos = token_table(tokenizer)
+        special = set(self.special_token_ids)
+        self._ids: dict[bytes, int] = {}
+        for i, b in enumerate(self.tokens):
+            if b and i not in special:
+                self._ids.setdefault(b, i)
+        self._longest = max(map(len, self._ids), default=1)
         if eos is None:  # a phantom EOS past the vocabulary: the grammar's completion stops the sequence instead
             eos = len(self.tokens)
             self.tokens.append(b"")
             self.special_token_ids.append(eos)
+        self._special = set(self.special_token_ids)
         self.eos_token_id = eos
         self.bos_token_id = getattr(tokenizer, "bos_id", None)
         self._encode = getattr(tokenizer, "encode_ordinary", None) or tokenizer.encode
 
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._encode(text))
+    def __call__(self, data: str | bytes) -> list[int]:
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        try:
+            ids = list(self._encode(raw.decode("utf-8")))
+        except UnicodeDecodeError:
+            return self.greedy(raw)
+        n = len(self.tokens)
+        if all(0 <= i < n and i not in self._special for i in ids) and b"".join(self.tokens[i] for i in ids) == raw:
+            return ids
+        return self.greedy(raw)
+
+    def greedy(self, raw: bytes) -> list[int]:
+        """`raw` spelled with the longest vocabulary token at each position (a byte no token holds is skipped:
+        the grammar can never produce it either)."""
+        out: list[int] = []
+        i = 0
+        while i < len(raw):
+            for n in range(min(self._longest, len(raw) - i), 0, -1):
+                token = self._ids.get(raw[i : i + n])
+                if token is not None:
+                    out.append(token)
+                    i += n
+                    break
+            else:
+                i += 1
+        return out
 
 
 def grammar_of(spec: StructuredOutputs) -> str:

@@ -276,6 +276,24 @@ def test_ids_past_the_tokenizer_are_masked() -> None:
     assert all(t < 40 for o in outs for t in o.outputs[0].token_ids)
 
 
+def test_llama2c_model_replies_follow_the_grammar(data_dir) -> None:
+    """stories260K (llama2.c's SentencePiece-style tokenizer, whose encoder prepends a space): a forced '{' is the
+    '{' token, not the space, and the replies match."""
+    engine = LLMEngine.from_pretrained(data_dir / "models" / "stories260K" / "stories260K.bin")
+    regex = "[A-Z][a-z]+ (ran|saw) [0-9]{2}[.]"
+    outs = _generate(engine, [("Lily", SamplingParams(temperature=0.8, seed=s, max_tokens=40, structured_outputs=spec))
+                              for s in range(3) for spec in (_so(regex=regex), _so(json_object=True))])
+    for out in outs:
+        c = out.outputs[0]
+        assert out.error is None, out.error
+        if out.outputs[0].token_ids and c.finish_reason == "stop" and c.text.startswith("{"):
+            assert isinstance(json.loads(c.text), dict)
+        elif c.text.startswith("{"):
+            assert c.finish_reason == "length"
+        else:
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+
+
 def test_a_grammar_dead_end_fails_that_request_alone() -> None:
     """A grammar needing a character the vocabulary lacks ('x' is past chr(65 + 47)) allows no token there: that
     request fails with the reason, its neighbour finishes."""
@@ -313,6 +331,11 @@ def test_token_table_of_each_tokenizer_kind(data_dir) -> None:
     tokens, special, eos = token_table(l2c)
     assert special == [0, 1, 2] and eos == 2 and len(tokens) == 512
     assert tokens[3 + 0x41] == b"A" and all(tokens[i] for i in range(3, 512))
+    cases = [(spm, [b"a", b"ab a", b"b\na"]), (l2c, [b"a", b"{", b"Lily ran", "été".encode(), "é".encode()[:1]])]
+    for tokenizer, texts in cases:  # the encoder llguidance calls spells exactly the bytes (no dummy-prefix space)
+        lltok = GrammarCompiler(tokenizer).lltokenizer
+        for raw in texts:
+            assert lltok.decode_bytes(lltok.tokenize_bytes(raw)) == raw, (tokenizer, raw)
     tokens, special, eos = token_table(CharTokenizer(48, eos_id=47))
     assert tokens[:3] == [b"A", b"B", b"C"] and special == [47] and eos == 47
     compiler = GrammarCompiler(CharTokenizer(48))  # no EOS: a phantom one past the vocabulary
