@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,10 +29,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scratchlm.server import tool_calls, tool_parsers
 from scratchlm.server.config import ServerConfig
 from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
+    STRUCTURED_KINDS,
     UNSUPPORTED,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -59,6 +62,7 @@ from scratchlm.server.protocol import (
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     dump,
@@ -203,6 +207,8 @@ class ServerState:
     active: int = 0  # requests in flight
     active_seqs: int = 0  # their sequences (prompts x n): what admission counts
     started: float = field(default_factory=time.time)
+    grammars: Any = None  # the server's own GrammarCompiler (checks before admission; made on first use)
+    grammar_lock: threading.Lock = field(default_factory=threading.Lock)  # the compiler is not thread-safe
 
     @property
     def tokenizer(self) -> Any:
@@ -304,8 +310,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         unsupported = [e for e in errors if e.get("type") in ("extra_forbidden", UNSUPPORTED)]
         if unsupported:  # a field the server does not implement: named (dotted path) in `param`, never ignored
             def path_of(err: dict) -> str:  # "messages.0.tool_calls" (pydantic's union-branch tags left out)
-                return ".".join(str(x) for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str)
-                                                                                          and "[" in x))
+                return _body_path(err.get("loc", ()), exc.body)
 
             parts = []
             for err in unsupported[:5]:
@@ -338,7 +343,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                 parts.append(f"{where}: wrong type or value{got_text}: " + "; ".join(
                     ".".join(str(x) for x in e["loc"][1:]) + ": " + e.get("msg", "") for e in errs[:4]))
             else:
-                sub = ".".join(str(x) for x in err.get("loc", ())[1:] if x != "body")
+                sub = _body_path(err.get("loc", ()), exc.body)
                 parts.append(f"{sub or where}: {err.get('msg', 'invalid value')}{got_text}")
         message = "Invalid request: " + "; ".join(parts)
         if len(by_field) > 5:
@@ -369,6 +374,26 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+
+def _body_path(loc: tuple, body: Any) -> str:
+    """The dotted path in the request body of a validation error's `loc` ("response_format.json_schema.schema").
+    pydantic's loc also names union branches ("list[str]", a discriminated union's tag "json_schema"); walking
+    the body tells them apart from keys: what is not a key (or the last, missing key of an object) is left out."""
+    items = list(loc[1:] if loc[:1] == ("body",) else loc)
+    if not isinstance(body, dict):  # no parsed body to walk: drop the tags that look like types
+        return ".".join(str(x) for x in items if not (isinstance(x, str) and "[" in x))
+    parts, node = [], body
+    for i, x in enumerate(items):
+        key = isinstance(node, dict) and isinstance(x, str) and x in node
+        if key or isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node):
+            node = node[x]
+        elif isinstance(node, dict) and i == len(items) - 1 and not (isinstance(x, str) and "[" in x):
+            node = None  # a required key that is missing
+        else:
+            continue  # a union branch's tag
+        parts.append(str(x))
+    return ".".join(parts)
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -445,12 +470,15 @@ async def _encode(state: ServerState, texts: list[str], param: str, add_bos: boo
     return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, _encode_sync, tok, texts, add_bos)
 
 
-async def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The chat template, in the tokenizer pool (the contents' total length is checked first)."""
-    _check_text_length(state, sum(len(m["content"]) for m in messages), "messages")
+async def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                       tools: list[dict] | None = None) -> str:
+    """The chat template, in the tokenizer pool (the contents' total length is checked first); `tools` are passed
+    to it only when given (an engine without tool support keeps working for plain chats)."""
+    _check_text_length(state, sum(len(m.get("content") or "") for m in messages), "messages")
+    kwargs = {} if tools is None else {"tools": tools}
 
     def render() -> str:
-        return state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     try:
         return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, render)
@@ -474,7 +502,7 @@ def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | No
     limit = state.max_model_len
     if prompt_len == 0:
         raise APIError(400, "The prompt is empty: send at least one token.", param="prompt", code="empty_prompt")
-    if prompt_len >= limit:
+    if prompt_len > limit or (prompt_len == limit and requested != 0):  # max_tokens 0 only scores the prompt
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                             f"{prompt_len} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
     if requested is None:
@@ -487,7 +515,8 @@ def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | No
     return requested
 
 
-def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> Any:
     max_num_seqs = int(state.engine.config.max_num_seqs)
     if req.n > min(state.config.max_n, max_num_seqs):
         raise APIError(400, f"n={req.n} is above this server's limit of {min(state.config.max_n, max_num_seqs)} "
@@ -519,12 +548,121 @@ def _sampling_params(state: ServerState, req: SamplingFields, max_tokens: int, l
         kwargs["repetition_penalty"] = req.repetition_penalty
     if logit_bias:
         kwargs["logit_bias"] = logit_bias
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
+    structured = _structured_outputs(req)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     try:
         return state.sampling_params_cls(**kwargs)
     except (ValueError, TypeError) as e:
         named = str(e).partition(":")[0].removeprefix("SamplingParams.")  # "SamplingParams.min_tokens: got ..."
         raise APIError(400, f"Invalid sampling parameters: {e}", param=named if named.isidentifier() else None,
                        code="invalid_value") from e
+
+
+def _structured_param(req: SamplingFields) -> str:
+    """The field a structured-outputs error names."""
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+def _structured_outputs(req: SamplingFields) -> Any:
+    """The request's constraint as the engine's ``StructuredOutputs``, or None: OpenAI's ``response_format`` (chat;
+    ``{"type": "text"}`` is none) or vLLM's ``structured_outputs`` (both routes), never both. Tool calling's forced
+    call (tool_choice required or named) takes the place of this constraint when both are given."""
+    fmt, ext = getattr(req, "response_format", None), req.structured_outputs
+    if fmt is not None and fmt.type != "text" and ext is not None:
+        raise APIError(400, "`response_format` and `structured_outputs` both constrain the reply: send one of them.",
+                       param="structured_outputs", code="invalid_value")
+    if ext is not None:
+        kind = next(k for k in STRUCTURED_KINDS if ext.kind_value(k) not in (None, False))
+        kwargs = {kind: ext.kind_value(kind)}
+    elif fmt is None or fmt.type == "text":
+        return None
+    elif fmt.type == "json_object":
+        kwargs = {"json_object": True}
+    else:
+        kwargs = {"json": fmt.json_schema.schema_}
+    from scratchlm.inference.params import StructuredOutputs
+
+    try:
+        return StructuredOutputs(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"Invalid {_structured_param(req)}: {e}", param=_structured_param(req),
+                       code="invalid_value") from e
+
+
+async def _check_structured(state: ServerState, params: Any, param: str) -> None:
+    """400 carrying the grammar library's message when `params`' constraint cannot be compiled, before the request
+    is admitted. Compiled in the tokenizer pool by the server's own `GrammarCompiler` (its LRU makes a repeated
+    spec free; the engine, in a thread or a process, compiles with its own), one check at a time."""
+    spec = getattr(params, "structured_outputs", None)
+    if spec is None:
+        return
+    from scratchlm.inference.structured import GrammarCompiler, check_structured
+
+    tokenizer = _require_tokenizer(state, param)
+
+    def check() -> None:
+        with state.grammar_lock:
+            if state.grammars is None:
+                state.grammars = GrammarCompiler(tokenizer)
+            check_structured(spec, state.grammars)
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
+    except ValueError as e:  # "structured_outputs.regex: llguidance cannot compile it: ..."
+        where, _, message = str(e).partition(": ")
+        if not (where.startswith("structured_outputs.") and message):
+            where, message = "structured_outputs", str(e)
+        if param != "structured_outputs":
+            where = param
+        raise APIError(400, f"`{where}` cannot be compiled into a grammar: {message}", param=param,
+                       code="invalid_value") from e
+
+
+def _tool_plan(state: ServerState, req: Any, tool_choice: Any = None, parallel: bool | None = None
+               ) -> tool_calls.ToolPlan:
+    """The request's tools as prompt, parser and grammar (server/tool_calls.py); its errors are 400s."""
+    tok = state.tokenizer
+    try:
+        return tool_calls.plan(req.messages, req.tools, tool_choice, parallel, getattr(tok, "chat_template", None),
+                               state.config.tool_call_parser,
+                               tool_calls.single_token(tok) if tok is not None else lambda text: None)
+    except tool_calls.ToolRequestError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from e
+    except ValueError as e:  # a format without an auto grammar named by --tool-call-parser, and the like
+        raise APIError(400, f"Tool calling: {e}", param="tools", code="invalid_value") from e
+
+
+def _with_tool_grammar(params: Any, grammar: str) -> Any:
+    """`params` constrained to the tool-call grammar; a 400 when the request already constrains the reply."""
+    if not hasattr(params, "structured_outputs"):
+        raise APIError(400, "This engine has no constrained decoding, which a forced tool call needs.",
+                       param="tool_choice", code="unsupported")
+    if params.structured_outputs is not None:
+        raise APIError(400, "The tool call's grammar (tool_choice required or a named function; any tool_choice "
+                            "but none on a template without tool syntax) and `response_format` / "
+                            "`structured_outputs` both constrain the reply: send one of them.", param="tool_choice",
+                       code="invalid_value")
+    import dataclasses
+
+    from scratchlm.inference.params import StructuredOutputs
+
+    return dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=grammar))
+
+
+def _tool_chunks(head: dict, index: int, calls: list, finish: str | None) -> list[dict]:
+    """The streamed calls of one choice in OpenAI's shape: per call a delta with index, id, type, the name and
+    arguments "", then one with the arguments; then the finish."""
+    out = []
+    for k, call in enumerate(calls):
+        first = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        for delta in (first, {"index": k, "function": {"arguments": call.arguments}}):
+            out.append({**head, "choices": [{"index": index, "delta": {"content": None, "tool_calls": [delta]},
+                                             "logprobs": None, "finish_reason": None}]})
+    out.append({**head, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]})
+    return out
 
 
 def _admit(state: ServerState, seqs: int) -> None:
@@ -677,6 +815,62 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: lis
     return out
 
 
+def _check_scoring(req: SamplingFields, requested: int | None, scores: bool, how: str) -> None:
+    """`max_tokens: 0` only scores the prompt (`scores`: echo or prompt_logprobs asked for); vLLM's `prompt_logprobs`
+    is not streamed (as vLLM)."""
+    if requested == 0 and not scores:
+        raise APIError(400, f"`max_tokens: 0` generates nothing: it is accepted only to score the prompt, with {how}.",
+                       param="max_tokens", code="invalid_value")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "`prompt_logprobs` is not supported with `stream: true` (as vLLM); request it without "
+                            "streaming.", param="prompt_logprobs", code=UNSUPPORTED)
+
+
+def _top_entries(lp: dict[int, float], n: int, token: int) -> list[tuple[int, float]]:
+    """The n most likely entries of an engine dict (which holds at least its top n and `token`), then `token`'s when
+    it is not among them."""
+    top = sorted(lp.items(), key=lambda kv: -kv[1])[:n]
+    return top if any(t == token for t, _ in top) else [*top, (token, lp[token])]
+
+
+def _echo_logprobs(state: ServerState, prompt_ids: list[int], prompt_lps: list[dict[int, float] | None] | None,
+                   top_n: int) -> CompletionLogprobs:
+    """The prompt's part of `echo`'s legacy logprobs: its tokens, their logprobs and `top_n` alternatives (OpenAI:
+    the first token's null), text offsets counted over the token texts from 0."""
+    out = CompletionLogprobs()
+    offset = 0
+    for j, tid in enumerate(prompt_ids):
+        text = _token_text(state, tid)
+        lp = prompt_lps[j] if prompt_lps is not None else None
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else float(lp[tid]))
+        out.top_logprobs.append(None if lp is None else
+                                {_token_text(state, k): float(v) for k, v in _top_entries(lp, top_n, tid)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _vllm_prompt_logprobs(state: ServerState, out: Any, n: int | None) -> list[dict[str, dict] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: {logprob, rank, decoded_token}} with
+    the token itself and the n most likely (ranks 1..n; the token's own rank over the vocabulary)."""
+    lps = getattr(out, "prompt_logprobs", None)
+    if n is None or lps is None:
+        return None
+    ranks = out.prompt_logprob_ranks
+    result: list[dict[str, dict] | None] = []
+    for j, (tid, lp) in enumerate(zip(out.prompt_token_ids, lps)):
+        if lp is None:
+            result.append(None)
+            continue
+        entry = {}
+        for r, (k, v) in enumerate(_top_entries(lp, n, tid), 1):
+            entry[str(k)] = {"logprob": float(v), "rank": ranks[j] if k == tid else r,
+                             "decoded_token": _token_text(state, k)}
+        result.append(entry)
+    return result
+
+
 def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict[int, float]] | None, start: int,
                    top_n: int) -> ChatChoiceLogprobs | None:
     if logprobs is None:
@@ -801,8 +995,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if req.messages is not None:
             if not req.messages:
                 raise APIError(400, "`messages` is empty: send at least one message.", param="messages")
-            text = await _render_chat(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                                      req.add_generation_prompt)
+            plan = _tool_plan(state, req)
+            text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools)
         else:
             text = req.prompt
         (ids,) = await _encode(state, [text], "messages" if req.messages is not None else "prompt",
@@ -864,19 +1058,27 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_request_text(req)
         _check_model(state, req.model)
-        if req.echo:
-            raise APIError(400, "`echo` is not supported by this server.", param="echo")
+        _check_scoring(req, req.max_tokens, req.echo or req.prompt_logprobs is not None,
+                       "`echo` (and `logprobs`) or `prompt_logprobs`")
         if req.suffix:
             raise APIError(400, "`suffix` is not supported by this server.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "`best_of` is not supported (only best_of == n).", param="best_of")
         prompts = _normalize_prompts(state, req.prompt)
+        originals = list(prompts)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
         for i, ids in zip(texts, await _encode(state, [prompts[i] for i in texts], "prompt")):
             prompts[i] = ids  # the engine gets token ids: tokenized once, off the event loop
         lengths = [len(p) for p in prompts]
         max_tokens = min(_resolve_max_tokens(state, n, req.max_tokens) for n in lengths)
-        params = _sampling_params(state, req, max_tokens, req.logprobs)
+        # the prompt is scored in the prefill for echo's logprobs and vLLM's prompt_logprobs (the larger top-N)
+        scoring = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        params = _sampling_params(state, req, max_tokens, req.logprobs,
+                                  max(scoring) if scoring else 0 if max_tokens == 0 else None)
+        # echo: the text prompt as sent, a token-id prompt decoded (no tokenizer: no text)
+        echoed = [("" if state.tokenizer is None else state.tokenizer.decode(p)) if isinstance(p, list) else p
+                  for p in originals] if req.echo else None
+        await _check_structured(state, params, _structured_param(req))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         tracked = await _start(state, prompts, params, request_id)
@@ -885,18 +1087,36 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         def choice_index(t: _Tracked, c: Any) -> int:
             return t.prompt_index * n + c.index
 
+        def with_echo(t: _Tracked, out: Any, text: str, lp: CompletionLogprobs | None) -> tuple[str, Any]:
+            """`echo`: the prompt's text before the completion's, and its tokens' logprobs before the completion's
+            (whose text offsets move past the prompt's text)."""
+            prompt_text = echoed[t.prompt_index]
+            if lp is None:
+                return prompt_text + text, None
+            head = _echo_logprobs(state, out.prompt_token_ids, out.prompt_logprobs, req.logprobs)
+            for field_name in ("tokens", "token_logprobs", "top_logprobs"):
+                getattr(head, field_name).extend(getattr(lp, field_name))
+            head.text_offset.extend(len(prompt_text) + o for o in lp.text_offset)
+            return prompt_text + text, head
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def chunks(t: _Tracked, out: Any) -> list[dict]:
                 result = []
                 for c in out.outputs:
+                    first = c.index not in t.sent_text
                     sent = t.sent_text.get(c.index, 0)
                     sent_tok = t.sent_tokens.get(c.index, 0)
                     delta = c.text[sent:]
-                    if not delta and c.finish_reason is None:
+                    if not delta and c.finish_reason is None and not (first and echoed is not None):
                         continue
                     lp = _completion_logprobs(state, c.token_ids, c.logprobs, sent_tok, sent)
+                    if echoed is not None:  # the prompt first (its logprobs are there with the first token)
+                        if first:
+                            delta, lp = with_echo(t, out, delta, lp)
+                        elif lp is not None:
+                            lp.text_offset = [len(echoed[t.prompt_index]) + o for o in lp.text_offset]
                     t.sent_text[c.index], t.sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     # plain dicts (the CompletionResponse shape): this runs once per token and stream
                     choice = {"index": choice_index(t, c), "text": delta, "logprobs": None if lp is None else dump(lp),
@@ -916,10 +1136,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         await _wait_all(state, request, tracked)
         choices = []
         for t in tracked:
+            vllm_lps = _vllm_prompt_logprobs(state, t.final, req.prompt_logprobs)
             for c in t.final.outputs:
+                text, lp = c.text, _completion_logprobs(state, c.token_ids, c.logprobs, 0, 0)
+                if echoed is not None:
+                    text, lp = with_echo(t, t.final, text, lp)
                 choices.append(CompletionChoice(
-                    index=choice_index(t, c), text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=_completion_logprobs(state, c.token_ids, c.logprobs, 0, 0)))
+                    index=choice_index(t, c), text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=lp, prompt_logprobs=vllm_lps))
         choices.sort(key=lambda ch: ch.index)
         return JSONResponse(dump(CompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                                     usage=_usage(tracked))))
@@ -935,13 +1159,17 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                            code="empty_messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = await _render_chat(state, messages, req.add_generation_prompt)
+        plan = _tool_plan(state, req, req.tool_choice, req.parallel_tool_calls)
+        text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools)
         (prompt,) = await _encode(state, [text], "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        _check_scoring(req, requested, req.prompt_logprobs is not None, "`prompt_logprobs`")
         max_tokens = _resolve_max_tokens(state, len(prompt), requested)
         top_n = req.top_logprobs or 0
-        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None)
+        params = _sampling_params(state, req, max_tokens, top_n if req.logprobs else None, req.prompt_logprobs)
+        if plan.grammar is not None:
+            params = _with_tool_grammar(params, plan.grammar)
+        await _check_structured(state, params, "tools" if plan.grammar is not None else _structured_param(req))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         tracked = await _start(state, [prompt], params, request_id)
@@ -955,12 +1183,20 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             first = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                      for i in range(req.n)]
 
+            tool_streams: dict[int, tool_calls.ToolStream] = {}  # choice -> its held-back text (tools only)
+
             def chunks(t: _Tracked, out: Any) -> list[dict]:
                 result = []
+                head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": state.model_name, "usage": None}
                 for c in out.outputs:
-                    sent = t.sent_text.get(c.index, 0)
                     sent_tok = t.sent_tokens.get(c.index, 0)
-                    delta = c.text[sent:]
+                    calls: list = []
+                    if plan.fmt is None:
+                        delta = c.text[t.sent_text.get(c.index, 0):]
+                    else:
+                        stream = tool_streams.setdefault(c.index, tool_calls.ToolStream(plan.fmt))
+                        delta, calls = stream.step(c.text, c.finish_reason is not None)
                     if not delta and c.finish_reason is None:
                         continue
                     lp = _chat_logprobs(state, c.token_ids, c.logprobs, sent_tok, top_n)
@@ -968,8 +1204,12 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                     # plain dicts (the ChatCompletionChunk shape): this runs once per token and stream
                     choice = {"index": c.index, "delta": {"content": delta or None},
                               "logprobs": None if lp is None else dump(lp), "finish_reason": c.finish_reason}
-                    result.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": state.model_name, "choices": [choice], "usage": None})
+                    if calls:
+                        if delta or lp is not None:
+                            result.append({**head, "choices": [{**choice, "finish_reason": None}]})
+                        result += _tool_chunks(head, c.index, calls, "tool_calls")
+                    else:
+                        result.append({**head, "choices": [choice]})
                 return result
 
             def usage_chunk(latest: dict[int, Any]) -> dict | None:
@@ -982,12 +1222,20 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
         await _wait_all(state, request, tracked)
         out = tracked[0].final
-        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                        logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, 0, top_n))
-                   for c in out.outputs]
-        return JSONResponse(dump(ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                                        usage=_usage(tracked))))
+        choices = []
+        for c in out.outputs:
+            message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+            if plan.fmt is not None:
+                content, calls = tool_parsers.parse(plan.fmt, c.text)
+                message = ChatResponseMessage(content=content, tool_calls=[
+                    ToolCallOut.model_validate(call.to_openai()) for call in calls] or None)
+                finish = "tool_calls" if calls else finish
+            choices.append(ChatCompletionChoice(index=c.index, message=message, finish_reason=finish,
+                                                stop_reason=c.stop_reason,
+                                                logprobs=_chat_logprobs(state, c.token_ids, c.logprobs, 0, top_n)))
+        return JSONResponse(dump(ChatCompletionResponse(
+            id=request_id, model=state.model_name, choices=choices, usage=_usage(tracked),
+            prompt_logprobs=_vllm_prompt_logprobs(state, out, req.prompt_logprobs))))
 
 
 def _normalize_prompts(state: ServerState, prompt: Any) -> list[str | list[int]]:

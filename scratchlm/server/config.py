@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Literal
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "generic")
 
 
 def is_loopback(host: str) -> bool:
@@ -64,6 +67,11 @@ class ServerConfig:
         default="last", metadata={"help": "how /v1/embeddings pools the final hidden states when a request does not "
                                           "say: 'last' (the last token's) or 'mean' (over every token)"}
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = field(
+        default="auto", metadata={"help": "how tool calls are written and read back (server/tool_parsers.py): 'auto' "
+                                          "= from the chat template's text (<tool_call>: hermes, [TOOL_CALLS]: "
+                                          "mistral, <|python_tag|>/ipython: llama3_json, else generic JSON)"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level: debug, info, warning, error"})
 
     def host_allowed(self, host_header: str | None) -> bool:
@@ -103,5 +111,8 @@ class ServerConfig:
             problems.append("api_key is empty (omit it to serve without a key)")
         if self.embedding_pooling not in ("last", "mean"):
             problems.append(f"embedding_pooling={self.embedding_pooling!r} (expected last or mean)")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            problems.append(f"tool_call_parser={self.tool_call_parser!r} (expected one of "
+                            f"{', '.join(TOOL_CALL_PARSERS)})")
         if problems:
             raise ValueError("invalid server options: " + "; ".join(problems))

@@ -52,10 +52,11 @@ class EngineInfo:
     config: Any
     max_model_len: int
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """As `LLMEngine.apply_chat_template` (``tools=...`` and the other `render_chat` keywords)."""
         from scratchlm.inference.chat_template import render_chat
 
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
 
 EVENTS_IN_FLIGHT = 64  # inspector events unread in the outbox before the child holds them back

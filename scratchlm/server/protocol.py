@@ -4,17 +4,38 @@ Requests are validated here: a wrong type or an out-of-range value becomes a 400
 error body names the field (see ``app.py``).
 
 No field is silently ignored. Every request model forbids unknown fields (a 400 naming the field, code
-``unsupported_parameter``). OpenAI fields this server does not implement (``tools``, ``tool_choice``,
-``functions``, ``function_call``, ``response_format`` other than ``{"type": "text"}``,
-``parallel_tool_calls``, ``audio``, ``prediction``, ...) are declared so that their error says so, and
-are accepted only when absent, null, or set to the value that changes nothing (``tool_choice: "none"``
-with no tools, ``store: false``, ``modalities: ["text"]``). Fields that never change the output
-(``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``) are accepted. The vLLM-style
+``unsupported_parameter``). OpenAI fields this server does not implement (the deprecated ``functions`` and
+``function_call``, ``audio``, ``prediction``, ...) are declared so that their error says so, and are accepted
+only when absent, null, or set to the value that changes nothing (``function_call: "none"``, ``store: false``,
+``modalities: ["text"]``). Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns in the
+history) is implemented; its policy is in server/tool_calls.py. Fields that never change
+the output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``) are accepted. The vLLM-style
 extensions the engine implements (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt``) are
-accepted; vLLM's ``prompt_logprobs`` is not implemented (400). ``/v1/embeddings`` accepts ``dimensions``
+accepted. Prompt log-probabilities: ``echo`` (with ``logprobs``) on /v1/completions as OpenAI's legacy API (the
+prompt's tokens and logprobs first, the first one null), ``max_tokens: 0`` with ``echo`` or ``prompt_logprobs``
+(only the prompt is scored; without either it is a 400 saying why), and vLLM's ``prompt_logprobs`` on both routes
+(the completion choice's / the chat response's ``prompt_logprobs``: null, then {token id: {logprob, rank,
+decoded_token}} per prompt token; not with ``stream``, as vLLM). ``/v1/embeddings`` accepts ``dimensions``
 only when it equals the model's width, and the extensions ``pooling`` and ``normalize``. The table is in
 docs/server.md.
+
+Structured outputs (grammar-constrained decoding, inference/structured.py) come two ways, never both at once:
+
+- OpenAI's ``response_format`` on /v1/chat/completions: ``{"type": "text"}`` (nothing), ``{"type":
+  "json_object"}`` (any JSON object), ``{"type": "json_schema", "json_schema": {"name", "description"?,
+  "schema", "strict"?}}``. The schema is enforced whatever ``strict`` says: OpenAI only promises adherence
+  with ``strict: true``, and output that always validates is a valid answer to ``strict: false`` too (nor
+  does this server require the subset of JSON Schema OpenAI's strict mode accepts). ``name`` and
+  ``description`` never reach the model: the grammar, not a prompt, makes the output follow the schema.
+- vLLM's ``structured_outputs`` extension on both routes: exactly one of ``json`` (a schema, or its JSON
+  text), ``regex``, ``choice``, ``grammar`` (a Lark grammar in llguidance's dialect) and ``json_object:
+  true``. vLLM's tuning options ``disable_any_whitespace``, ``disable_additional_properties``,
+  ``whitespace_pattern`` and ``structural_tag`` are 400s unless null/false; ``disable_fallback`` is
+  accepted (there is one backend and never a fallback). vLLM's older ``guided_*`` fields are unknown (400).
+
+A schema, regex or grammar the library cannot compile is a 400 carrying its message (app.py checks it before
+the request is admitted).
 """
 
 from __future__ import annotations
@@ -22,7 +43,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from scratchlm.inference.params import (
@@ -84,12 +105,83 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+# ------------------------------------------------------------------------------- structured outputs
+
+
+class ResponseFormatText(StrictModel):
+    type: Literal["text"] = Field(description="plain text: no constraint")
+
+
+class ResponseFormatJSONObject(StrictModel):
+    type: Literal["json_object"] = Field(description="the reply is one JSON object (enforced by a grammar)")
+
+
+class JSONSchemaSpec(StrictModel):
+    """OpenAI's ``json_schema`` object. The schema is enforced whatever ``strict`` says (see the module's policy)."""
+
+    name: str = Field(..., min_length=1, max_length=64, description="the schema's name; never shown to the model")
+    description: str | None = Field(None, description="accepted; never shown to the model (the grammar enforces "
+                                                       "the schema)")
+    schema_: dict[str, Any] = Field(..., alias="schema", description="a JSON Schema: every reply validates "
+                                                                    "against it")
+    strict: bool | None = Field(None, description="true or false: the schema is enforced either way")
+
+
+class ResponseFormatJSONSchema(StrictModel):
+    type: Literal["json_schema"] = Field(description="the reply validates against `json_schema.schema`")
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           Field(discriminator="type")]
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's constraints, one per request
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's ``structured_outputs`` extension (its ``StructuredOutputsParams``): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema, or its JSON text")
+    regex: str | None = Field(None, description="the reply matches this regular expression (whole)")
+    choice: list[str] | None = Field(None, min_length=1, description="the reply is exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar in llguidance's dialect (may embed "
+                                                  "`%json { schema }`)")
+    json_object: bool | None = Field(None, description="true: the reply is one JSON object")
+    disable_fallback: bool | None = Field(None, description="accepted: one backend, never a fallback")
+    disable_any_whitespace: bool | None = Field(None, description="not supported: 400 unless null or false")
+    disable_additional_properties: bool | None = Field(None, description="not supported: 400 unless null or false")
+    whitespace_pattern: str | None = Field(None, description="not supported: 400 unless null")
+    structural_tag: str | None = Field(None, description="not supported: 400 unless null")
+
+    @field_validator("disable_any_whitespace", "disable_additional_properties")
+    @classmethod
+    def _false_only(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None, False), f"`structured_outputs.{info.field_name}: true`")
+
+    @field_validator("whitespace_pattern", "structural_tag")
+    @classmethod
+    def _null_only(cls, v: Any, info: Any) -> Any:
+        return _reject_unless(v, (None,), f"`structured_outputs.{info.field_name}`")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsField:
+        given = [k for k in STRUCTURED_KINDS if self.kind_value(k) not in (None, False)]
+        if len(given) != 1:
+            raise PydanticCustomError("invalid_value", "set exactly one of json, regex, choice, grammar and "
+                                                       "json_object: true (got {given})",
+                                      {"given": ", ".join(given) or "none"})
+        return self
+
+    def kind_value(self, kind: str) -> Any:
+        return self.json_ if kind == "json" else getattr(self, kind)
+
+
 class SamplingFields(StrictModel):
     """The sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="served model name; omitted means the served model")
     max_tokens: int | None = Field(
-        None, ge=1, description="tokens to generate at most; default: up to the context length"
+        None, ge=0, description="tokens to generate at most; default: up to the context length; 0 only with echo or "
+                                "prompt_logprobs (score the prompt alone)"
     )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 (or below 1e-5) means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -124,6 +216,11 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                              description="extension: token ids that end the generation")
     include_stop_str_in_output: bool = Field(False, description="extension: keep the matched stop string")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="extension (vLLM): each prompt token's logprob, rank and the top N "
+                                                 "alternatives (the first token's: null); not with stream")
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="extension (vLLM): constrain the reply to a JSON schema, regex, choice or grammar")
 
     @field_validator("store")
     @classmethod
@@ -157,12 +254,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
-    prompt_logprobs: Any = Field(None, description="not supported (vLLM extension): 400 unless null")
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs(cls, v: Any) -> Any:
-        return _reject_unless(v, (None,), "`prompt_logprobs`")
 
 
 class TextContentPart(StrictModel):
@@ -170,28 +261,41 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class FunctionCallIn(StrictModel):
+    name: str = Field(..., description="the function called")
+    arguments: str | dict[str, Any] = Field(..., description="its arguments: JSON text (OpenAI), or an object")
+
+
+class ToolCallIn(StrictModel):
+    """A call in an assistant turn of the history (what an OpenAI client echoes back from a reply)."""
+
+    id: str | None = Field(None, description="the call's id; a `tool` message answers it by `tool_call_id`")
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(StrictModel):
-    """One message. Only `role` and `content` reach the chat template; the fields an OpenAI client echoes back
-    from a reply (``tool_calls``, ``function_call``, ``refusal``, ``audio``, ``annotations``) are accepted
-    when null or empty, and are a 400 otherwise (tool calling is not implemented), as are ``name`` and
-    ``tool_call_id``, which the template would never see."""
+    """One message. ``role``, ``content`` (a string or text parts, joined), ``name``, an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` reach the chat template (server/tool_calls.py). The other
+    fields an OpenAI client echoes back from a reply (``function_call``, ``refusal``, ``audio``, ``annotations``)
+    are accepted when null or empty, and are a 400 otherwise."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
-    name: Any = Field(None, description="not supported: 400 unless null")
-    tool_calls: Any = Field(None, description="not supported: 400 unless null or empty")
-    tool_call_id: Any = Field(None, description="not supported: 400 unless null")
-    function_call: Any = Field(None, description="not supported: 400 unless null")
+    name: str | None = Field(None, description="the author's name, or a tool result's function name")
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant turn's function calls")
+    tool_call_id: str | None = Field(None, description="a tool result: the id of the call it answers")
+    function_call: Any = Field(None, description="deprecated (use tool_calls): 400 unless null")
     refusal: Any = Field(None, description="400 unless null")
     audio: Any = Field(None, description="not supported: 400 unless null")
     annotations: Any = Field(None, description="400 unless null or empty")
 
-    @field_validator("name", "tool_call_id", "function_call", "refusal", "audio")
+    @field_validator("function_call", "refusal", "audio")
     @classmethod
     def _null_only(cls, v: Any, info: Any) -> Any:
         return _reject_unless(v, (None,), f"a message's `{info.field_name}`")
 
-    @field_validator("tool_calls", "annotations")
+    @field_validator("annotations")
     @classmethod
     def _null_or_empty(cls, v: Any, info: Any) -> Any:
         return _reject_unless(v, (None, []), f"a message's `{info.field_name}`")
@@ -204,21 +308,52 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a-z, A-Z, 0-9, _ and -, at most 64")
+    description: str | None = Field(None, description="shown to the model by the chat template")
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object); "
+                                                                "omitted: no arguments")
+    strict: bool | None = Field(None, description="true or false: a forced call's arguments always follow the schema")
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"] = Field(description="only function tools")
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., description="the conversation; at least one message")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens (newer OpenAI name)")
+    max_completion_tokens: int | None = Field(None, ge=0, description="same as max_tokens (newer OpenAI name)")
     add_generation_prompt: bool = Field(True, description="extension: end the prompt with the assistant header")
+    tools: list[ToolDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description=f"functions the model may call (at most {MAX_TOOLS}); rendered by the "
+                                                "model's chat template (server/tool_calls.py)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required (a call, forced by a grammar) or "
+                          '{"type": "function", "function": {"name": ...}} (a call to that function, forced)')
+    parallel_tool_calls: bool | None = Field(None, description="true (default): one or more calls; false: at most one")
     # OpenAI fields that are not implemented: 400 unless null (or the value that changes nothing).
-    tools: Any = Field(None, description="not supported (tool calling): 400 unless null")
-    tool_choice: Any = Field(None, description="only \"none\" (no tools can be given)")
-    functions: Any = Field(None, description="not supported (deprecated tool calling): 400 unless null")
-    function_call: Any = Field(None, description="only \"none\"")
-    parallel_tool_calls: Any = Field(None, description="not supported (tool calling): 400 unless null")
-    response_format: Any = Field(None, description='only {"type": "text"}: structured outputs are not supported')
+    functions: Any = Field(None, description="deprecated (use tools): 400 unless null")
+    function_call: Any = Field(None, description="deprecated (use tool_choice): only \"none\"")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (the reply validates against the "
+                          "schema): enforced by a grammar")
     modalities: Any = Field(None, description='only ["text"]')
     audio: Any = Field(None, description="not supported: 400 unless null")
     prediction: Any = Field(None, description="not supported (predicted outputs): 400 unless null")
@@ -226,22 +361,16 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Any = Field(None, description="not supported: 400 unless null")
     web_search_options: Any = Field(None, description="not supported: 400 unless null")
 
-    @field_validator("tools", "functions", "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
-                     "verbosity", "web_search_options")
+    @field_validator("functions", "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
     @classmethod
     def _null_only(cls, v: Any, info: Any) -> Any:
         return _reject_unless(v, (None,), f"`{info.field_name}`")
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
     def _none_only(cls, v: Any, info: Any) -> Any:
-        return _reject_unless(v, (None, "none"), f"`{info.field_name}` other than \"none\" (tool calling)")
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: Any) -> Any:
-        return _reject_unless(v, (None, {"type": "text"}), '`response_format` other than {"type": "text"} '
-                                                           "(structured outputs)")
+        return _reject_unless(v, (None, "none"), f"`{info.field_name}` other than \"none\" (deprecated: use "
+                                                 "tools and tool_choice)")
 
     @field_validator("modalities")
     @classmethod
@@ -255,6 +384,8 @@ class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS,
+                                               description="with messages: rendered as /v1/chat/completions does")
     add_special_tokens: bool = Field(True, description="prepend BOS when the model's tokenizer does")
     add_generation_prompt: bool = True
 
@@ -302,12 +433,24 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with ``echo``: the prompt's tokens first,
+    the first one's logprob and top_logprobs null)."""
 
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one entry of a prompt token's {token id: ...} dict."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token, the first null (vLLM's shape)
 
 
 class CompletionChoice(BaseModel):
@@ -316,6 +459,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # extension (vLLM), with `prompt_logprobs`
 
 
 class CompletionResponse(BaseModel):
@@ -341,16 +485,28 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -361,18 +517,34 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # extension (vLLM: on the response, not the choice)
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first delta has index, id, type, the name and arguments ""; later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
