@@ -43,7 +43,7 @@ from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOu
 from scratchlm.inference.params import SamplingParams
 from scratchlm.inference.runner import build_model_input
 from scratchlm.inference.sampler import Sampler, SamplingRow
-from scratchlm.inference.scheduler import Scheduler, SchedulerOutput
+from scratchlm.inference.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from scratchlm.inference.sequence import Sequence, SequenceStatus
 from scratchlm.inference.structured import GrammarCompiler, GrammarMatcher, MaskFill, check_structured
 
@@ -463,7 +463,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _collect_prompt_logprobs(self, entry: Any, logits: torch.Tensor) -> None:
+    def _collect_prompt_logprobs(self, entry: ScheduledSequence, logits: torch.Tensor) -> None:
         """Append the prompt logprobs of `entry`'s chunk to its sequence: logits row j is position start + j, which
         scores prompt token start + j + 1 (raw log-softmax, as the sampled logprobs). Rows of positions already held
         (a recompute after preemption) are skipped; one past the first missing position would lose it (an error)."""

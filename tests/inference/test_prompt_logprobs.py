@@ -185,6 +185,23 @@ def test_pipeline_split_keeps_every_logits_row():
     assert got == {i: inp.token_ids[r] for i, r in enumerate(inp.logits_indices)}
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                     dict(context_parallel_size=2, context_parallel_threshold=4)],
+                         ids=["tp2", "pp2", "cp2"])
+def test_multi_process_executors_return_every_row(tiny, options):
+    """The ranks' runners return the prompt rows too: TP (gathered logits), PP (several prompts in micro-batches,
+    each with its rows), CP (chunks sharded by position: each row's hidden state gathered from its owner)."""
+    eng = engine(tiny, max_num_batched_tokens=12, **options)
+    try:
+        outs = run(eng, {f"p{i}": (ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, ignore_eos=True))
+                         for i, ids in enumerate(PROMPTS)})
+    finally:
+        eng.shutdown()
+    for i, ids in enumerate(PROMPTS):
+        check(outs[f"p{i}"], ids, hf_logprobs(tiny[1], ids), 2)
+
+
 @pytest.mark.slow
 def test_default_model_equals_hf(default_model_path):
     from transformers import AutoModelForCausalLM

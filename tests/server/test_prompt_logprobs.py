@@ -144,6 +144,11 @@ def test_streaming_echo_sends_the_prompt_first(server, client, tiny, tok):
     assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
     offsets = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["text_offset"]]
     assert offsets == whole.logprobs.text_offset
+    # max_tokens 0: one chunk, the prompt, finished
+    (only,) = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=IDS[:7], echo=True, logprobs=1,
+                                                                max_tokens=0, stream=True)]
+    assert only.text == tok.decode(IDS[:7]) and only.finish_reason == "length"
+    assert only.logprobs.token_logprobs[1:] == pytest.approx(whole.logprobs.token_logprobs[1:7], abs=1e-6)
 
 
 def check_vllm_prompt_logprobs(got: list, ids: list[int], ref, n: int, tok) -> None:
