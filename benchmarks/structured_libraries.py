@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
                + ", ".join(f"{lib} {version(lib)}" for lib in libraries)
                + ". Replies: the default model's greedy answers under llguidance (max_tokens "
                f"{args.max_tokens}); {sum(c['valid'] for c in cases.values())}/{len(cases)} finished and validate "
-               "under jsonschema; the others (cut by max_tokens) are walked as far as they go.")
+               "under jsonschema; the others (cut by max_tokens) are walked as far as they go. llguidance's "
+               "tokenizer time includes scratchlm's own table (`token_table`, the engine's bridge); during its masks "
+               "llguidance also calls back the Python encoder (forced bytes), which its figures include.")
 
     def med(lib: str, name: str, key: str):
         vals = [r[key] for run in runs[lib] for r in run if r.get("name") == name and r.get(key) is not None]

@@ -74,8 +74,8 @@ def test_json_schema_replies_validate_greedy_and_sampled(smol: LLMEngine) -> Non
     requests = []
     for schema in (PERSON, ORDER):
         spec = _so(json=schema if schema is PERSON else json.dumps(schema))  # a dict, or its JSON text
-        requests += [(p, SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=spec)) for p in prompts]
-        requests += [(p, SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=spec))
+        requests += [(p, SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=spec)) for p in prompts]
+        requests += [(p, SamplingParams(temperature=1.0, seed=s, max_tokens=100, structured_outputs=spec))
                      for s, p in enumerate(prompts)]
     outs = _generate(smol, requests)
     for (_, params), out in zip(requests, outs):
