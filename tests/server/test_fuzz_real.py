@@ -4,8 +4,12 @@ that puts any JSON value in any field of the completion and chat bodies. Every a
 OpenAI-shaped error body, never a 5xx or an in-band stream error, and a greedy "neighbour" stream that runs the
 whole time always gets exactly its offline text.
 
-Default suite: 300 schemathesis cases + 2 x 60 property examples, fixed seeds. ``--run-slow``: 6,600
-schemathesis cases asked for, 5,000+ drawn (the figures in docs/server.md).
+Structured outputs (``response_format``, ``structured_outputs``) are in the OpenAPI schema with their types, so
+schemathesis draws them; a third property draws random (mostly invalid, some pathological) JSON schemas, regexes,
+Lark grammars and choices, on both routes, streamed or not, beside the neighbour: 200 or 400, never a 5xx.
+
+Default suite: 300 schemathesis cases + 2 x 60 property examples + 50 structured-output examples, fixed seeds.
+``--run-slow``: 6,600 schemathesis cases asked for, 5,000+ drawn (the figures in docs/server.md), 600 structured.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def run_schemathesis(server, total: int, rng_seed: int) -> Counter:
             response = case.call(base_url=server.url, timeout=60)
             counts[f"{response.status_code // 100}xx"] += 1
             counts["cases"] += 1
+            if isinstance(case.body, dict) and ({"response_format", "structured_outputs"} & set(case.body)):
+                counts["structured"] += 1  # the grammar fields are in the schema, so they are drawn too
             check_answer(response.status_code, response.headers.get("content-type", ""), response.text,
                          (case.method, case.path, case.body))
 
@@ -134,7 +140,7 @@ def run_schemathesis(server, total: int, rng_seed: int) -> Counter:
 def test_schemathesis_real_engine(real_server, neighbour_text):
     with Neighbour(real_server.url, neighbour_text):
         counts = run_schemathesis(real_server, 300, rng_seed=16)
-    assert counts["cases"] >= 250 and counts["2xx"] > 0 and counts["4xx"] > 0, counts
+    assert counts["cases"] >= 250 and counts["2xx"] > 0 and counts["4xx"] > 0 and counts["structured"] > 0, counts
     assert httpx.get(real_server.url + "/health", timeout=10).status_code == 200
 
 
@@ -143,7 +149,7 @@ def test_schemathesis_real_engine_long(real_server, neighbour_text):
     with Neighbour(real_server.url, neighbour_text) as neighbour:
         counts = run_schemathesis(real_server, 6600, rng_seed=1616)  # ~20% are not drawn: small GET spaces
     print(f"\nschemathesis long run: {dict(counts)}; neighbour completions: {neighbour.done}")
-    assert counts["cases"] >= 5000 and counts["5xx"] == 0, counts
+    assert counts["cases"] >= 5000 and counts["5xx"] == 0 and counts["structured"] > 0, counts
 
 
 # ------------------------------------------------------------------------------------ any JSON in any field
@@ -185,3 +191,76 @@ def test_any_json_in_any_field(real_server, neighbour_text, kind):
     with Neighbour(real_server.url, neighbour_text):
         counts = property_check(real_server, base, fields, 60, rng_seed=16 if kind == "completion" else 61)
     assert counts["2xx"] > 0 and counts["4xx"] > 0, counts
+
+
+# ------------------------------------------------------------------------------ random grammars, valid or not
+
+SCHEMA_KEYS = ["type", "properties", "items", "enum", "const", "minLength", "maxLength", "minimum", "maximum",
+               "pattern", "required", "additionalProperties", "anyOf", "oneOf", "allOf", "$ref", "format",
+               "minItems", "maxItems", "prefixItems", "not", "$defs", "exclusiveMinimum", "multipleOf"]
+TYPES = ["object", "array", "string", "integer", "number", "boolean", "null", "frobnicate"]
+schemas = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(TYPES)}) | st.just({}) | st.booleans(),
+    lambda inner: st.dictionaries(st.sampled_from(SCHEMA_KEYS), inner | json_values
+                                  | st.sampled_from(TYPES) | st.integers(-3, 40)
+                                  | st.sampled_from(["#/$defs/a", "#", "#/nope", "email", "date-time", "^a+$", "("])
+                                  | st.lists(st.sampled_from(TYPES + ["a", "b"]), max_size=3)
+                                  | st.dictionaries(st.text("abc", max_size=3), inner, max_size=3), max_size=5),
+    max_leaves=10,
+)
+regexes = st.text(alphabet="ab0.()[]{}*+?|^$\\-,dws ", max_size=14)
+grammars = st.lists(st.sampled_from(["start", ":", " ", "\n", '"a"', '"b"', "|", "/[a-z]+/", "/(/", "x", "X",
+                                     "%json", "{", "}", '"type"', "*", "+", "?", "(", ")", "%ignore", "WS",
+                                     "%import common.WS", "->", "~", "3"]), max_size=14).map("".join)
+structured_specs = st.one_of(
+    st.builds(lambda v: {"json": v}, schemas), st.builds(lambda v: {"json": json.dumps(v)}, schemas),
+    st.builds(lambda v: {"regex": v}, regexes), st.builds(lambda v: {"grammar": "start: " + v}, grammars),
+    st.builds(lambda v: {"grammar": v}, grammars), st.builds(lambda v: {"choice": v}, st.lists(st.text(max_size=6),
+                                                                                                max_size=4)),
+    st.just({"json_object": True}), st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar",
+                                                                     "json_object", "structural_tag"]),
+                                                    json_values, max_size=2),
+)
+response_formats = st.one_of(
+    st.builds(lambda v, strict: {"type": "json_schema", "json_schema": {"name": "f", "schema": v, "strict": strict}},
+              schemas, st.booleans() | st.none()),
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "bogus"}]),
+    json_values,
+)
+
+
+def structured_check(server, examples: int, rng_seed: int) -> Counter:
+    counts: Counter = Counter()
+
+    @seed(rng_seed)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(route=st.sampled_from(["completion", "chat", "chat-format"]), spec=structured_specs,
+           fmt=response_formats, stream=st.booleans(), n=st.integers(1, 2))
+    def check(route, spec, fmt, stream, n):
+        body: dict = {"max_tokens": 6, "stream": stream, "n": n}
+        if route == "completion":
+            path, body = "/v1/completions", {**body, "prompt": "Lily", "structured_outputs": spec}
+        else:
+            path, body = "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hi"}]}
+            body.update({"response_format": fmt} if route == "chat-format" else {"structured_outputs": spec})
+        raw = json.dumps(body).encode()
+        r = httpx.post(server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+        counts[f"{r.status_code // 100}xx"] += 1
+        check_answer(r.status_code, r.headers.get("content-type", ""), r.text, body)
+
+    check()
+    return counts
+
+
+def test_random_grammars_never_5xx_nor_harm_a_neighbour(real_server, neighbour_text):
+    with Neighbour(real_server.url, neighbour_text):
+        counts = structured_check(real_server, 50, rng_seed=28)
+    assert counts["2xx"] > 0 and counts["4xx"] > 0, counts
+
+
+@pytest.mark.slow
+def test_random_grammars_long(real_server, neighbour_text):
+    with Neighbour(real_server.url, neighbour_text) as neighbour:
+        counts = structured_check(real_server, 600, rng_seed=2828)
+    print(f"\nrandom grammars: {dict(counts)}; neighbour completions: {neighbour.done}")
+    assert counts["5xx"] == 0, counts
