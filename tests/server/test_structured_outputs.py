@@ -310,3 +310,28 @@ def test_langchain_with_structured_output_json_schema_20_of_20(server):
     structured = llm.with_structured_output(Cat, method="json_schema")
     cats = structured.batch([UNCOACHED[0]["content"]] * N, config={"max_concurrency": N})
     assert all(isinstance(cat, Cat) for cat in cats), cats
+
+
+# ------------------------------------------------------------------------------- the engine in its own process
+
+
+def test_process_engine_constrains_and_refuses_the_same(data_dir):
+    """`scratchlm serve`'s default loop (the engine in a child process, stories260K: a llama2.c tokenizer): the
+    same constraints hold, and a spec the library cannot compile is the same 400 (checked before admission)."""
+    from scratchlm.server.engine_process import EngineProcessLoop
+
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    loop = EngineProcessLoop(model, inference.EngineConfig(max_num_seqs=8, max_model_len=128), threads=1,
+                             startup_timeout_s=300)
+    with BackgroundServer(create_app(loop.engine, ServerConfig(), model_name=MODEL, engine_loop=loop)) as srv:
+        pattern = r"[a-z]{2,6}( [a-z]{2,6}){2}\."
+        for t in completion(srv, n=4, prompt="Lily", structured_outputs={"regex": pattern}):
+            assert re.fullmatch(pattern, t), t
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["n"], "additionalProperties": False}
+        for t in completion(srv, n=4, prompt="Lily", structured_outputs={"json": schema}):
+            jsonschema.validate(json.loads(t), schema)
+        want = llguidance_error(llguidance.LLMatcher.grammar_from_regex("(unclosed"))
+        r = post(srv, "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}})
+        assert_400(r, "structured_outputs", want)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
