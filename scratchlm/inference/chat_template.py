@@ -230,9 +230,23 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     template_kwargs: more template variables (`enable_thinking=False`, `date_string="26 Jul 2024"`, ...); they
         override the special tokens.
 
-    Without a template (e.g. llama2.c models) the contents' text is joined by newlines. Malformed messages, and
-    conversations the template rejects (`raise_exception`, or a type error inside it), raise ValueError.
+    Without a template (e.g. llama2.c models) the contents' text is joined by newlines. Malformed messages, data
+    nested too deeply to walk, and conversations the template rejects (`raise_exception`, or a type error inside
+    it), raise ValueError.
     """
+    try:
+        return _render_chat(tokenizer, messages, add_generation_prompt, tools=tools, documents=documents,
+                            continue_final_message=continue_final_message, chat_template=chat_template,
+                            template_name=template_name, **template_kwargs)
+    except RecursionError:  # data nested past Python's stack (a JSON schema in `tools`, say): not a conversation
+        raise ValueError("the messages, tools or documents are nested too deeply to render") from None
+
+
+def _render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool | None = None, *,
+                 tools: list[dict] | None = None, documents: list[dict] | None = None,
+                 continue_final_message: bool | str = False, chat_template: str | None = None,
+                 template_name: str | None = None, **template_kwargs: Any) -> str:
+    """`render_chat` without its RecursionError guard."""
     chat = _normalize(messages)
     if add_generation_prompt is None:
         add_generation_prompt = not continue_final_message

@@ -568,8 +568,8 @@ def _structured_param(req: SamplingFields) -> str:
 
 def _structured_outputs(req: SamplingFields) -> Any:
     """The request's constraint as the engine's ``StructuredOutputs``, or None: OpenAI's ``response_format`` (chat;
-    ``{"type": "text"}`` is none) or vLLM's ``structured_outputs`` (both routes), never both. Tool calling's forced
-    call (tool_choice required or named) takes the place of this constraint when both are given."""
+    ``{"type": "text"}`` is none) or vLLM's ``structured_outputs`` (both routes), never both. A tool-call grammar
+    (tool_choice required or named) with one of them is a 400 (`_with_tool_grammar`)."""
     fmt, ext = getattr(req, "response_format", None), req.structured_outputs
     if fmt is not None and fmt.type != "text" and ext is not None:
         raise APIError(400, "`response_format` and `structured_outputs` both constrain the reply: send one of them.",
@@ -631,8 +631,9 @@ def _tool_plan(state: ServerState, req: Any, tool_choice: Any = None, parallel: 
                                tool_calls.single_token(tok) if tok is not None else lambda text: None)
     except tool_calls.ToolRequestError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from e
-    except ValueError as e:  # a format without an auto grammar named by --tool-call-parser, and the like
-        raise APIError(400, f"Tool calling: {e}", param="tools", code="invalid_value") from e
+    except RecursionError:  # a parameters schema nested past Python's stack
+        raise APIError(400, "`tools`: a function's parameters are nested too deeply.", param="tools",
+                       code="invalid_value") from None
 
 
 def _with_tool_grammar(params: Any, grammar: str) -> Any:

@@ -40,6 +40,7 @@ the request is admitted).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -317,6 +318,15 @@ class FunctionDefinition(StrictModel):
     parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object); "
                                                                 "omitted: no arguments")
     strict: bool | None = Field(None, description="true or false: a forced call's arguments always follow the schema")
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: Any) -> Any:
+        kind = (v or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise PydanticCustomError("invalid_value", "must be a JSON Schema of type \"object\" (arguments are an "
+                                                       "object), got type {kind}", {"kind": json.dumps(kind)[:40]})
+        return v
 
 
 class ToolDefinition(StrictModel):

@@ -64,7 +64,7 @@ def template_messages(messages: list[Any]) -> list[dict]:
                 if isinstance(args, str):
                     try:
                         args = json.loads(args)
-                    except ValueError as e:
+                    except (ValueError, RecursionError) as e:
                         raise ToolRequestError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON text: "
                                                f"{e}", f"messages.{i}.tool_calls.{j}.function.arguments") from None
                 call = {"type": c.type, "function": {"name": c.function.name, "arguments": args}}

@@ -197,7 +197,7 @@ def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished reply; a reply that does not parse as calls is all content."""
     try:
         return _PARSERS[fmt](text)
-    except _NotACall:
+    except (_NotACall, RecursionError):  # RecursionError: JSON nested past Python's stack, not a call either
         return _content(text), []
 
 
@@ -272,8 +272,9 @@ def _has_ref(schema: Any) -> bool:
 def _call_schemas(functions: list[dict], args_key: str, defs: dict, with_id: bool = False) -> list[dict]:
     schemas = []
     for i, fn in enumerate(functions):
-        params = _closed(fn.get("parameters") if fn.get("parameters") is not None else {"type": "object",
-                                                                                       "properties": {}})
+        params = _closed(fn.get("parameters") if fn.get("parameters") is not None else {"properties": {}})
+        if "type" not in params:  # arguments are an object (OpenAI's rule): said where the schema does not
+            params = {**params, "type": "object"}
         if _has_ref(params):  # stored under $defs so that its own "#/..." references still resolve
             defs[f"f{i}"] = _rerooted(params, f"f{i}")
             params = {"$ref": f"#/$defs/f{i}"}

@@ -311,7 +311,7 @@ class TemplateTokenizer(ByteTokenizer):
 
 class TemplateEngine(FakeEngine):
     def __init__(self):
-        super().__init__(FakeEngineConfig(max_model_len=16384))
+        super().__init__(FakeEngineConfig(max_model_len=16384, num_blocks=8192))
         self.tokenizer = TemplateTokenizer()
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
@@ -390,6 +390,11 @@ def test_generic_prompt_describes_the_tools():
 
 # ------------------------------------------------------------------------------------------ 400s
 
+DEEP: dict = {}
+for _ in range(400):  # a schema nested past Python's stack (the grammar's walk over it)
+    DEEP = {"type": "object", "properties": {"x": DEEP}}
+
+
 def chat(srv, **body) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
@@ -402,12 +407,16 @@ def chat(srv, **body) -> httpx.Response:
     ({"tools": [{"type": "retrieval", "function": WEATHER}]}, "tools", "type"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]}, "tools", "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     'type "object"'),
     ({"tools": [TOOLS[1], TOOLS[1]]}, "tools.1.function.name", "given twice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
     ({"functions": [WEATHER]}, "functions", "not supported"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]},
      "messages.1.tool_calls.0.function.arguments", "not JSON"),
+    ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}], "tool_choice": "required"},
+     "tools", "nested too deeply"),
 ])
 def test_bad_tool_requests_are_400s(template_server, body, param, says):
     srv, engine = template_server

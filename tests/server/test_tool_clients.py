@@ -16,8 +16,11 @@ import asyncio
 import json
 from typing import Literal
 
+import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from scratchlm.server import BackgroundServer, ServerConfig, create_app
@@ -217,3 +220,81 @@ def test_openai_agents_sdk_calls_its_tool_and_uses_the_result(server):
     assert result.final_output == f"It is sunny and 21 degrees celsius in {called[0]['city']}."
     items = [type(item).__name__ for item in result.new_items]
     assert items[:2] == ["ToolCallItem", "ToolCallOutputItem"]
+
+
+# ------------------------------------------------------------------------------------------ fuzz
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=4))
+LEAF_SCHEMAS = st.one_of(
+    st.sampled_from([{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                     {"type": "null"}, {"enum": ["a", "b", 3]}, {"const": "x"}, {}, {"type": "string", "maxLength": 3},
+                     {"type": "integer", "minimum": 2, "maximum": 4}, {"type": "bogus"}, {"$ref": "#/nowhere"},
+                     {"pattern": "[a-c]+", "type": "string"}]),
+    st.dictionaries(st.sampled_from(["type", "minimum", "items", "required", "x"]), SCALARS, max_size=2))
+RANDOM_SCHEMAS = st.recursive(LEAF_SCHEMAS, lambda inner: st.one_of(
+    st.builds(lambda props, extra: {"type": "object", "properties": props, "required": sorted(props)[:1], **extra},
+              st.dictionaries(st.text("abcxyz_", min_size=1, max_size=4), inner, max_size=3),
+              st.sampled_from([{}, {"additionalProperties": False}, {"additionalProperties": True}])),
+    st.builds(lambda items: {"type": "array", "items": items, "maxItems": 2}, inner),
+    st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=1, max_size=2))), max_leaves=5)
+TOOL_DEFS = st.lists(st.builds(lambda name, params: {"type": "function", "function": {
+    "name": name, **({} if params is None else {"parameters": params})}},
+    st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), st.one_of(st.none(), RANDOM_SCHEMAS)),
+    min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"])
+
+
+FUZZ = dict(tools=TOOL_DEFS, choice=st.sampled_from(["auto", "required", "none", "named", "unknown", None]),
+            parallel=st.sampled_from([None, True, False]), stream=st.booleans())
+FUZZ_SETTINGS = dict(deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@settings(max_examples=10, **FUZZ_SETTINGS)
+@given(**FUZZ)
+def test_random_tools_are_200s_or_400s_and_calls_validate(server, tools, choice, parallel, stream):
+    """Any tool definitions and choice: a 200 or a 400 naming the problem, never a 5xx; every call read from a reply
+    validates against its function's schema (jsonschema) whenever that schema is valid JSON Schema."""
+    fuzz_case(server, tools, choice, parallel, stream)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, **FUZZ_SETTINGS)
+@given(**FUZZ)
+def test_random_tools_many(server, tools, choice, parallel, stream):
+    fuzz_case(server, tools, choice, parallel, stream)
+
+
+def fuzz_case(server, tools: list[dict], choice: str | None, parallel: bool | None, stream: bool) -> None:
+    body = {"model": MODEL, "messages": ask("Lima"), "tools": tools, "max_tokens": 32, "temperature": 0.3,
+            "seed": 1, "stream": stream}
+    if choice in ("named", "unknown"):
+        body["tool_choice"] = {"type": "function", "function": {
+            "name": tools[0]["function"]["name"] if choice == "named" else "not_a_tool"}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    res = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert res.status_code in (200, 400), res.text
+    if res.status_code == 400:
+        assert res.json()["error"]["param"] in ("tools", "tool_choice"), res.text
+        assert choice == "unknown" or any("parameters" in t["function"] for t in tools), res.text
+        return
+    assert choice != "unknown"
+    if stream:
+        chunks = [json.loads(line[6:]) for line in res.text.splitlines() if line.startswith("data: {")]
+        assert all("error" not in c for c in chunks), res.text
+        return
+    choice0 = res.json()["choices"][0]
+    calls = choice0["message"]["tool_calls"] or []
+    if choice == "none":
+        assert not calls
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
+    for call in calls:
+        assert choice0["finish_reason"] == "tool_calls" and call["function"]["name"] in schemas
+        schema = schemas[call["function"]["name"]]
+        try:
+            jsonschema.Draft202012Validator.check_schema(schema)
+        except jsonschema.SchemaError:
+            continue
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
