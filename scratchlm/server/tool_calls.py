@@ -19,8 +19,9 @@ Policy:
   arguments valid against the function's ``parameters``; ``parallel_tool_calls`` (default true) allows one or more
   calls, false exactly one. ``required`` or a named function without ``tools``, an unknown name, or a tool
   constraint together with ``response_format`` / ``structured_outputs`` are 400s.
-- Streaming (`ToolStream`): text that cannot be the start of a call is streamed as content; from where a call may
-  begin it is held until the reply ends, then parsed once, so the deltas assemble to the non-streamed reply.
+- Streaming (`ToolStream`): text that cannot be the start of a call is streamed as content (the generic format:
+  the ``{"response": "...`` string as it is decoded); from where a call may begin it is held until the reply ends,
+  then parsed once, so the deltas assemble to the non-streamed reply.
 """
 
 from __future__ import annotations
@@ -151,21 +152,20 @@ def single_token(tokenizer: Any) -> Callable[[str], int | None]:
 
 
 class ToolStream:
-    """One streamed choice: content deltas while the text cannot be a call; the calls once the reply ends."""
+    """One streamed choice: content deltas as far as the text is surely content; the calls once the reply ends."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt
-        self.sent = 0  # characters of the text sent as content
+        self.sent = ""  # the content sent so far
 
     def step(self, text: str, finished: bool) -> tuple[str, list[ParsedCall]]:
         """(content delta, calls) for the cumulative `text`; calls only when `finished`."""
-        if not finished:
-            end = tool_parsers.hold_from(self.fmt, text)
-            if end > self.sent and text[:end].strip():
-                delta, self.sent = text[self.sent:end], end
-                return delta, []
-            return "", []
-        content, calls = tool_parsers.parse(self.fmt, text)
+        if finished:
+            content, calls = tool_parsers.parse(self.fmt, text)
+        else:
+            content, calls = tool_parsers.settled_content(self.fmt, text), []
         content = content or ""
-        # parsed content extends what was streamed (text before a call's start is never re-read as a call)
-        return content[self.sent:] if content.startswith(text[:self.sent]) else content, calls
+        if not content.startswith(self.sent):  # cannot happen: what was settled stays (tests/server/test_tool_calls)
+            raise AssertionError(f"streamed content {self.sent!r} is not a prefix of {content!r}")
+        delta, self.sent = content[len(self.sent):], content
+        return delta, calls

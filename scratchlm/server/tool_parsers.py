@@ -30,6 +30,7 @@ trained to.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 import uuid
@@ -194,28 +195,54 @@ _PARSERS: dict[str, Callable[[str], tuple[str | None, list[ParsedCall]]]] = {
 
 
 def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a finished reply; a reply that does not parse as calls is all content."""
+    """(content, calls) of a finished reply; a reply that does not parse as calls is all content (a generic
+    ``{"response": "...`` cut by max_tokens: its text so far)."""
     try:
         return _PARSERS[fmt](text)
     except (_NotACall, RecursionError):  # RecursionError: JSON nested past Python's stack, not a call either
-        return _content(text), []
+        cut = response_so_far(text) if fmt == "generic" else None
+        return _content(text if cut is None else cut), []
 
 
-def hold_from(fmt: str, text: str) -> int:
-    """While streaming: the index from which `text` may still become a call (held back until the reply ends)."""
+def settled_content(fmt: str, text: str) -> str:
+    """While streaming: the content that `text` so far surely begins with, whatever follows. Text from where a call
+    may start is held back (until the reply ends); a generic ``{"response": "...`` gives its string so far."""
     if fmt == "generic":
-        return 0
+        return response_so_far(text) or ""
     if fmt == "llama3_json":
         s = text.lstrip()
-        return 0 if not s or s.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(s) else len(text)
-    marker = "<tool_call>" if fmt == "hermes" else "[TOOL_CALLS]"
-    found = text.find(marker)
-    if found >= 0:
-        return found
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may grow into the marker
-        if text.endswith(marker[:k]):
-            return len(text) - k
-    return len(text)
+        end = 0 if not s or s.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(s) else len(text)
+    else:
+        marker = "<tool_call>" if fmt == "hermes" else "[TOOL_CALLS]"
+        end = text.find(marker)
+        if end < 0:
+            end = len(text)
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may grow into the marker
+                if text.endswith(marker[:k]):
+                    end = len(text) - k
+                    break
+    return text[:end] if text[:end].strip() else ""  # blank text may still be no content at all
+
+
+_RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_PARTIAL_ESCAPE = re.compile(r'(?<!\\)(\\\\)*\\(u[0-9a-fA-F]{0,3})?\Z')
+
+
+def response_so_far(text: str) -> str | None:
+    """The generic format's ``{"response": "...`` string decoded as far as it goes (a reply cut by max_tokens
+    included), or None when `text` is not such a reply. An escape or a surrogate pair cut in half is left out."""
+    m = _RESPONSE.match(text)
+    if m is None:
+        return None
+    body, i = text[m.end():], 0
+    while i < len(body) and body[i] != '"':
+        i += 2 if body[i] == "\\" else 1
+    body = body[:i] if i < len(body) else _PARTIAL_ESCAPE.sub(lambda e: e.group(1) or "", body)
+    try:
+        decoded = json.loads(f'"{body}"')
+    except ValueError:
+        return None
+    return decoded[:-1] if decoded and "\ud800" <= decoded[-1] <= "\udbff" else decoded
 
 
 # ------------------------------------------------------------------------------------------ grammars

@@ -92,6 +92,7 @@ def test_generic_parser():
     assert calls_of("generic", ' {"tool_call": {"name": "ping", "arguments": {}}}\n') == (None, [("ping", {})])
     assert parse("generic", '{"response": "Hello there"}') == ("Hello there", [])
     assert parse("generic", '{"response": {"a": 1}}') == ('{"a": 1}', [])
+    assert parse("generic", '{"response": "cut by max_tok') == ("cut by max_tok", [])  # its text so far
     for text in ("Hello", '{"tool_calls": [{"name": "ping"}]} trailing', '{"something": "else"}', '[1, 2]'):
         assert parse("generic", text) == (text, [])
 
@@ -124,7 +125,9 @@ GOLDEN = {  # per format: a reply with one call to get_weather and one with two 
 @pytest.mark.parametrize("fmt", sorted(GOLDEN))
 def test_streaming_assembles_to_the_whole_reply(fmt):
     """Text fed a character at a time: content deltas + the calls at the end equal the non-streamed parse."""
-    for text in (*GOLDEN[fmt], "Just words, no call.", "Thinking first. " + GOLDEN[fmt][0], "<tool no", "  "):
+    responses = ('{"response": "Caf\\u00e9 \\"ok\\" \\ud83d\\ude00 done"}', '{"response": "cut \\u00e9 by max_to')
+    for text in (*GOLDEN[fmt], "Just words, no call.", "Thinking first. " + GOLDEN[fmt][0], "<tool no", "  ",
+                 *responses):
         stream, streamed = ToolStream(fmt), ""
         for i in range(1, len(text)):
             delta, calls = stream.step(text[:i], finished=False)
@@ -136,6 +139,8 @@ def test_streaming_assembles_to_the_whole_reply(fmt):
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
         if expected and fmt != "llama3_json":  # nothing of a call was sent as content
             assert "{" not in streamed
+        if fmt == "generic" and text in responses:  # the reply's text is streamed as it is decoded
+            assert content.startswith(("Café \"ok\" 😀", "cut é by max_to")) and len(streamed) >= len(content) - 1
 
 
 # ------------------------------------------------------------------------------------------ grammars
