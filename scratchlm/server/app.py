@@ -471,14 +471,20 @@ async def _encode(state: ServerState, texts: list[str], param: str, add_bos: boo
 
 
 async def _render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-                       tools: list[dict] | None = None) -> str:
+                       tools: list[dict] | None = None, fallback: list[dict] | None = None) -> str:
     """The chat template, in the tokenizer pool (the contents' total length is checked first); `tools` are passed
-    to it only when given (an engine without tool support keeps working for plain chats)."""
+    to it only when given (an engine without tool support keeps working for plain chats). `fallback`: messages
+    rendered instead when the template refuses `messages` (tool_calls.ToolPlan.no_system)."""
     _check_text_length(state, sum(len(m.get("content") or "") for m in messages), "messages")
     kwargs = {} if tools is None else {"tools": tools}
 
     def render() -> str:
-        return state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            return state.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ValueError:
+            if fallback is None:
+                raise
+            return state.engine.apply_chat_template(fallback, add_generation_prompt=add_generation_prompt, **kwargs)
 
     try:
         return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, render)
@@ -997,7 +1003,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             if not req.messages:
                 raise APIError(400, "`messages` is empty: send at least one message.", param="messages")
             plan = _tool_plan(state, req)
-            text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools)
+            text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools, plan.no_system)
         else:
             text = req.prompt
         (ids,) = await _encode(state, [text], "messages" if req.messages is not None else "prompt",
@@ -1161,7 +1167,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
         plan = _tool_plan(state, req, req.tool_choice, req.parallel_tool_calls)
-        text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools)
+        text = await _render_chat(state, plan.messages, req.add_generation_prompt, plan.tools, plan.no_system)
         (prompt,) = await _encode(state, [text], "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         _check_scoring(req, requested, req.prompt_logprobs is not None, "`prompt_logprobs`")

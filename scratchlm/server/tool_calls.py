@@ -4,14 +4,15 @@ and the parsed reply (the formats themselves are in tool_parsers.py).
 Policy:
 
 - The conversation reaches the model's own chat template with HF ``apply_chat_template(messages, tools=...)``
-  semantics: OpenAI messages become template dicts (text parts joined, null content "" as vLLM: Qwen3's template
-  reads every assistant turn's content; an assistant's ``tool_calls`` keep their id
-  and type, their ``function.arguments`` JSON text parsed into a dict as HF templates and vLLM expect; a ``tool``
-  message keeps ``tool_call_id`` and ``name``), and ``tools`` are passed as the client sent them.
+  semantics: OpenAI messages become template dicts (text parts joined; null content is "" as in vLLM, since
+  Qwen3's template reads every assistant turn's content; an assistant's ``tool_calls`` keep their id and type, their
+  ``function.arguments`` JSON text parsed into a dict as HF templates and vLLM expect; a ``tool`` message keeps
+  ``tool_call_id`` and ``name``), and ``tools`` are passed as the client sent them.
 - The reply format (its parser and grammar) comes from the template's text (`tool_parsers.detect_format`), unless
   the server's ``--tool-call-parser`` names one. The ``generic`` format (templates with no tool syntax, such as the
-  default model's ChatML) adds a system message describing the tools and the JSON reply, and writes the history's
-  tool turns in that JSON (`generic_history`), as llama.cpp does.
+  default model's ChatML) adds a system message describing the tools and the JSON reply (folded into the first
+  user turn when the template refuses a system role), and writes the history's tool turns in that JSON
+  (`generic_history`), as llama.cpp does.
 - ``tool_choice``: absent = ``auto`` with tools, ``none`` without. ``none``: the model must not call: replies are
   not parsed nor constrained (a template with tool syntax still sees the tools; the generic format's system message
   is left out, as it asks for JSON). ``auto``: replies are parsed; only the generic format is constrained (a call
@@ -51,6 +52,8 @@ class ToolPlan:
     tools: list[dict] | None  # passed to the template
     fmt: str | None  # the reply parser; None: replies are plain content
     grammar: str | None  # the Lark grammar forcing the reply's shape, or None
+    no_system: list[dict] | None = None  # `messages` with the generic system text in the first user turn instead,
+    # for templates that refuse a system role (Gemma 2), as minja's polyfill
 
 
 def template_messages(messages: list[Any]) -> list[dict]:
@@ -87,6 +90,15 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
         joined = f"{first['content']}\n\n{text}" if first["content"].strip() else text
         return [{**first, "content": joined}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def _system_in_user(messages: list[dict]) -> list[dict]:
+    """A leading system message folded into the first user message (for templates without a system role)."""
+    system, rest = messages[0]["content"], messages[1:]
+    at = next((i for i, m in enumerate(rest) if m["role"] == "user" and isinstance(m.get("content"), str)), None)
+    if at is None:
+        return [{"role": "user", "content": system}, *rest]
+    return [*rest[:at], {**rest[at], "content": f"{system}\n\n{rest[at]['content']}"}, *rest[at + 1:]]
 
 
 def choose_format(template: Any, parser: str) -> str:
@@ -131,7 +143,7 @@ def plan(messages: list[Any], tools: list[Any] | None, tool_choice: Any, paralle
         msgs = _with_system(msgs, tool_parsers.generic_system_prompt(
             [{"function": f} for f in functions], parallel, required=forced))
         grammar = tool_parsers.grammar(fmt, functions, parallel, token_of, allow_text=not forced)
-        return ToolPlan(msgs, defs, fmt, grammar)
+        return ToolPlan(msgs, defs, fmt, grammar, _system_in_user(msgs))
     return ToolPlan(msgs, defs, fmt, tool_parsers.grammar(fmt, functions, parallel, token_of) if forced else None)
 
 

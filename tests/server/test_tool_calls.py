@@ -14,7 +14,7 @@ import pytest
 
 from scratchlm.inference.chat_template import render_chat
 from scratchlm.server import BackgroundServer, ServerConfig, create_app
-from scratchlm.server.protocol import ChatMessage
+from scratchlm.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from scratchlm.server.tool_calls import ToolStream, plan, template_messages
 from scratchlm.server.tool_parsers import detect_format, grammar, parse
 from tests.inference.test_chat_template import FAMILIES, hf_tokenizer, template_text
@@ -354,6 +354,26 @@ def test_prompt_with_tools_and_tool_turns_matches_hf(template_server, name):
         assert ("create_user" in ours) == (tools is not None)
 
 
+def test_generic_tools_on_a_template_without_a_system_role(template_server):
+    """Gemma 2 refuses a system message: the generic format's tool description goes into the first user turn (HF's
+    rendering of that conversation), instead of a 400."""
+    srv, engine = template_server
+    name = "google-gemma-2-2b-it"
+    bos, eos = FAMILIES[name]
+    tok = engine.tokenizer
+    tok.chat_template, tok.bos_token, tok.eos_token = template_text(name), bos, eos
+    res = tokenize(srv, {"messages": OPENAI_TURNS[1:2], "tools": TOOLS})
+    assert res.status_code == 200, res.text
+    ours = bytes(res.json()["tokens"]).decode()
+    system = next(m for m in plan([ChatMessage.model_validate(OPENAI_TURNS[1])],
+                                  [ToolDefinition.model_validate(t) for t in TOOLS], None, None, None, "auto",
+                                  MARKERS.get).messages if m["role"] == "system")["content"]
+    user = {"role": "user", "content": f"{system}\n\n{OPENAI_TURNS[1]['content']}"}
+    assert ours == hf_tokenizer(template_text(name), bos, eos).apply_chat_template(
+        [user], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert ours.startswith("<bos><start_of_turn>user\nYou can call the following functions")
+
+
 def test_tool_turns_reach_the_template_as_hf_expects():
     """template_messages: arguments parsed, ids, names and tool_call_id kept (the HF form, no server)."""
     msgs = template_messages([ChatMessage.model_validate(m) for m in OPENAI_TURNS])
@@ -368,7 +388,6 @@ def test_generic_prompt_describes_the_tools():
     """The default model's ChatML template has no tool syntax: a system message carries the tools and the JSON reply,
     the history's tool turns are written in that JSON, and tool_choice none leaves the prompt alone."""
     smol = template_text("HuggingFaceTB-SmolLM2-135M-Instruct")
-    from scratchlm.server.protocol import NamedToolChoice, ToolDefinition
 
     tools = [ToolDefinition.model_validate(t) for t in TOOLS]
     messages = [ChatMessage.model_validate(m) for m in OPENAI_TURNS]
