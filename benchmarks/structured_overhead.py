@@ -21,14 +21,16 @@ Measured per contender, (a) and (b) alternating (a b, b a, ...) within each repe
   converted before the clock, median of 5), and the per-token mask time replayed on the (b) outputs with fresh
   llguidance matchers outside the engine: one row at a time (`fill_next_token_bitmask`) and the batch of 16 rows per
   step as the engine fills it (`fill_next_token_bitmask_par`); every replayed token must be accepted by the matcher
-  (an independent check that the engine kept to the grammar).
+  (an independent check that the engine kept to the grammar); and, under cProfile, one (a) and one (b) run: the
+  cumulative time of the engine's structured-output functions (mask start/wait, applying the masks, advancing the
+  matchers), i.e. where the difference goes.
 
 Threads fixed: every contender one compute thread pinned to `--core` (scratchlm: torch.set_num_threads(1) and this
 process pinned; llama-server: -t 1 -tb 1 under taskset; vLLM-CPU: OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND and
 taskset), prefix/prompt caches reset or off between runs.
 
-    python -m benchmarks.structured_overhead                  # 3 repeats, all contenders (~15 min)
-    python -m benchmarks.structured_overhead --skip vllm --repeats 5
+    python -m benchmarks.structured_overhead                  # 5 repeats of ours, 3 of each peer (~15 min)
+    python -m benchmarks.structured_overhead --skip vllm llama-server --repeats 9
 """
 
 from __future__ import annotations
@@ -84,12 +86,13 @@ if __name__ == "__main__":
         return sum(p.cpu_times().user + p.cpu_times().system for p in [me, *me.children(recursive=True)])
     print("READY", flush=True)
     for line in sys.stdin:
-        mode = line.strip()
+        mode, n = line.split()
         if mode not in ("a", "b"):
             break
+        n = int(n)
         llm.reset_prefix_cache()
         c0, t0 = cpu(), time.perf_counter()
-        outs = llm.generate(prompts, params(mode), use_tqdm=False)
+        outs = llm.generate(prompts[:n], params(mode)[:n], use_tqdm=False)
         wall, cpu_s = time.perf_counter() - t0, cpu() - c0
         tpot = []
         for o in outs:
@@ -130,11 +133,12 @@ class Scratchlm:
         return [SamplingParams(temperature=0, max_tokens=n, structured_outputs=spec) if mode == "b" and i % 2 == 0
                 else SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for i, n in enumerate(self.outputs)]
 
-    def run(self, mode: str) -> dict:
+    def run(self, mode: str, n: int | None = None) -> dict:
+        """The first `n` requests (all by default) in mode "a" or "b"."""
         engine = self.engine
         engine.reset_prefix_cache()
         self.count += 1
-        ids = [f"{self.count}-{i}" for i in range(len(self.prompts))]
+        ids = [f"{self.count}-{i}" for i in range(n or len(self.prompts))]
         params = self.params(mode)
         first: dict[str, float] = {}
         last: dict[str, float] = {}
@@ -174,7 +178,7 @@ class LlamaServer:
         self.prompts, self.outputs = prompts, outputs
         self.client = httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(prompts) + 4))
 
-    def run(self, mode: str) -> dict:
+    def run(self, mode: str, n: int | None = None) -> dict:
         from benchmarks.serve import process_cpu_seconds
 
         def one(i: int) -> dict:
@@ -189,7 +193,7 @@ class LlamaServer:
 
         c0, t0 = process_cpu_seconds(self.proc.pid), time.perf_counter()
         with ThreadPoolExecutor(len(self.prompts)) as pool:
-            outs = list(pool.map(one, range(len(self.prompts))))
+            outs = list(pool.map(one, range(n or len(self.prompts))))
         wall, cpu = time.perf_counter() - t0, process_cpu_seconds(self.proc.pid) - c0
         return {"wall": wall, "cpu": cpu, "ids": [[None] * o["tokens_predicted"] for o in outs],
                 "tpot": [o.get("timings", {}).get("predicted_per_token_ms", 0) / 1e3 or None for o in outs]}
@@ -215,6 +219,7 @@ class Vllm:
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=str(core),
                    VLLM_LOGGING_LEVEL="WARNING")
         self.log = open(self.tmp / "vllm.log", "w")  # noqa: SIM115 (closed in close())
+        self.prompts = prompts
         self.proc = subprocess.Popen(["taskset", "-c", str(core), str(PEERS / "vllm" / "bin" / "python"),
                                       str(self.tmp / "worker.py"), str(hf_dir), str(self.tmp / "work.json")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -224,8 +229,8 @@ class Vllm:
                 return
         raise RuntimeError(f"the vLLM worker exited before it was ready; see {self.tmp / 'vllm.log'}")
 
-    def run(self, mode: str) -> dict:
-        self.proc.stdin.write(mode + "\n")
+    def run(self, mode: str, n: int | None = None) -> dict:
+        self.proc.stdin.write(f"{mode} {n or len(self.prompts)}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
@@ -293,12 +298,41 @@ def replay_masks(tokenizer, sequences: list[list[int]]) -> dict:
     return {"single": single, "rejected": rejected, "per_step": per_step}
 
 
+PROFILED = {  # (file name, function): what the structured path of the engine runs per step
+    ("engine.py", "_start_masks"): "start the mask fill (before the forward)",
+    ("engine.py", "_wait_masks"): "wait for the masks (after the forward)",
+    ("sampler.py", "apply_token_bitmask"): "apply the masks to the logits (-inf)",
+    ("engine.py", "_advance_grammar"): "advance the matchers by the sampled tokens",
+    ("engine.py", "_postprocess"): "the whole post-forward step (sampling, stop checks, outputs)",
+}
+
+
+def profile_structured_path(ours: Scratchlm) -> dict[str, tuple[float, float]]:
+    """Cumulative seconds of the engine's structured-output functions (PROFILED) in one (a) and one (b) run
+    under cProfile: {label: (a, b)}."""
+    import cProfile
+    import pstats
+
+    out: dict[str, list[float]] = {label: [0.0, 0.0] for label in PROFILED.values()}
+    for j, mode in enumerate("ab"):
+        prof = cProfile.Profile()
+        prof.enable()
+        ours.run(mode)
+        prof.disable()
+        for (path, _, func), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
+            label = PROFILED.get((Path(path).name, func))
+            if label:
+                out[label][j] += cum
+    return {k: (a, b) for k, (a, b) in out.items()}
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3, help="(a, b) pairs per contender")
+    ap.add_argument("--repeats", type=int, default=5, help="(a, b) pairs of scratchlm (~35 s a pair)")
+    ap.add_argument("--peer-repeats", type=int, default=3, help="(a, b) pairs of each peer (llama-server ~140 s)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--core", type=int, default=0, help="the core every contender is pinned to")
     ap.add_argument("--seed", type=int, default=0)
@@ -331,14 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             notes.append("vLLM-CPU skipped: no .peers/vllm (python -m benchmarks.engine_throughput --setup-peers)")
 
-    log("warm-up: one (a) and one (b) run each")
+    log("warm-up: the first 8 requests in (a) and in (b), each contender")
     for c in contenders.values():
-        c.run("a")
-        c.run("b")
+        c.run("a", 8)
+        c.run("b", 8)
     runs: dict[str, dict[str, list[dict]]] = {n: {"a": [], "b": []} for n in contenders}
-    for r in range(args.repeats):
+    for r in range(max(args.repeats, args.peer_repeats)):
         order = ("a", "b") if r % 2 == 0 else ("b", "a")
         for name, c in contenders.items():
+            if r >= (args.repeats if name == "scratchlm" else args.peer_repeats):
+                continue
             for mode in order:
                 res = c.run(mode)
                 runs[name][mode].append(res)
@@ -346,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{n_out / res['wall']:.1f} output tok/s")
     for c in contenders.values():
         c.close()
+    log("scratchlm's structured path under cProfile")
+    profiled = profile_structured_path(ours)
 
     report = Report("structured_overhead", "JSON-schema constrained decoding overhead: half the requests under a "
                     "schema vs none, against llama-server and vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
@@ -353,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{sum(map(len, prompts))} prompt tokens, {n_out} output tokens, greedy; (a) all ignore_eos; (b) the "
                f"even-numbered {len(prompts[::2])} under the JSON schema below (which cannot complete within their "
                f"max_tokens). Every contender one thread on core {args.core}; (a)/(b) alternating within each "
-               f"repeat, {args.repeats} repeats after one warm-up pair. Model SmolLM2-135M-Instruct "
+               f"repeat ((a, b), then (b, a), ...), {args.repeats} repeats of scratchlm and {args.peer_repeats} of "
+               f"each peer, contenders in turn, after a warm-up on the first 8 requests. Model SmolLM2-135M-Instruct "
                f"(`SmolLM2-135M-Instruct.Q4_1.gguf`: scratchlm computes in fp32 from it, llama-server runs the GGUF "
                f"itself, vLLM the same weights exported to HF fp32). vLLM-CPU's structured-outputs backend: "
                f"\"auto\" (xgrammar for this schema). Load average at the end: "
@@ -412,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
         ["replayed tokens the matcher rejected", f"{replay['rejected']} of {sum(map(len, constrained))}"],
         ["unconstrained half's greedy ids equal in (a) and (b)", "yes" if same_free else "**no**"],
     ], caption="Schema compile and per-token mask time (replayed on the (b) outputs, outside the engine, one thread)")
+    report.table(["step part (scratchlm engine)", "(a) s", "(b) s", "(b) per step with masks"],
+                 [[label, f"{a:.3f}", f"{b:.3f}", f"{(b - a) / max(outputs) * 1e3:.2f} ms"]
+                  for label, (a, b) in profiled.items()],
+                 caption="Where (b) spends its extra time: cumulative seconds of the engine's structured-output "
+                         f"functions in one (a) and one (b) run under cProfile (the (b) run has ~{max(outputs)} "
+                         "steps with constrained rows)")
     report.add("Schema of the constrained half:\n\n```json\n" + json.dumps(SCHEMA) + "\n```")
     sample = tokenizer.decode(constrained[0][:60])
     report.add(f"The start of a constrained reply (request 0): `{sample}`")
