@@ -147,8 +147,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.step_batches: list[int] = []  # running batch size at each step (continuous batching proof)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Like the real engine on a model without a template: the contents joined by newlines."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Like the real engine on a model without a template: the contents joined by newlines (``tools`` reach such
+        a prompt through the generic format's system message, which is a message)."""
         return chat_prompt(messages)
 
     # -- contract
