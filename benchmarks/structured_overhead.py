@@ -48,6 +48,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, Report, set_threads
 from benchmarks.engine_throughput import make_workload
+from benchmarks.schema_coverage import isa_flags
 
 PEERS = REPO_ROOT / ".peers"
 SCHEMA = {
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "structured_overhead" + ("" if len(contenders) == 3 else "-" + "-".join(contenders))
     report = Report(name, "JSON-schema constrained decoding overhead: half the requests under a "
                     "schema vs none, against llama-server and vLLM-CPU", argv=sys.argv[1:] if argv is None else argv)
+    report.machine["ISA"] = isa_flags()
     report.add(f"Workload: {args.num_requests} requests (engine_throughput's, seed {args.seed}), "
                f"{sum(map(len, prompts))} prompt tokens, {n_out} output tokens, greedy; (a) all ignore_eos; (b) the "
                f"even-numbered {len(prompts[::2])} under the JSON schema below (which cannot complete within their "

@@ -4,9 +4,10 @@ JSONSchemaBench (guidance-ai/jsonschemabench, data/; the same schemas as the Hug
 epfl-dlab/JSONSchemaBench, MIT licence on its card; arXiv 2501.10868) holds ~10k real-world JSON schemas in ten
 categories by source and difficulty: Glaiveai2K (function-call signatures), Kubernetes, Snowplow, WashingtonPost
 (API payloads), JsonSchemaStore (tool configs), Github_trivial/easy/medium/hard/ultra (schemas found on GitHub,
-graded by size and features). Each schema keeps the licence of the project it was collected from (Kubernetes,
-SchemaStore and Snowplow's Iglu Central: Apache-2.0; Glaive's function-calling set: Apache-2.0; GitHub files:
-their repositories' own).
+graded by size and features). The GitHub repository carries no licence file of its own. Each schema keeps the
+licence of the project it was collected from (as those projects state, not re-checked offline here: Kubernetes,
+SchemaStore and Snowplow's Iglu Central Apache-2.0, Glaive's function-calling set Apache-2.0; GitHub files their
+repositories' own).
 
 Policy of the sample (what benchmarks/schema_coverage.py measures depends on it, so it is explicit):
 - every category gets the same number of schemas (`--per-category`, default 30: 300 in all), drawn uniformly with
