@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from tests.server.scoring_model import hf_logprobs, save_scoring_model
+from tests.server.serve_process import serve_process
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
@@ -81,29 +79,10 @@ def tiny(tmp_path_factory, data_dir):
 @pytest.fixture(scope="module")
 def serve(tiny):
     """`scratchlm serve` on a free loopback port; its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(tiny[0]), "--port", str(port),
-                             "--threads", "1", "--engine-process", "--max-model-len", "64",
-                             "--max-num-batched-tokens", "16", "--block-size", "4", "--max-num-seqs", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("scratchlm serve did not become healthy within 180 s")
-        yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
+    with serve_process(str(tiny[0]), "--threads", "1", "--engine-process", "--max-model-len", "64",
+                       "--max-num-batched-tokens", "16", "--block-size", "4", "--max-num-seqs", "8",
+                       timeout=180) as server:
+        yield server.url
 
 
 def write_tasks(directory: Path) -> None:

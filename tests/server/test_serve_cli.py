@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.server.serve_process import REPO, serve_process
 
 
 def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -34,30 +31,12 @@ def test_bad_options_are_clear_errors():
 
 @pytest.mark.slow
 def test_serve_starts_logs_and_answers(data_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     model = data_dir / "models" / "stories260K" / "stories260K.bin"
-    proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(model), "--port", str(port),
-                             "--api-key", "k", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=REPO)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("scratchlm serve did not become healthy within 120 s")
+    with serve_process(str(model), "--api-key", "k", "--threads", "1") as server:
+        url = server.url
         r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
                        json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "stories260K"
         assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
+    out, port = server.output, server.port
     assert "loading model" in out and f"on http://127.0.0.1:{port}" in out and "API key required" in out
