@@ -375,13 +375,7 @@ KV_FN inline void softcap_avx2(float* s, int64_t n, float cap) {
 
 #define KV512_FN __attribute__((target("avx512f,avx2,fma,f16c")))
 
-inline bool cpu_has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
-  }();
-  return has;
-}
+using scratchlm_simd::cpu_has_avx512;  // honours $SCRATCHLM_ISA
 
 // The 4 sums of a0 .. a3's 16 lanes, [sum a0, sum a1, sum a2, sum a3], each in the same order of additions (so
 // a key's score has the same bits wherever it sits in a group of 4, or alone: reduce4(a, a, a, a)[0]).
@@ -1074,10 +1068,7 @@ inline RowFn decode_row_for(int64_t D, KV kv) {
   }
 }
 
-inline bool cpu_has_f16c() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c");
-}
+inline bool cpu_has_f16c() { return scratchlm_simd::cpu_has_avx2(); }  // AVX2 implies F16C here
 
 #endif
 

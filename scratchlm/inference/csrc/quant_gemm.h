@@ -839,12 +839,8 @@ inline void qgemm_panel(const QAct& a, const QMat& w, float* y, bool vnni) {
   });
 }
 
-inline bool cpu_has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
-}
-inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2() && __builtin_cpu_supports("f16c"); }
+inline bool cpu_has_vnni() { return scratchlm_simd::cpu_has_avx512vnni(); }  // both honour $SCRATCHLM_ISA
+inline bool cpu_has_avx2_f16c() { return scratchlm_simd::cpu_has_avx2(); }
 #endif  // SCRATCHLM_X86
 
 // Code paths: 0 scalar, 1 AVX2, 2 AVX512-VNNI (256-bit) integer kernels, 3 dequantize + FMA tiles (AVX2), 4 codes

@@ -63,13 +63,7 @@ using scratchlm_simd::hsum256;
 
 #define AVX512_FN __attribute__((target("avx512f,avx512vl,fma")))
 
-inline bool cpu_has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
-  }();
-  return has;
-}
+using scratchlm_simd::cpu_has_avx512;  // honours $SCRATCHLM_ISA
 
 inline bool skinny_avx512() { return kernel_choice().avx512.load(std::memory_order_relaxed) && cpu_has_avx512(); }
 

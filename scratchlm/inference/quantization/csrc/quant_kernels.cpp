@@ -14,6 +14,8 @@
 // row is decoded on the fly per x row (the row stays in L1); for larger M a row is decoded once
 // into a float buffer and dotted with every x row.
 
+#include <cstdlib>
+#include <string>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -234,6 +236,8 @@ AVX2_FN float dot_avx2(const float* x, const float* w, int64_t K) {
 
 bool cpu_has_avx2() {
 #ifdef SCRATCHLM_X86
+  const char* isa = std::getenv("SCRATCHLM_ISA");  // scalar: no SIMD (as the engine kernels, simd_common.h)
+  if (isa != nullptr && std::string(isa) == "scalar") return false;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return false;
