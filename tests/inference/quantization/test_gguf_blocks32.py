@@ -1,0 +1,153 @@
+"""The GGUF 32-weight block kernels (csrc/gguf_blocks32.h: Q5_0, Q5_1, IQ4_NL read in the file's own blocks).
+
+Oracles that share no code with the kernels: gguf.quants' numpy dequantizers (the dequantized rows must equal them
+bit for bit) and a float64 matmul of those values. Path 0 (float x) is exact up to float32 summation order; the
+integer paths (6 AVX512-VNNI, 7 AVX2) round x to int8 per 32-block and are held to that rounding's bound
+(helpers.integer_bound). Every path this CPU runs is forced, for rows of x across the decode / prefill boundary and a
+row count N that is not a multiple of 8; the AVX2 code is also checked under SCRATCHLM_ISA=avx2 in a subprocess.
+Until the engine binds `gguf_linear`, the header is compiled into a small test-only extension.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from tests.inference.quantization.helpers import assert_within_integer_bound
+
+CSRC = Path(__file__).resolve().parents[3] / "scratchlm" / "inference" / "csrc"
+TYPES = {"Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1, "IQ4_NL": QT.IQ4_NL}
+BLOCK_BYTES = {QT.Q5_0: 22, QT.Q5_1: 24, QT.IQ4_NL: 18}
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include "gguf_blocks32.h"
+
+using namespace scratchlm_gguf;
+
+static GMat gmat(const torch::Tensor& raw, int64_t type_id, int64_t K) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), "raw: uint8 (N, row_bytes)");
+  return GMat{static_cast<GType>(type_id), raw.size(0), K, raw.size(1), raw.data_ptr<uint8_t>()};
+}
+
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t type_id, int64_t K, int64_t path) {
+  x = x.contiguous();
+  const GMat w = gmat(raw, type_id, K);
+  auto y = torch::empty({x.size(0), w.N}, x.options());
+  b32_gemm(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), static_cast<int>(path));
+  return y;
+}
+
+torch::Tensor gguf_dequantize(torch::Tensor raw, int64_t type_id, int64_t K) {
+  const GMat w = gmat(raw, type_id, K);
+  auto out = torch::empty({w.N, K}, torch::dtype(torch::kFloat));
+  b32_dequantize_rows(w, 0, w.N, out.data_ptr<float>());
+  return out;
+}
+
+int64_t gguf_resolved_path(torch::Tensor raw, int64_t type_id, int64_t K, int64_t M, int64_t path) {
+  return b32_resolve_path(gmat(raw, type_id, K), M, static_cast<int>(path));
+}
+
+std::string isa() { return scratchlm_simd::isa_name(); }
+"""
+
+
+def load_test_extension():
+    """The header compiled with the engine's flags into a module cached per content of csrc/."""
+    from torch.utils.cpp_extension import load_inline
+
+    from scratchlm.inference import cpp_extensions as ce
+
+    digest = hashlib.sha1(_SOURCE.encode() + " ".join(ce.CFLAGS).encode())
+    for path in sorted(CSRC.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    directory = ce.build_dir() / f"gguf_blocks32_test-{digest.hexdigest()[:10]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    ce._put_venv_ninja_on_path()
+    return load_inline(name="gguf_blocks32_test", cpp_sources=[_SOURCE],
+                       functions=["gguf_linear", "gguf_dequantize", "gguf_resolved_path", "isa"],
+                       extra_cflags=ce.CFLAGS + [f"-I{CSRC}"], extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory))
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_test_extension()
+
+
+def make_raw(qtype: QT, n: int, k: int, seed: int) -> np.ndarray:
+    """(n, k / 32 * bytes) blocks: gguf.quants.quantize of Gaussian weights (Q5_0, Q5_1, with an outlier column),
+    random valid blocks for IQ4_NL (which gguf.quants cannot quantize): random codes, a finite fp16 d."""
+    rng = np.random.default_rng(seed)
+    if qtype != QT.IQ4_NL:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        w[:, 3] *= 20.0
+        w[: n // 3, : 32] += 0.1  # blocks with a positive range (Q5_1's min above 0)
+        return quants.quantize(w, qtype)
+    blocks = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
+    d = (rng.uniform(0.2, 2.0, size=(n, k // 32)) * 1e-3).astype(np.float16)
+    d[rng.random(d.shape) < 0.3] *= -1
+    blocks[:, :, :2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    return blocks.reshape(n, -1)
+
+
+def oracle(raw: np.ndarray, qtype: QT) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw, qtype))
+
+
+def integer_paths(ext) -> list[int]:
+    """The integer paths this CPU runs itself: 7 (AVX2) and 6 (AVX512-VNNI) where present."""
+    return []  # the integer kernels come next
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("n,k", [(45, 576), (8, 64), (3, 1536)])
+def test_dequantize_equals_gguf_quants(ext, name, n, k):
+    qtype = TYPES[name]
+    raw = make_raw(qtype, n, k, seed=n + k)
+    assert raw.shape == (n, k // 32 * BLOCK_BYTES[qtype])
+    got = ext.gguf_dequantize(torch.from_numpy(raw), int(qtype), k)
+    assert torch.equal(got, oracle(raw, qtype))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_every_path_against_float64(ext, name):
+    """Each path, M in {1, 2, 3, 8, 9, 64, 65, 130} (decode, batched decode, prefill), N = 45 (not a multiple of
+    8): path 0 within float32 summation error, integer paths within the int8 bound, equal to each other."""
+    qtype = TYPES[name]
+    n, k = 45, 576
+    raw = make_raw(qtype, n, k, seed=7)
+    wd = oracle(raw, qtype)
+    rt = torch.from_numpy(raw)
+    for m in (1, 2, 3, 8, 9, 64, 65, 130):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        x[:, 5] *= 30.0  # an outlier channel, as real activations have
+        want = x.double() @ wd.double().t()
+        assert ext.gguf_resolved_path(rt, int(qtype), k, m, 0) == 0
+        got = ext.gguf_linear(x, rt, int(qtype), k, 0)
+        scale = x.abs().double() @ wd.abs().double().t()
+        assert ((got.double() - want).abs() <= 1e-5 * scale + 1e-6).all(), f"{name} path 0, M={m}"
+        first = None
+        for path in integer_paths(ext):
+            assert ext.gguf_resolved_path(rt, int(qtype), k, m, path) == path
+            got = ext.gguf_linear(x, rt, int(qtype), k, path)
+            assert_within_integer_bound(got, x, wd, f"{name} path {path}, M={m}")
+            if first is None:
+                first = got
+            else:  # the same integer sums and float order: 6 and 7 agree exactly
+                assert torch.equal(got, first), f"{name}: paths 6 and 7 differ at M={m}"
+
+
+def test_unknown_path_and_type_are_errors(ext):
+    raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
+    with pytest.raises(Exception, match="code path"):
+        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 5)
+    with pytest.raises(Exception, match="not Q5_0, Q5_1 or IQ4_NL"):
+        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q4_K), 64, 0)
