@@ -148,6 +148,294 @@ inline void gemm_float_dequantized(const float* x, int64_t M, const GMat& w, flo
   }
 }
 
+#ifdef SCRATCHLM_X86
+// ---------------------------------------------------------------------------- integer paths (6, 7): x prepared
+// x rounded to int8 per 32-block (quant_gemm.h's QAct: xq = round-half-even(x * 127 / amax), dx = amax / 127, so
+// |x - dx xq| <= amax / 254 per element; the same rounding as the Q4_0 / Q4_1 / Q8_0 kernels), plus per block:
+//   xp    (Q5_0, Q5_1) the block's 32 bytes reordered for the 5th-bit planes: dword s = x_s, x_{s+8}, x_{s+16},
+//         x_{s+24} (s = 0 .. 7), the weights whose high bits sit at bit s of qh's bytes 0 .. 3
+//   corr  the integer subtracted from each block's sum: 16 sum(xq) for Q5_0 (q - 16), 128 sum(xq) for IQ4_NL on
+//         VNNI (codes read as kvalue + 128, unsigned), none else
+struct XPrep {
+  scratchlm_qgemm::QAct a;
+  std::vector<int8_t> xp;
+  std::vector<int32_t> corr;
+};
+
+inline void prepare_x(const float* x, int64_t M, int64_t K, GType t, bool vnni, XPrep& p) {
+  scratchlm_qgemm::quantize_rows(x, M, K, p.a, 1);
+  const int64_t nb = K / 32;
+  const int8_t* xq = p.a.q.data();
+  const int32_t mult = t == GType::Q5_0 ? 16 : (t == GType::IQ4_NL && vnni) ? 128 : 0;
+  p.corr.assign(mult ? M * nb : 0, 0);
+  if (mult)
+    for (int64_t i = 0; i < M * nb; ++i) {
+      int32_t s = 0;
+      for (int k = 0; k < 32; ++k) s += xq[i * 32 + k];
+      p.corr[i] = mult * s;
+    }
+  p.xp.resize(t == GType::IQ4_NL ? 0 : M * nb * 32);
+  if (t != GType::IQ4_NL)
+    for (int64_t i = 0; i < M * nb; ++i)
+      for (int s = 0; s < 8; ++s)
+        for (int j = 0; j < 4; ++j) p.xp[i * 32 + 4 * s + j] = xq[i * 32 + 8 * j + s];
+}
+
+// ------------------------------------------------------------------ 8-row transposed blocks (in registers)
+// The method of quant_gemm.h's 8-row int4 kernels (paths 6 / 7 there), extended to the 5th bit and the codebook:
+// eight weight rows are read block by block and transposed so that each 32-bit lane holds one row; one dot
+// instruction against 4 bytes of x broadcast then adds 4 products to each of the 8 rows, with no horizontal sums.
+//   codes   lane i of chunk c = qs bytes 4c .. 4c + 3 of row i: low nibbles are weights 4c .. 4c + 3, high nibbles
+//           16 + 4c .. 16 + 4c + 3 (as Q4_0); x broadcast from the matching 4 bytes
+//   5th bit (Q5_0, Q5_1) qh's 8 rows as one vector of dwords; plane s (s = 0 .. 7) = (qh shifted so that bit s of
+//           each byte lands on bit 4) & 0x10: byte j of lane i = 16 * (bit 8j + s of row i's qh), against x's
+//           bytes s, s + 8, s + 16, s + 24 (XPrep::xp). 2 ops and one dot per plane, no per-row shuffles (llama.cpp
+//           spreads qh to bytes with a shuffle + or + compare per row and block instead)
+//   IQ4_NL  codes through the codebook with one byte shuffle (pshufb) per chunk: VNNI reads kvalue + 128 (1 .. 241)
+//           as the unsigned operand and subtracts 128 sum(xq) exactly per block; AVX2's maddubs would saturate on
+//           that, so it moves the sign onto x (|w| unsigned, x * sign(w)) as llama.cpp does
+//   scales  the blocks' fp16 d (and Q5_1's m) of 8 rows, transposed with the same unpacks into a float vector
+// Per block and x row: int32 sum -> float, times d dx (+ m dx sum(xq) for Q5_1), into 8 float lanes. The integer
+// sums are exact (AVX2's int16 partial sums cannot saturate: |maddubs| <= 2 * 15 * 127 per code pair and
+// 2 * 16 * 127 per plane pair, eight of each summed: 30480 and 32512 < 2^15), so paths 6 and 7 agree bit for bit.
+#define B32_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define B32_VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+enum Kind : int { kQ5_0 = 0, kQ5_1 = 1, kIQ4NL = 2 };
+constexpr int64_t kBytes[3] = {22, 24, 18}, kQs[3] = {6, 8, 2};
+
+// The 16 qs bytes of 8 rows (p: row 0's, stride rb) transposed: lane i of C[c] = bytes 4c .. 4c + 3 of row i.
+B32_AVX2_FN inline void codes_t8(const uint8_t* p, int64_t rb, __m256i C[4]) {
+  __m256i Y[4];
+  for (int r = 0; r < 4; ++r)
+    Y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * rb))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r + 4) * rb)), 1);
+  const __m256i p0 = _mm256_unpacklo_epi32(Y[0], Y[1]), p1 = _mm256_unpackhi_epi32(Y[0], Y[1]);
+  const __m256i p2 = _mm256_unpacklo_epi32(Y[2], Y[3]), p3 = _mm256_unpackhi_epi32(Y[2], Y[3]);
+  C[0] = _mm256_unpacklo_epi64(p0, p2), C[1] = _mm256_unpackhi_epi64(p0, p2);
+  C[2] = _mm256_unpacklo_epi64(p1, p3), C[3] = _mm256_unpackhi_epi64(p1, p3);
+}
+
+// The headers of one block of 8 rows (p: row 0's block start): d (and m) as floats, qh as dwords, lane i = row i.
+// Words of a header: Q5_0 d, qh lo, qh hi; Q5_1 d, m, qh lo, qh hi; IQ4_NL d.
+template <int T>
+B32_AVX2_FN inline void header_t8(const uint8_t* p, int64_t rb, __m256& d, __m256& m, __m256i& qh) {
+  __m256i Z[4];
+  for (int r = 0; r < 4; ++r)
+    Z[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * rb))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r + 4) * rb)), 1);
+  const __m256i a01 = _mm256_unpacklo_epi16(Z[0], Z[1]), a23 = _mm256_unpacklo_epi16(Z[2], Z[3]);
+  const __m256i w01 = _mm256_unpacklo_epi32(a01, a23);  // per 128-bit lane: word 0 of its 4 rows, then word 1
+  const __m256i dm = _mm256_permute4x64_epi64(w01, 0xD8);  // word 0 of rows 0 .. 7, then word 1 of rows 0 .. 7
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+  if constexpr (T == kQ5_1) m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+  if constexpr (T != kIQ4NL) {
+    const __m256i w23 = _mm256_unpackhi_epi32(a01, a23);  // words 2, 3
+    qh = T == kQ5_0 ? _mm256_unpacklo_epi16(_mm256_bsrli_epi128(w01, 8), w23)
+                    : _mm256_unpacklo_epi16(w23, _mm256_bsrli_epi128(w23, 8));
+  }
+}
+
+// 5th-bit plane s: byte j of lane i = 16 * bit (8j + s) of row i's qh.
+template <int S>
+B32_AVX2_FN inline __m256i plane(__m256i qh) {
+  const __m256i m = _mm256_set1_epi8(0x10);
+  if constexpr (S < 4) return _mm256_and_si256(_mm256_slli_epi32(qh, 4 - S), m);
+  else if constexpr (S == 4) return _mm256_and_si256(qh, m);
+  else return _mm256_and_si256(_mm256_srli_epi32(qh, S - 4), m);
+}
+B32_AVX2_FN inline void planes(__m256i qh, __m256i P[8]) {
+  P[0] = plane<0>(qh), P[1] = plane<1>(qh), P[2] = plane<2>(qh), P[3] = plane<3>(qh);
+  P[4] = plane<4>(qh), P[5] = plane<5>(qh), P[6] = plane<6>(qh), P[7] = plane<7>(qh);
+}
+
+B32_AVX2_FN inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Where one call's x rows are: xq (M, nb * 32), dx / sx (M, nb), xp (M, nb, 32), corr (M, nb).
+struct XView {
+  const int8_t *xq, *xp;
+  const float *dx, *sx;
+  const int32_t* corr;
+  int64_t nb;
+};
+
+// The per-block float work, shared by both ISAs (same order, so paths 6 and 7 agree bit for bit).
+template <int T>
+B32_AVX2_FN inline __m256 block_out(__m256 acc, __m256i is, __m256 d, __m256 m, const XView& x, int64_t rb_) {
+  if constexpr (T != kQ5_1) {
+    if (x.corr) is = _mm256_sub_epi32(is, _mm256_set1_epi32(x.corr[rb_]));
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[rb_])), acc);
+  if constexpr (T == kQ5_1) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sx[rb_]), acc);
+  return acc;
+}
+
+// Rows r0 .. r0 + MR - 1 of x against weight rows q (8 rows, stride rb) into y (+ r * ldy): AVX512-VNNI.
+template <int T, int MR>
+B32_VNNI_FN inline void rows8_vnni(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
+                                   const char* pf) {
+  constexpr int64_t BB = kBytes[T], QS = kQs[T];
+  const __m256i lo = _mm256_set1_epi8(0x0F), hi = _mm256_set1_epi8(static_cast<char>(0xF0));
+  const __m256i tab = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15,
+                                       1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+    const uint8_t* p = q + b * BB;
+    __m256i C[4], L[4], H[4], P[8], qh;
+    __m256 d, m;
+    codes_t8(p + QS, rb, C);
+    header_t8<T>(p, rb, d, m, qh);
+    for (int c = 0; c < 4; ++c) {
+      if constexpr (T == kIQ4NL) {  // kvalue + 128 as unsigned bytes
+        L[c] = _mm256_shuffle_epi8(tab, _mm256_and_si256(C[c], lo));
+        H[c] = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo));
+      } else {  // high nibbles masked in place (16 q: the int32 sum is divided by 16 exactly)
+        L[c] = _mm256_and_si256(C[c], lo), H[c] = _mm256_and_si256(C[c], hi);
+      }
+    }
+    if constexpr (T != kIQ4NL) planes(qh, P);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb_ = (r0 + r) * x.nb + b;
+      const int8_t* xb = x.xq + rb_ * 32;
+      __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        il = _mm256_dpbusd_epi32(il, L[c], bcast4(xb + 4 * c));
+        ih = _mm256_dpbusd_epi32(ih, H[c], bcast4(xb + 16 + 4 * c));
+      }
+      __m256i is;
+      if constexpr (T == kIQ4NL) {
+        is = _mm256_add_epi32(il, ih);
+      } else {
+        const int8_t* xs = x.xp + rb_ * 32;
+        __m256i pa = _mm256_setzero_si256(), pb = _mm256_setzero_si256();
+        for (int s = 0; s < 4; ++s) {
+          pa = _mm256_dpbusd_epi32(pa, P[s], bcast4(xs + 4 * s));
+          pb = _mm256_dpbusd_epi32(pb, P[4 + s], bcast4(xs + 16 + 4 * s));
+        }
+        is = _mm256_add_epi32(_mm256_add_epi32(il, _mm256_srai_epi32(ih, 4)), _mm256_add_epi32(pa, pb));
+      }
+      acc[r] = block_out<T>(acc[r], is, d, m, x, rb_);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// The same on AVX2: maddubs into int16 (summed eight at a time, see above), one madd per block and row.
+template <int T, int MR>
+B32_AVX2_FN inline void rows8_avx2(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
+                                   const char* pf) {
+  constexpr int64_t BB = kBytes[T], QS = kQs[T];
+  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i tab = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                       -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+    const uint8_t* p = q + b * BB;
+    __m256i C[4], W[8], P[8], qh;
+    __m256 d, m;
+    codes_t8(p + QS, rb, C);
+    header_t8<T>(p, rb, d, m, qh);
+    for (int c = 0; c < 4; ++c) {  // W[c]: weights 4c .. (low nibbles), W[4 + c]: 16 + 4c .. (high nibbles)
+      W[c] = _mm256_and_si256(C[c], lo);
+      W[4 + c] = _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo);
+      if constexpr (T == kIQ4NL) W[c] = _mm256_shuffle_epi8(tab, W[c]), W[4 + c] = _mm256_shuffle_epi8(tab, W[4 + c]);
+    }
+    if constexpr (T != kIQ4NL) planes(qh, P);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb_ = (r0 + r) * x.nb + b;
+      const int8_t* xb = x.xq + rb_ * 32;
+      __m256i is;
+      if constexpr (T == kIQ4NL) {  // |w| against x * sign(w): each pair fits int16, so one madd per chunk
+        __m256i s32[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m256i xl = _mm256_sign_epi8(bcast4(xb + 4 * c), W[c]);
+          const __m256i xh = _mm256_sign_epi8(bcast4(xb + 16 + 4 * c), W[4 + c]);
+          s32[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(W[c]), xl), ones),
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(W[4 + c]), xh), ones));
+        }
+        is = _mm256_add_epi32(_mm256_add_epi32(s32[0], s32[1]), _mm256_add_epi32(s32[2], s32[3]));
+      } else {
+        const int8_t* xs = x.xp + rb_ * 32;
+        __m256i t[8], u[8];
+        for (int c = 0; c < 4; ++c) {
+          t[c] = _mm256_maddubs_epi16(W[c], bcast4(xb + 4 * c));
+          t[4 + c] = _mm256_maddubs_epi16(W[4 + c], bcast4(xb + 16 + 4 * c));
+        }
+        for (int s = 0; s < 8; ++s) u[s] = _mm256_maddubs_epi16(P[s], bcast4(xs + 4 * s));
+        for (int k = 0; k < 4; ++k) t[k] = _mm256_add_epi16(t[k], t[k + 4]), u[k] = _mm256_add_epi16(u[k], u[k + 4]);
+        t[0] = _mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3]));
+        u[0] = _mm256_add_epi16(_mm256_add_epi16(u[0], u[1]), _mm256_add_epi16(u[2], u[3]));
+        is = _mm256_add_epi32(_mm256_madd_epi16(t[0], ones), _mm256_madd_epi16(u[0], ones));
+      }
+      acc[r] = block_out<T>(acc[r], is, d, m, x, rb_);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Weight rows n0 .. n1 (a multiple of 8 apart, or the ragged end) against every row of x: tiles of 8 rows, each
+// meeting the x rows in chunks of MR (VNNI: 4, 2, 1; AVX2: 2, 1; the transposed block is rebuilt per chunk).
+// A ragged last tile (N % 8 rows) is copied into a zero-padded tile (d = 0 rows add nothing) and its outputs
+// through a buffer.
+template <int T>
+inline void tile8(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
+  const int64_t rb = w.row_bytes;
+  std::vector<uint8_t> pad;
+  std::vector<float> ybuf;
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int64_t valid = std::min<int64_t>(8, w.N - n);
+    const uint8_t* q = w.raw + n * rb;
+    float* yt = y + n;
+    int64_t ldy = w.N;
+    if (valid < 8) {
+      pad.assign(8 * rb, 0);
+      std::memcpy(pad.data(), q, valid * rb);
+      q = pad.data();
+      ybuf.assign(M * 8, 0.f), yt = ybuf.data(), ldy = 8;
+    }
+    // the tile two ahead, spread over the blocks (a prefetch past the end cannot fault)
+    const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 16) * rb;
+    int64_t r = 0;
+    if (vnni) {
+      for (; r + 4 <= M; r += 4) rows8_vnni<T, 4>(q, rb, x, r, yt + r * ldy, ldy, pf);
+      for (; r + 2 <= M; r += 2) rows8_vnni<T, 2>(q, rb, x, r, yt + r * ldy, ldy, pf);
+      if (r < M) rows8_vnni<T, 1>(q, rb, x, r, yt + r * ldy, ldy, pf);
+    } else {
+      for (; r + 2 <= M; r += 2) rows8_avx2<T, 2>(q, rb, x, r, yt + r * ldy, ldy, pf);
+      if (r < M) rows8_avx2<T, 1>(q, rb, x, r, yt + r * ldy, ldy, pf);
+    }
+    if (valid < 8)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * 8, valid * sizeof(float));
+  }
+}
+
+// y (M, N) = x W^T through the 8-row integer kernels (path 6: vnni, path 7: AVX2).
+inline void gemm_t8(const float* x, int64_t M, const GMat& w, float* y, bool vnni) {
+  XPrep prep;
+  prepare_x(x, M, w.K, w.type, vnni, prep);
+  const XView xv{prep.a.q.data(), prep.xp.empty() ? nullptr : prep.xp.data(), prep.a.dx.data(), prep.a.sx.data(),
+                 prep.corr.empty() ? nullptr : prep.corr.data(), w.K / 32};
+  const int64_t tiles = (w.N + 7) / 8;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M) / 8);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * 8, n1 = std::min(w.N, t1 * 8);
+    switch (w.type) {
+      case GType::Q5_0: return tile8<kQ5_0>(xv, M, w, y, n0, n1, vnni);
+      case GType::Q5_1: return tile8<kQ5_1>(xv, M, w, y, n0, n1, vnni);
+      default: return tile8<kIQ4NL>(xv, M, w, y, n0, n1, vnni);
+    }
+  });
+}
+#endif  // SCRATCHLM_X86
+
 inline bool cpu_vnni() { return scratchlm_simd::cpu_has_avx512vnni(); }
 inline bool cpu_avx2() { return scratchlm_simd::cpu_has_avx2(); }
 
@@ -159,19 +447,26 @@ inline bool b32_handles(GType t) { return t == GType::Q5_0 || t == GType::Q5_1 |
 // Rows n0 .. n1 of W as float32 into out ((n1 - n0), K): exactly gguf.quants' values.
 inline void b32_dequantize_rows(const GMat& w, int64_t n0, int64_t n1, float* out) { b32::dequantize_rows(w, n0, n1, out); }
 
-// The path b32_gemm runs for M rows of x when asked for `path` (-1: the default for this CPU and M).
+// The path b32_gemm runs for M rows of x when asked for `path` (-1: the default for this CPU and M). A path this
+// CPU lacks is replaced by the best it has (6 -> 7 without AVX512-VNNI, 6 / 7 -> 0 without AVX2).
 inline int b32_resolve_path(const GMat& w, int64_t M, int path) {
   (void)b32::layout(w.type);  // throws for a type this header does not handle
-  (void)M;
-  if (path != -1 && path != 0)
-    throw std::invalid_argument("b32_gemm: unknown code path " + std::to_string(path) + " (paths: -1, 0)");
-  return 0;
+  if (path != -1 && path != 0 && path != 6 && path != 7)
+    throw std::invalid_argument("b32_gemm: unknown code path " + std::to_string(path) + " (paths: -1, 0, 6, 7)");
+  const int best = b32::cpu_vnni() ? 6 : b32::cpu_avx2() ? 7 : 0;
+  if (path < 0) return M > scratchlm_qgemm::kMaxRows ? 0 : best;
+  if (path == 6 && best != 6) return best;
+  if (path == 7 && best == 0) return 0;
+  return path;
 }
 
 // y (M, N) = x (M, K) W^T, x and y float32 row-major; path as b32_resolve_path.
 inline void b32_gemm(const float* x, int64_t M, const GMat& w, float* y, int path) {
   const int p = b32_resolve_path(w, M, path);
-  (void)p;
+  if (M == 0 || w.N == 0) return;
+#ifdef SCRATCHLM_X86
+  if (p == 6 || p == 7) return b32::gemm_t8(x, M, w, y, p == 6);
+#endif
   if (M > scratchlm_qgemm::kMaxRows) return b32::gemm_float_dequantized(x, M, w, y);
   b32::gemm_float_rows(x, M, w, y);
 }

@@ -11,6 +11,9 @@ Until the engine binds `gguf_linear`, the header is compiled into a small test-o
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +107,8 @@ def oracle(raw: np.ndarray, qtype: QT) -> torch.Tensor:
 
 def integer_paths(ext) -> list[int]:
     """The integer paths this CPU runs itself: 7 (AVX2) and 6 (AVX512-VNNI) where present."""
-    return []  # the integer kernels come next
+    isa = ext.isa()
+    return ([7] if isa != "scalar" else []) + ([6] if isa == "avx512-vnni" else [])
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -145,9 +149,80 @@ def test_every_path_against_float64(ext, name):
                 assert torch.equal(got, first), f"{name}: paths 6 and 7 differ at M={m}"
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+def test_rows_independent_and_ragged_tiles(ext, name):
+    """A row of x gets the same result alone as inside a batch; N of 1..17 rows (partial 8-row tiles)."""
+    qtype = TYPES[name]
+    k = 256
+    for n in (1, 7, 8, 9, 17):
+        raw = torch.from_numpy(make_raw(qtype, n, k, seed=n))
+        wd = oracle(raw.numpy(), qtype)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(n))
+        for path in integer_paths(ext):
+            got = ext.gguf_linear(x, raw, int(qtype), k, path)
+            assert_within_integer_bound(got, x, wd, f"{name} path {path}, N={n}")
+            for r in range(5):
+                assert torch.equal(ext.gguf_linear(x[r : r + 1], raw, int(qtype), k, path), got[r : r + 1])
+
+
+def test_extreme_codes(ext):
+    """All-31 / all-0 5-bit codes (qh all ones / zeros) and the codebook's ends with x at +-127 after rounding: no
+    int16 saturation (AVX2 maddubs) or int32 overflow."""
+    k, n = 1536, 16
+    x = torch.full((2, k), 3.0)
+    x[1, ::2] = -3.0
+    for qtype in TYPES.values():
+        raw = np.zeros((n, k // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        raw[:, :, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        body = slice(2, None) if qtype != QT.Q5_1 else slice(4, None)
+        if qtype == QT.Q5_1:
+            raw[:, :, 2:4] = np.array([-0.05], dtype=np.float16).view(np.uint8)
+        raw[::2, :, body] = 0xFF
+        if qtype == QT.IQ4_NL:  # code 0 (-127) in every other row
+            raw[1::2, :, 2:] = 0x00
+        raw = raw.reshape(n, -1)
+        wd = oracle(raw, qtype)
+        for path in integer_paths(ext):
+            got = ext.gguf_linear(x, torch.from_numpy(raw), int(qtype), k, path)
+            assert_within_integer_bound(got, x, wd, f"{qtype.name} extremes, path {path}")
+
+
 def test_unknown_path_and_type_are_errors(ext):
     raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
     with pytest.raises(Exception, match="code path"):
         ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 5)
     with pytest.raises(Exception, match="not Q5_0, Q5_1 or IQ4_NL"):
         ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q4_K), 64, 0)
+
+
+_AVX2_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.inference.quantization import test_gguf_blocks32 as t
+from tests.inference.quantization.helpers import integer_bound
+ext = t.load_test_extension()
+assert ext.isa() == "avx2", ext.isa()
+for name, qtype in t.TYPES.items():
+    raw = t.make_raw(qtype, 21, 576, seed=3)
+    wd = t.oracle(raw, qtype)
+    rt = torch.from_numpy(raw)
+    for m in (1, 3, 64, 65):
+        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, 6) == 7  # no VNNI under the cap
+        x = torch.randn(m, 576)
+        for path in (-1, 6, 7):
+            got = ext.gguf_linear(x, rt, int(qtype), 576, path).double()
+            err = (got - x.double() @ wd.double().t()).abs()
+            assert (err <= integer_bound(x, wd)).all(), (name, m, path)
+print("ok")
+"""
+
+
+def test_avx2_cap_subprocess(ext):
+    """SCRATCHLM_ISA=avx2: the default and a forced path 6 run the AVX2 kernel (7), within the bound."""
+    if ext.isa() == "scalar":
+        pytest.skip("no AVX2 on this CPU")
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ, SCRATCHLM_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT.format(root=root)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
