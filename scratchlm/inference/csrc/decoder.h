@@ -18,8 +18,10 @@
 // float32 weights come packed in panels (panel_gemm.h, packed by fast_linear.py): every B runs the panel kernel, q/k/v
 // in one GEMM and gate/up in one (the input read once). Plain float32 weights (the constructor's 9-tensor layers)
 // use the skinny GEMM (skinny_gemm.h) up to 64 rows. Quantized weights use the integer kernels of
-// quant_gemm.h for int8 / int4 / GGUF-packed weights (whose quantized x is shared by the q/k/v and the gate/up
-// matmuls); larger ones ATen's mm (quantized weights dequantized once per call). The arithmetic is the Python
+// quant_gemm.h for int8 / int4 planes (GGUF Q4_0 / Q4_1 / Q8_0 among them; their quantized x is shared by the
+// q/k/v and the gate/up matmuls), larger ones ATen's mm (quantized weights dequantized once per call); GGUF weights
+// kept in their file blocks (K-quants, Q5_x, IQ4) run gguf_gemm.h's kernels (qlinear.h). A layer may mix them
+// (a Q4_K_M file mixes Q5_0, Q8_0, Q4_K and Q6_K). The arithmetic is the Python
 // model's, op for op (tests compare the two); only the per-op dispatch is gone: at batch 1 that was ~40 % of a
 // SmolLM2-135M step (about 45 torch ops per layer).
 
@@ -293,8 +295,10 @@ class FusedDecoder {
  public:
   // layers[i] = [attn_norm, wq, wk, wv, wo, ffn_norm, w1 (gate), w2 (down), w3 (up)] (+ [bq, bk, bv]), float32.
   // With `linears` (quantized models): layers[i] = [attn_norm, ffn_norm] (+ [bq, bk, bv]) and linears[i] the
-  // 7 matrices [wq, wk, wv, wo, w1, w2, w3], each [w] (float32), [q int8, scales] or [q uint8, d (, m)], with
-  // their group sizes in group_sizes[i].
+  // 7 matrices [wq, wk, wv, wo, w1, w2, w3], each [w] (float32), [panels] (float32 (P, K, 16)), [q int8, scales],
+  // [q uint8, d (, m)] or [raw uint8 (N, row_bytes)] (a GGUF weight in its file blocks, group size -(ggml type
+  // id): qlinear.h), with their group sizes in group_sizes[i]. A layer whose linears are all panels runs the panel
+  // groups (q/k/v and gate/up one GEMM each); any other mix runs one QLinear per matrix.
   // With `tensors` / `values` (one map each per layer; runner.fused_decoder_for builds them from the ModelConfig):
   // layers[i] = [] and linears[i] as above (w3 = [] for a plain MLP); the norms, biases and features come from
   // the maps: tensors {attn_norm, attn_norm_b, attn_post_norm, attn_post_norm_b, ffn_norm, ffn_norm_b,
@@ -346,24 +350,25 @@ class FusedDecoder {
         for (int j = 0; j < 7; ++j) lin[j] = {w[idx[j]]};
       }
       const int n_lin = f.gated ? 7 : 6;
-      const bool panel = lin[0].size() == 1 && lin[0][0].dim() == 3;  // float32 panels (P, K, 16)
+      auto is_panels = [&](int j) { return lin[j].size() == 1 && lin[j][0].dim() == 3; };  // float32 (P, K, 16)
+      bool panel = true;  // every linear float32 panels: q/k/v and gate/up as panel groups; else one QLinear each
+      for (int j = 0; j < n_lin; ++j) panel = panel && is_panels(j);
       if (i == 0) {
         const torch::Tensor& norm0 = f.pre ? attn_norm : f.attn_post;
-        TORCH_CHECK(norm0.defined() && norm0.dim() == 1 && (panel ? lin[5][0].dim() == 3 : lin[4][0].dim() == 2),
-                    "layer 0: attn_norm must be (d,) and w1 (d_ff, d) (or w2 as panels (P, d_ff, 16))");
+        // d_ff: the rows of w1 (any 2-D form: float, int planes, raw GGUF bytes), else the K of w2's panels
+        const bool ff_known = !lin[4].empty() && (lin[4][0].dim() == 2 || is_panels(5));
+        TORCH_CHECK(norm0.defined() && norm0.dim() == 1 && ff_known,
+                    "layer 0: attn_norm must be (d,) and w1 (d_ff, ...) (or w2 as panels (P, d_ff, 16))");
         d_ = norm0.numel();
-        ff_ = panel ? lin[5][0].size(1) : lin[4][0].size(0);
+        ff_ = lin[4][0].dim() == 2 ? lin[4][0].size(0) : lin[5][0].size(1);
       }
       const int64_t shapes[7][2] = {{H_ * D_, d_}, {Hkv_ * D_, d_}, {Hkv_ * D_, d_}, {d_, H_ * D_},
                                     {ff_, d_},     {d_, ff_},       {ff_, d_}};
       if (panel) {  // every linear of the layer float32 panels
         const std::string what = "layer " + std::to_string(i);
-        for (int j = 0; j < n_lin; ++j) {
-          TORCH_CHECK(lin[j].size() == 1 && lin[j][0].dim() == 3, what, ": ", names[j],
-                      " must be float32 panels like wq");
+        for (int j = 0; j < n_lin; ++j)
           TORCH_CHECK(lin[j][0].size(1) == shapes[j][1], what, ": ", names[j], " has K = ", lin[j][0].size(1),
                       ", expected ", shapes[j][1]);
-        }
         check_features(f, attn_norm, ffn_norm, i);
         Layer l{attn_norm, ffn_norm};
         l.f = f;
@@ -382,7 +387,8 @@ class FusedDecoder {
       QLinear q[7];
       for (int j = 0; j < n_lin; ++j) {
         const std::string what = "layer " + std::to_string(i) + ": " + names[j];
-        if (lin[j].size() == 1) check_weight(lin[j][0], {shapes[j][0], shapes[j][1]}, names[j], i);
+        if (lin[j].size() == 1 && lin[j][0].scalar_type() == at::kFloat && lin[j][0].dim() == 2)
+          check_weight(lin[j][0], {shapes[j][0], shapes[j][1]}, names[j], i);
         q[j] = QLinear::from(lin[j], gs[j], shapes[j][0], shapes[j][1], what);
       }
       check_features(f, attn_norm, ffn_norm, i);

@@ -3,6 +3,7 @@
 //   paged_decode_attention decode attention, paged cache   (paged_attention.h)
 //   kv_store               K/V rows into a cache of any KV dtype (paged_attention.h)
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
+//   gguf_linear, gguf_dequantize  GGUF weights in their file blocks: K-quants, Q5_x, IQ4 (gguf_gemm.h)
 //   panel_pack / panel_linear  fp32 matmuls over panel-packed weights, any rows (panel_gemm.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
 //   rms_norm, layer_norm, rope_, silu_mul, act_mul  the fused step's row ops, for the unfused path (decoder.h;
@@ -15,6 +16,7 @@
 #include <string>
 
 #include "decoder.h"
+#include "gguf_gemm.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
 #include "skinny_gemm.h"
@@ -310,6 +312,44 @@ int64_t quant_resolved_path(const std::vector<torch::Tensor>& weight, int64_t gr
       .resolve_path(M, static_cast<int>(path));
 }
 
+// A raw GGUF weight (uint8 (N, row_bytes), the file's blocks of ggml type `type_id`, K weights a row), checked.
+scratchlm_gguf::GMat gguf_mat(const torch::Tensor& raw, int64_t type_id, int64_t K, const char* what) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.device().is_cpu() && raw.is_contiguous(),
+              what, ": raw must be a contiguous uint8 CPU tensor (N, row_bytes), got ", raw.scalar_type(), " ",
+              raw.sizes());
+  return scratchlm_gguf::make_gmat(type_id, raw.size(0), K, raw.size(1), raw.data_ptr<uint8_t>(), what);
+}
+
+// y (M, N) = x (M, K) @ W^T for W a raw GGUF weight; path -1: the default (gguf_gemm.h), else the kernel's path
+// number (0: portable scalar), or kDequantPath (100).
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t type_id, int64_t K, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == K,
+              "gguf_linear: x must be a float32 CPU tensor (M, ", K, "), got ", x.scalar_type(), " ", x.sizes());
+  const auto w = gguf_mat(raw, type_id, K, "gguf_linear");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), w.N}, x.options());
+  if (x.size(0) > 0) scratchlm_gguf::gguf_gemm(x, w, y, static_cast<int>(path));
+  return y;
+}
+
+// The float32 (N, K) weight of a raw GGUF weight (gguf.quants' values).
+torch::Tensor gguf_dequantize(torch::Tensor raw, int64_t type_id, int64_t K) {
+  return scratchlm_gguf::gguf_dequantize(gguf_mat(raw, type_id, K, "gguf_dequantize"));
+}
+
+// The path gguf_linear runs for M rows (path -1: the default here).
+int64_t gguf_resolve_path(torch::Tensor raw, int64_t type_id, int64_t K, int64_t M, int64_t path) {
+  return scratchlm_gguf::gguf_resolve_path(gguf_mat(raw, type_id, K, "gguf_resolve_path"), M, static_cast<int>(path));
+}
+
+// The ggml type ids this build keeps raw and has kernels for.
+std::vector<int64_t> gguf_types() {
+  std::vector<int64_t> out;
+  for (int id = 0; id < 64; ++id)
+    if (scratchlm_gguf::gguf_handles(static_cast<scratchlm_gguf::GType>(id))) out.push_back(id);
+  return out;
+}
+
 // Whether the default quantized paths keep x in float32 (see qlinear.h); `set` 0 / 1 changes it, -1 only reads.
 bool quant_float_activations(int64_t set) {
   if (set >= 0) scratchlm_qgemm::float_activations_flag().store(set != 0);
@@ -395,6 +435,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_best_path", &scratchlm_qgemm::best_path, "quant_linear's code path here: 0 scalar, 1 AVX2, 2 VNNI");
   m.def("quant_resolved_path", &quant_resolved_path, "the code path quant_linear runs for M rows (qlinear.h)",
         py::arg("weight"), py::arg("group_size"), py::arg("K"), py::arg("M"), py::arg("path") = -1);
+  m.def("gguf_linear", &gguf_linear, "y = x @ W^T for W a GGUF weight kept in its file blocks (raw uint8 (N, "
+        "row_bytes) of ggml type type_id); path -1: the default for this CPU and M (gguf_gemm.h)", py::arg("x"),
+        py::arg("raw"), py::arg("type_id"), py::arg("K"), py::arg("path") = -1,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_dequantize", &gguf_dequantize, "the float32 (N, K) weight of a raw GGUF weight (gguf.quants' values)",
+        py::arg("raw"), py::arg("type_id"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_resolve_path", &gguf_resolve_path, "the code path gguf_linear runs for M rows (gguf_gemm.h)",
+        py::arg("raw"), py::arg("type_id"), py::arg("K"), py::arg("M"), py::arg("path") = -1);
+  m.def("gguf_types", &gguf_types, "the ggml type ids this build keeps raw and has kernels for");
+  m.def("gguf_dequant_path", [] { return scratchlm_gguf::kDequantPath; },
+        "gguf_linear's path number for: dequantize row chunks to float32, then the fp32 GEMM");
   m.def("quant_float_activations", &quant_float_activations,
         "whether the default quantized paths keep x in float32; set = 0 / 1 changes it, -1 reads",
         py::arg("set") = -1);

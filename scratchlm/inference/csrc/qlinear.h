@@ -1,13 +1,18 @@
-// A linear layer's weight for the fused step, float32 or quantized (quant_gemm.h), built from the tensors of a
-// SkinnyLinear ([w]) or a QuantLinear ([qweight, scales] or [qweight, scales, mins], with its group size).
+// A linear layer's weight for the fused step, float32 or quantized, built from the tensors of a SkinnyLinear ([w]),
+// a PanelLinear ([panels (P, K, 16)]), a QuantLinear with int planes ([qweight, scales] or [qweight, scales, mins],
+// with its group size: quant_gemm.h) or a QuantLinear holding a GGUF weight raw ([bytes uint8 (N, row_bytes)] with
+// group_size = -(ggml type id): gguf_gemm.h).
 #pragma once
 
 #include <torch/extension.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
+#include "gguf_gemm.h"
+#include "panel_gemm.h"
 #include "quant_gemm.h"
 #include "skinny_gemm.h"
 
@@ -36,11 +41,17 @@ inline std::atomic<bool>& integer_prefill_flag() {
   return v;
 }
 
+// The group_size that marks a raw GGUF weight of ggml type t (QLinear::from; runner.py passes the same).
+inline int64_t gguf_group_code(int64_t type_id) { return -type_id; }
+
 struct QLinear {
   QMat mat;
-  std::vector<torch::Tensor> keep;  // the tensors `mat` points into
+  scratchlm_gguf::GMat raw;             // a GGUF weight as the file's blocks (raw.raw != nullptr), else unused
+  scratchlm_panel::PanelWeight panels;  // float32 panels (panels.P > 0), else unused
+  std::vector<torch::Tensor> keep;      // the tensors `mat` / `raw` / `panels` point into
 
-  // tensors: [w float32 (N, K)] | [q int8 (N, K), s float32 (N, G)] | [q uint8 (N, K/2), d fp16 (N, G) (, m fp16)]
+  // tensors: [w float32 (N, K)] | [panels float32 (P, K, 16)] | [q int8 (N, K), s float32 (N, G)] |
+  // [q uint8 (N, K/2), d fp16 (N, G) (, m fp16)] | [raw uint8 (N, row_bytes)] with group_size = gguf_group_code(type)
   static QLinear from(const std::vector<torch::Tensor>& t, int64_t group_size, int64_t N, int64_t K,
                       const std::string& what) {
     QLinear l;
@@ -52,6 +63,18 @@ struct QLinear {
                   ": weight tensors must be contiguous CPU tensors");
     m.N = N, m.K = K;
     const auto& q = t[0];
+    if (group_size < 0) {  // a raw GGUF weight
+      TORCH_CHECK(t.size() == 1 && q.scalar_type() == at::kByte && q.dim() == 2 && q.size(0) == N, what,
+                  ": a raw GGUF weight is one uint8 tensor (", N, ", row_bytes), got ", t.size(), " tensors, ",
+                  q.scalar_type(), " ", q.sizes());
+      l.raw = scratchlm_gguf::make_gmat(-group_size, N, K, q.size(1), q.data_ptr<uint8_t>(), what);
+      return l;
+    }
+    if (q.scalar_type() == at::kFloat && q.dim() == 3) {  // panels (a float linear among quantized ones)
+      l.panels = scratchlm_panel::PanelWeight::from(q, {N}, what);
+      TORCH_CHECK(l.panels.K == K, what, ": panels have K = ", l.panels.K, ", expected ", K);
+      return l;
+    }
     if (q.scalar_type() == at::kFloat) {
       TORCH_CHECK(t.size() == 1 && q.sizes() == c10::IntArrayRef({N, K}), what, " has shape ", q.sizes(),
                   ", expected (", N, ", ", K, ")");
@@ -81,11 +104,15 @@ struct QLinear {
     return l;
   }
 
-  bool quantized() const { return mat.kind != Kind::kF32; }
+  bool is_raw() const { return raw.raw != nullptr; }
+  bool is_panels() const { return panels.P > 0; }
+  bool quantized() const { return mat.kind != Kind::kF32 || is_raw(); }
   const torch::Tensor& mat_tensor() const { return keep[0]; }
 
   // The float32 weight (N, K), dequantized (path 0: no SIMD, or more than kMaxRows rows with float activations).
   torch::Tensor dequantized() const {
+    TORCH_CHECK(!is_panels(), "dequantized: a panel-packed float32 weight has no (N, K) copy");
+    if (is_raw()) return scratchlm_gguf::gguf_dequantize(raw);
     if (!quantized()) return keep[0];
     auto w = torch::empty({mat.N, mat.K}, torch::dtype(torch::kFloat));
     float* p = w.data_ptr<float>();
@@ -95,6 +122,7 @@ struct QLinear {
 
   // The code path forward() runs for M rows of x when asked for `path` (-1: the default for this CPU and M).
   int resolve_path(int64_t M, int path) const {
+    if (is_raw()) return scratchlm_gguf::gguf_resolve_path(raw, M, path);  // gguf_gemm.h's choice
     if (!quantized()) return 0;
     const int best = best_path();
     // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): the 8-row integer kernels
@@ -134,8 +162,11 @@ struct QLinear {
   // y (M, N) = x (M, K) W^T. `xq`: a cache of x quantized, shared by the matmuls of one input (q/k/v, gate/up):
   // used when valid, else filled; the caller clears `valid` when x changes. nullptr: no cache.
   // path: quant_gemm's code path (-1: the measured best for M on this CPU; 0: portable, also for float32 weights).
+  // Raw GGUF weights: gguf_gemm.h's paths (xq unused: the kernels quantize x their own way, per 32 or 256).
   void forward(const torch::Tensor& x, torch::Tensor& y, QAct* xq, int path = -1) const {
     const int64_t M = x.size(0);
+    if (is_raw()) return scratchlm_gguf::gguf_gemm(x, raw, y, path);
+    if (is_panels()) return panels.forward(x, {&y}, path != 0);
     if (!quantized()) {
       if (M > kMaxRows) scratchlm_gemm::large_gemm(x, mat_tensor(), y);  // oneDNN where torch has it
       else scratchlm_gemm::skinny_gemm(x.data_ptr<float>(), mat.w, y.data_ptr<float>(), M, mat.K, mat.N, path != 0);
