@@ -206,8 +206,9 @@ class ModelRunner:
 
 def _linear_tensors(m: torch.nn.Module | None) -> tuple[list[torch.Tensor], int] | None:
     """A linear layer as the fused step takes it: ([panels], 0) for a PanelLinear, ([weight], 0) for a float32
-    SkinnyLinear, ([qweight, scales (, mins)], group size) for a CPU QuantLinear the integer kernels take, ([], 0)
-    for an absent one (the up projection of a plain MLP); None otherwise."""
+    SkinnyLinear, ([qweight, scales (, mins)], group size) for a CPU QuantLinear the integer kernels take,
+    ([qweight], -ggml type id) for a CPU QuantLinear holding a GGUF weight raw (csrc/qlinear.h), ([], 0) for an
+    absent one (the up projection of a plain MLP); None otherwise."""
     if m is None:
         return [], 0
     if type(m) is PanelLinear:
@@ -221,6 +222,10 @@ def _linear_tensors(m: torch.nn.Module | None) -> tuple[list[torch.Tensor], int]
 
     if type(m) is not QuantLinear or m.qweight.device.type != "cpu":
         return None
+    if m.fmt.raw:
+        from scratchlm.inference.quantization.scheme import GGUF_RAW_TYPES
+
+        return ([m.qweight], -GGUF_RAW_TYPES[m.fmt.gguf_type][0]) if m.qweight.is_contiguous() else None
     if m.fmt.bits == 8 and not int8_takes(m.d_in, m.group_size):
         return None
     ts = [m.qweight, m.scales] + ([] if m.mins is None else [m.mins])

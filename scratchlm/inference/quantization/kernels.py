@@ -12,6 +12,11 @@ default, float kernels up to 64 rows and, above, the weight dequantized once per
 Layouts those kernels do not take (int8 groups that are not multiples of 32) use this module's own older extension
 (`csrc/quant_kernels.cpp`: dequantize in registers + FMA) up to `GEMM_ROWS` rows. Above that, and on other devices
 (CUDA: no kernel yet), the weight is dequantized and torch's GEMM does the compute-bound work.
+
+`gguf_linear` / `gguf_dequantize` serve GGUF weights kept in their file blocks (K-quants, Q5_0/Q5_1, IQ4_NL,
+IQ4_XS: `scheme.GGUF_RAW_TYPES`): on CPU the engine extension's `gguf_linear` (csrc/gguf_gemm.h, the fused step's
+kernels and path choice); without it, or on other devices, the reference (`reference.dequantize_gguf`, then a float
+matmul). A type the built kernels do not take is refused when the model is loaded (`check_gguf_kernels`), not here.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import Tensor
 from scratchlm.inference import cpp_extensions
 from scratchlm.inference.cpp_extensions import build_dir  # noqa: F401  (re-exported: build.py prints it)
 from scratchlm.inference.quantization import reference
+from scratchlm.inference.quantization.scheme import GGUF_RAW_TYPES
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.cpp"
 EXTENSION_NAME = "scratchlm_quant_kernels"
@@ -111,3 +117,48 @@ def int4_linear(x: Tensor, q: Tensor, d: Tensor, m: Tensor | None, group_size: i
     x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
     y = ext.int4_linear(x2, q, d.half(), None if m is None else m.half(), group_size, use_simd)  # (M, N)
     return y.view(*x.shape[:-1], q.shape[0]).to(x.dtype)
+
+
+def gguf_kernel_types() -> set[str] | None:
+    """The raw GGUF types the engine extension has kernels for; None without the extension (the reference path)."""
+    eng = cpp_extensions.load_engine_kernels()
+    if eng is None:
+        return None
+    ids = set(eng.gguf_types())
+    return {name for name, (type_id, _, _) in GGUF_RAW_TYPES.items() if type_id in ids}
+
+
+def check_gguf_kernels(types: dict[str, str], device: str) -> None:
+    """Raise ValueError naming every weight (name -> raw GGUF type) whose type the CPU kernels of this build do
+    not take, when they would run it (device CPU, extension built); the reference path takes every raw type."""
+    if device != "cpu":
+        return
+    have = gguf_kernel_types()
+    if have is None:
+        return
+    missing = {name: t for name, t in types.items() if t not in have}
+    if missing:
+        listed = ", ".join(f"{name} ({t})" for name, t in list(missing.items())[:6])
+        more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        raise ValueError(f"no CPU kernel in this build for GGUF type(s) {', '.join(sorted(set(missing.values())))}: "
+                         f"{listed}{more}; kernels here take: {', '.join(sorted(have)) or 'none'}")
+
+
+def gguf_linear(x: Tensor, raw: Tensor, type_name: str, k: int, use_simd: bool = True,
+                use_extension: bool = True) -> Tensor:
+    """y (..., N) = x (..., K) @ W^T for W a raw GGUF weight uint8 (N, row_bytes); CPU kernel or the reference."""
+    eng = _engine_kernels(x, use_simd) if use_extension else None
+    if eng is not None:
+        x2 = x.reshape(-1, k).float()  # (M, K)
+        y = eng.gguf_linear(x2, raw, GGUF_RAW_TYPES[type_name][0], k)  # (M, N)
+        return y.view(*x.shape[:-1], raw.shape[0]).to(x.dtype)
+    return reference.reference_linear(x, reference.dequantize_gguf(raw, type_name, k))
+
+
+def gguf_dequantize(raw: Tensor, type_name: str, k: int, use_extension: bool = True) -> Tensor:
+    """Rows of a raw GGUF weight, uint8 (n, row_bytes) -> float32 (n, k): the engine's dequantizer on CPU, the
+    reference elsewhere (both gguf.quants' values)."""
+    eng = _engine_kernels(raw, True) if use_extension else None
+    if eng is not None:
+        return eng.gguf_dequantize(raw.contiguous(), GGUF_RAW_TYPES[type_name][0], k)
+    return reference.dequantize_gguf(raw, type_name, k)

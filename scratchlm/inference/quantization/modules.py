@@ -3,6 +3,8 @@
 The quantized tensors are buffers, not parameters. `_apply` is overridden so that
 ``model.to(dtype=...)`` (the engine casts its model to the compute dtype) moves them between
 devices but never changes their storage dtype: int8 / uint8 / float16 / float32 scales stay as stored.
+A GGUF weight kept raw (`LayerFormat.gguf`) is one uint8 buffer `qweight` (N, row_bytes), the file's blocks:
+`QuantLinear` runs it through `kernels.gguf_linear`, `QuantEmbedding` dequantizes only the rows it looks up.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ class _QuantStorage(nn.Module):
         self.compute_dtype = torch.float32  # dtype of `weight` / outputs; follows model.to(dtype)
         self.group_size = fmt.group_size or d_in
         g = fmt.groups(d_in)
-        if fmt.bits == 8:
+        if fmt.raw:
+            self.register_buffer("qweight", torch.empty(d_out, fmt.row_bytes(d_in), dtype=torch.uint8, device=device))
+            self.scales = self.mins = None
+        elif fmt.bits == 8:
             self.register_buffer("qweight", torch.empty(d_out, d_in, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.empty(d_out, g, dtype=torch.float32, device=device))
             self.mins = None
@@ -62,17 +67,24 @@ class _QuantStorage(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The float32 (d_out, d_in) weight this module computes with."""
+        if self.fmt.raw:
+            return kernels.gguf_dequantize(self.qweight, self.fmt.gguf_type, self.d_in)
         if self.fmt.bits == 8:
             return reference.dequantize_int8(self.qweight, self.scales)
         return reference.dequantize_int4(self.qweight, self.scales, self.mins, self.group_size)
 
     def extra_repr(self) -> str:
+        if self.fmt.raw:
+            return f"d_in={self.d_in}, d_out={self.d_out}, GGUF {self.fmt.gguf_type} (raw blocks)"
         sym = "sym" if self.fmt.symmetric else "asym"
         return f"d_in={self.d_in}, d_out={self.d_out}, int{self.fmt.bits}, group_size={self.group_size}, {sym}"
 
 
 def quantize_weight(w: Tensor, fmt: LayerFormat) -> dict[str, Tensor]:
     """Float (d_out, d_in) weight -> the buffers of `fmt` ({qweight, scales[, mins]})."""
+    if fmt.raw:
+        raise ValueError(f"GGUF {fmt.gguf_type} weights are read from GGUF files (load_gguf_packed); scratchlm does "
+                         f"not quantize into them")
     fmt.check(w.shape[1], "quantize_weight")
     if fmt.bits == 8:
         q, s = reference.quantize_int8(w, fmt.group_size)
@@ -100,6 +112,9 @@ class QuantLinear(_QuantStorage):
         return self.dequantized().to(self.compute_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fmt.raw:
+            return kernels.gguf_linear(x, self.qweight, self.fmt.gguf_type, self.d_in,
+                                       use_extension=self.use_extension)
         if self.fmt.bits == 8:
             return kernels.int8_linear(x, self.qweight, self.scales, self.group_size,
                                        use_extension=self.use_extension)
@@ -121,6 +136,9 @@ class QuantEmbedding(_QuantStorage):
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
         q = self.qweight.index_select(0, flat)
+        if self.fmt.raw:
+            rows = kernels.gguf_dequantize(q, self.fmt.gguf_type, self.dim)  # (n, dim)
+            return rows.view(*ids.shape, self.dim).to(self.compute_dtype)
         s = self.scales.index_select(0, flat)
         if self.fmt.bits == 8:
             rows = reference.dequantize_int8(q, s)

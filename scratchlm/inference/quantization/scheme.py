@@ -15,6 +15,10 @@ Weight formats (K = d_in, N = d_out, g = group size, G = ceil(K / g) groups per 
   GGUF: byte i (0..15) of a chunk holds weight i in its low 4 bits and weight i + 16 in its high 4
   bits, so K must be a multiple of 32 and g a multiple of 32. When g does not divide K the last
   group of a row is shorter (576 = 4 x 128 + 64 for SmolLM2's g = 128).
+- GGUF kept raw (``gguf_type`` set, `GGUF_RAW_TYPES`: Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K, IQ4_XS): qweight uint8
+  (N, row_bytes), each row the file's blocks byte for byte (K a multiple of the type's block, 32 or 256 weights);
+  the kernels of csrc/gguf_gemm.h read them in place. ``bits`` is 0 (the type says it all). GGUF Q4_0 / Q4_1 /
+  Q8_0 are not raw: they are the int4 / int8 formats above (`gguf_packed.py` splits their blocks into planes).
 """
 
 from __future__ import annotations
@@ -26,14 +30,42 @@ from typing import Any, Literal
 CHUNK = 32  # int4 nibble packing unit (GGUF block size)
 SEARCHES = ("auto", "mse", "rtn", "gptq")
 
+# GGUF block types kept raw: name -> (ggml type id, weights per block, bytes per block) (ggml's type traits).
+GGUF_RAW_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "IQ4_NL": (20, 32, 18),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136),
+}
+
 
 @dataclass(frozen=True)
 class LayerFormat:
-    """How one weight matrix is stored. `group_size` None means one group per row (per channel)."""
+    """How one weight matrix is stored. `group_size` None means one group per row (per channel).
 
-    bits: Literal[8, 4]
+    gguf_type: a GGUF block type kept raw (`GGUF_RAW_TYPES`; then bits is 0 and group_size / symmetric unused):
+    make it with `LayerFormat.gguf(type_name)`."""
+
+    bits: Literal[8, 4, 0]
     group_size: int | None = None
     symmetric: bool = True
+    gguf_type: str | None = None
+
+    @classmethod
+    def gguf(cls, type_name: str) -> LayerFormat:
+        """The format of a GGUF weight kept in its file blocks (`GGUF_RAW_TYPES`)."""
+        if type_name not in GGUF_RAW_TYPES:
+            raise ValueError(f"GGUF type {type_name!r} is not kept raw; raw types: {', '.join(GGUF_RAW_TYPES)}")
+        return cls(bits=0, group_size=None, symmetric=False, gguf_type=type_name)
+
+    @property
+    def raw(self) -> bool:
+        """Whether this is a GGUF block type kept raw."""
+        return self.gguf_type is not None
+
+    def row_bytes(self, d_in: int) -> int:
+        """Bytes of one stored row of `d_in` weights (raw GGUF formats)."""
+        _, weights, nbytes = GGUF_RAW_TYPES[self.gguf_type]
+        return d_in // weights * nbytes
 
     def groups(self, d_in: int) -> int:
         """Number of scale groups per row for a row of `d_in` weights."""
@@ -42,6 +74,15 @@ class LayerFormat:
 
     def check(self, d_in: int, where: str) -> None:
         """Raise ValueError naming `where` if a (d_out, d_in) matrix cannot be stored in this format."""
+        if self.gguf_type is not None:
+            if self.gguf_type not in GGUF_RAW_TYPES:
+                raise ValueError(f"{where}: GGUF type {self.gguf_type!r} is not kept raw (raw types: "
+                                 f"{', '.join(GGUF_RAW_TYPES)})")
+            weights = GGUF_RAW_TYPES[self.gguf_type][1]
+            if d_in % weights:
+                raise ValueError(f"{where}: GGUF {self.gguf_type} needs d_in to be a multiple of {weights}, got "
+                                 f"d_in={d_in}")
+            return
         if self.bits not in (8, 4):
             raise ValueError(f"{where}: bits={self.bits!r} must be 8 or 4")
         g = self.group_size
@@ -61,16 +102,27 @@ class LayerFormat:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        """A short name: ``int4-g32-asym``, ``int8-g32-sym``, or the GGUF type (``Q4_K``)."""
+        if self.gguf_type is not None:
+            return self.gguf_type
+        return f"int{self.bits}-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerFormat:
         try:
+            if data.get("gguf_type") is not None:
+                return cls.gguf(str(data["gguf_type"]))
             return cls(bits=int(data["bits"]), group_size=data.get("group_size"),
                        symmetric=bool(data.get("symmetric", True)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"invalid layer format {data!r}: {e}") from None
 
     def bits_per_weight(self, d_in: int) -> float:
-        """Stored bits per weight, scales included (e.g. 4.5 for sym int4 g32)."""
+        """Stored bits per weight, scales included (e.g. 4.5 for sym int4 g32, 4.5 for GGUF Q4_K)."""
+        if self.gguf_type is not None:
+            _, weights, nbytes = GGUF_RAW_TYPES[self.gguf_type]
+            return 8 * nbytes / weights
         g = self.group_size or d_in
         if self.bits == 8:
             return 8 + 32 / g

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from scratchlm import atomic
-from scratchlm.inference.quantization import calibrate, gptq
+from scratchlm.inference.quantization import calibrate, gptq, kernels
 from scratchlm.inference.quantization.modules import (
     EMBEDDING,
     HEAD,
@@ -202,6 +202,7 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu", dtype: 
     try:
         config = ModelConfig.from_dict(dict(ckpt["model_config"]))
         layout = {name: LayerFormat.from_dict(d) for name, d in ckpt["layout"].items()}
+        kernels.check_gguf_kernels({n: f.gguf_type for n, f in layout.items() if f.raw}, torch.device(device).type)
         with torch.device("meta"):
             model = QuantizedTransformerLM(config, layout, scheme_name=str(ckpt.get("scheme", "custom")),
                                            dtype=dtype)
