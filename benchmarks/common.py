@@ -67,6 +67,55 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+              "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16")
+
+# The AVX2 cap of a fair side-by-side on an AVX-512 machine (issue 29): scratchlm's kernels (simd_common.h), torch's
+# own vectorised kernels (ATen), oneDNN (torch's and vLLM's) and MKL all run the code an AVX2 + FMA CPU would.
+ISA_CAP_ENV = {
+    "native": {"SCRATCHLM_ISA": "native"},
+    "avx2": {"SCRATCHLM_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+CAP_VARIABLES = ("SCRATCHLM_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def simd_flags() -> str:
+    """The SIMD features /proc/cpuinfo lists for this CPU (of SIMD_FLAGS, in that order)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in SIMD_FLAGS if f in have) or "none of " + " ".join(SIMD_FLAGS)
+    except OSError:
+        pass
+    return "unknown (no /proc/cpuinfo)"
+
+
+def isa_env(isa: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: os.environ) with the ISA cap `isa` ("native" or "avx2", see ISA_CAP_ENV): the cap's
+    variables set, every other cap variable removed (a cap left in the shell never leaks into a native column)."""
+    if isa not in ISA_CAP_ENV:
+        raise ValueError(f"ISA cap {isa!r}: expected one of {sorted(ISA_CAP_ENV)}")
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in CAP_VARIABLES}
+    env.update(ISA_CAP_ENV[isa])
+    return env
+
+
+def apply_isa(isa: str) -> None:
+    """Put the ISA cap `isa` into this process's environment (before torch or any kernel is first used: each
+    library reads its variable once)."""
+    env = isa_env(isa)
+    for k in CAP_VARIABLES:
+        os.environ.pop(k, None)
+    os.environ.update({k: env[k] for k in CAP_VARIABLES if k in env})
+
+
+def isa_cap_text() -> str:
+    """The cap variables as this process has them ("none" when unset)."""
+    return ", ".join(f"{k}={os.environ[k]}" for k in CAP_VARIABLES if k in os.environ) or "none (native)"
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
@@ -87,6 +136,8 @@ def machine_info() -> dict[str, str]:
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),
         "cores": f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})",
+        "SIMD flags": simd_flags(),
+        "ISA cap": isa_cap_text(),
         "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),
         "git commit": git_commit(),

@@ -1,20 +1,32 @@
-"""Batch-1 decode on the same GGUF: scratchlm (fp32, int8, packed GGUF Q4_1 / Q8_0) against llama.cpp, side by side.
+"""Batch-1 decode on the same GGUF: scratchlm (packed GGUF Q4_K_M / Q4_1 / Q8_0, int8) against llama.cpp, side by
+side, one pinned thread then two, under the native ISA and under an AVX2 cap.
 
-    python -m benchmarks.llamacpp_decode --setup-peers   # build llama.cpp + llama-server into .peers (~20 min)
-    python -m benchmarks.llamacpp_decode [--rounds 5] [--tokens 64] [--threads 1]
+    python -m benchmarks.llamacpp_decode --setup-peers   # build llama.cpp twice + make the GGUF files (~1 h, 2 cores)
+    python -m benchmarks.llamacpp_decode [--rounds 5] [--tokens 64] [--threads 1 2] [--isa native avx2]
 
---setup-peers downloads the llama-cpp-python sdist (pip, no binary) into .peers/, builds the llama.cpp sources it
-vendors with CMake (CPU only, -DGGML_NATIVE=ON, -DLLAMA_CURL=OFF, shared libraries, target llama-server) into
-.peers/llama-server-build, and makes .peers/llamacpp a virtual environment whose `llama_cpp` package is the
-sdist's Python code on those libraries (LLAMA_CPP_LIB_PATH): one build serves the batch-1 peer here and
-llama-server in benchmarks/serve.py. It then writes a Q8_0 GGUF of the default model with llama.cpp's own
-quantizer (`llama_cpp.llama_model_quantize`) for the int8 comparison.
+--setup-peers downloads the llama-cpp-python sdist (pip, no binary) into .peers/ and builds the llama.cpp sources
+it vendors with CMake (CPU only, LLAMA_CURL=OFF, shared libraries) twice:
+- .peers/llama-server-build: GGML_NATIVE=ON (here: AVX-512 + VNNI), targets llama-server and llama-quantize;
+- .peers/llama-avx2-build: GGML_NATIVE=OFF with AVX, AVX2, FMA, F16C, BMI2 and no AVX-512 / AVX-VNNI: the ggml CPU
+  variant an AVX2-only CPU (Zen 2/3, most Intel client CPUs) runs, target llama-server.
+.peers/llamacpp becomes a virtual environment whose `llama_cpp` package is the sdist's Python code on either build's
+libraries (LLAMA_CPP_LIB_PATH): the batch-1 peer here, llama-server in benchmarks/serve.py. llama.cpp's own
+quantizer (`llama-quantize --allow-requantize`) then makes Q8_0, Q4_K_M, Q5_K_M and Q6_K GGUFs of the default model
+(a Q4_1 GGUF of SmolLM2-135M-Instruct) in .peers/, and each file's per-tensor type mix is printed: SmolLM2's
+d_model is 576, not a multiple of 256, so every tensor whose rows are 576 long falls back from the K-quant to
+Q5_0 (Q4_K_M), Q5_1 (Q5_K_M) or Q8_0 (Q6_K); only ffn_down (K = 1536) gets Q4_K / Q5_K / Q6_K.
 
-llama.cpp runs as a long-lived worker process per GGUF (Q4_1 and Q8_0) with n_threads = --threads and times
-`--tokens` greedy decode steps (`Llama.eval` of one token, argmax of its logits) after a 16-token prompt; scratchlm
-times the same number of decode steps through `LLMEngine` after the same prompt. All are pinned to the same cores
-and run interleaved, best and median of `--rounds`. A plain streaming read (torch.sum of 256 MiB) is timed in every
-round too, so each contender's GB/s (bytes of weights read per token x tok/s) can be read against it.
+Contenders, per format: scratchlm's `LLMEngine` on the GGUF with `quantization="gguf"` (Q4_K_M, Q4_1, Q8_0, and
+--formats Q5_K_M Q6_K) or `"int8"` (per-channel int8 of the Q4_1 model, against llama.cpp's Q8_0), against llama.cpp
+(llama-cpp-python's `Llama.eval`, one token at a time, argmax of its logits) on the same file. Every contender is a
+long-lived worker process pinned (taskset) to the same cores with `--threads` threads; each times `--tokens` greedy
+decode steps after the same 16-token prompt. The ISA columns: `native` (no cap; llama.cpp's native build) and `avx2`
+(scratchlm under SCRATCHLM_ISA=avx2 with torch's ATen, oneDNN and MKL capped to AVX2, benchmarks/common.py
+ISA_CAP_ENV; llama.cpp = the AVX2 build via LLAMA_CPP_LIB_PATH). Both columns' workers run at the same time,
+interleaved: every round times each pair scratchlm then llama.cpp (llama.cpp first on odd rounds), native then avx2;
+the ratio is the median of the per-round ratios. A plain streaming read (torch.sum of 256 MiB) is timed in every
+round so each contender's GB/s (bytes of weights one decode step reads x tok/s) can be read against it. Greedy ids
+are compared with llama.cpp's on the same file (same numbers, different kernels: a near-tie can flip a token).
 """
 
 from __future__ import annotations
@@ -26,9 +38,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, Report, set_threads
+from benchmarks.common import REPO_ROOT, Report, isa_env, set_threads
 
 PEERS = REPO_ROOT / ".peers"
 VENV = PEERS / "llamacpp"
@@ -37,50 +50,82 @@ SDIST_DIR = PEERS / f"llama_cpp_python-{SDIST_VERSION}"
 BUILD = PEERS / "llama-server-build"
 LIB_DIR = BUILD / "bin"
 LLAMA_SERVER = LIB_DIR / "llama-server"
-Q8_0_GGUF = PEERS / "SmolLM2-135M-Instruct.Q8_0.gguf"
+LLAMA_QUANTIZE = LIB_DIR / "llama-quantize"
+AVX2_BUILD = PEERS / "llama-avx2-build"
+AVX2_LIB_DIR = AVX2_BUILD / "bin"
+COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"]
+NATIVE_CMAKE = ["-DGGML_NATIVE=ON"]
+AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF",
+              "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
+MODEL_STEM = "SmolLM2-135M-Instruct"
+QUANTIZED = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")  # made by llama.cpp's quantizer from the default Q4_1 GGUF
 PROMPT_IDS = list(range(100, 116))
+TARGET = 1.2  # issue 29: batch-1 decode >= 1.2x llama.cpp on both ISAs
+
+
+def peer_gguf(kind: str) -> Path:
+    """The GGUF of the default model in `kind` (Q8_0, Q4_K_M, ...) that --setup-peers makes in .peers/."""
+    return PEERS / f"{MODEL_STEM}.{kind}.gguf"
+
+
+Q8_0_GGUF = peer_gguf("Q8_0")
+
+
+def lib_dir(isa: str) -> Path:
+    """The llama.cpp build of an ISA column: native -> .peers/llama-server-build, avx2 -> .peers/llama-avx2-build."""
+    return {"native": LIB_DIR, "avx2": AVX2_LIB_DIR}[isa]
+
+
+def llama_server_binary(isa: str) -> Path:
+    return lib_dir(isa) / "llama-server"
+
 
 WORKER = r'''
 import json, sys, time
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 threads = int(sys.argv[3])
 llm = Llama(model_path=sys.argv[1], n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
 prompt = json.loads(sys.argv[2])
-print("READY", flush=True)
+n_vocab = llm.n_vocab()
+def greedy():  # the last token's logits (llm.scores holds them only with logits_all since 0.3.x)
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))))
+print("READY " + json.dumps({"system_info": llama_cpp.llama_print_system_info().decode()}), flush=True)
 for line in sys.stdin:
     n = int(line)
     llm.reset()
     llm.eval(prompt)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = greedy()
     ids = [tok]
     t0 = time.perf_counter()
     for _ in range(n):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = greedy()
         ids.append(tok)
     print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "ids": ids}), flush=True)
 '''
 
 
-class LlamaCppWorker:
-    """llama.cpp in .peers/llamacpp, timing `n` decode steps per request on stdin (or what `script` times, one
-    request line in, one ``RESULT {json}`` line out: benchmarks/quant_speed.py's prompt processing)."""
+class Worker:
+    """A long-lived benchmark process: one ``READY [json]`` line when loaded, then one ``RESULT {json}`` line per
+    request line on stdin. Lines before READY are kept (`preamble`): a peer's start-up log."""
 
-    def __init__(self, gguf: str, cores: str, threads: int = 1, script: str = WORKER,
-                 script_name: str = "llamacpp_worker.py"):
-        path = REPO_ROOT / ".peers" / script_name
-        path.write_text(script)
-        script = path
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLAMA_CPP_LIB_PATH=str(LIB_DIR))
-        cmd = [str(VENV / "bin" / "python"), str(script), gguf, json.dumps(PROMPT_IDS), str(threads)]
+    def __init__(self, cmd: list[str], env: dict[str, str], cores: str = "", what: str = "worker"):
         if cores:
             cmd = ["taskset", "-c", cores, *cmd]
+        self.what = what
+        self.preamble: list[str] = []
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for line in self.proc.stdout:
             if line.startswith("READY"):
+                rest = line[5:].strip()
+                self.info = json.loads(rest) if rest else {}
                 return
-        raise RuntimeError("the llama.cpp worker exited before it was ready")
+            self.preamble.append(line.rstrip())
+        raise RuntimeError(f"{what} exited (code {self.proc.wait()}) before it was ready: {self.preamble[-5:]}")
 
     def request(self, line: str) -> dict:
         """Send one request line; the worker's JSON result."""
@@ -89,175 +134,411 @@ class LlamaCppWorker:
         for out in self.proc.stdout:
             if out.startswith("RESULT "):
                 return json.loads(out[7:])
-        raise RuntimeError("the llama.cpp worker died")
+        raise RuntimeError(f"{self.what} died (code {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class LlamaCppWorker(Worker):
+    """llama.cpp in .peers/llamacpp on `lib` (a build's bin/), timing `n` decode steps per request on stdin (or what
+    `script` times: benchmarks/quant_speed.py's prompt processing). `cores` pins it ("" = no pinning)."""
+
+    def __init__(self, gguf: str, cores: str, threads: int = 1, script: str = WORKER,
+                 script_name: str = "llamacpp_worker.py", lib: Path = LIB_DIR, env: dict[str, str] | None = None):
+        path = PEERS / script_name
+        path.write_text(script)
+        env = dict(env if env is not None else os.environ, OMP_NUM_THREADS=str(threads), LLAMA_CPP_LIB_PATH=str(lib))
+        super().__init__([str(VENV / "bin" / "python"), str(path), gguf, json.dumps(PROMPT_IDS), str(threads)],
+                         env, cores, what=f"the llama.cpp worker ({Path(gguf).name}, {lib})")
+        self.system_info = self.info.get("system_info", "")
 
     def decode_tok_s(self, n: int) -> tuple[float, list[int]]:
         res = self.request(str(n))
         return n / res["seconds"], res["ids"]
 
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+
+# ------------------------------------------------------------------------------------------ set-up
+
+
+def _run(cmd: list[str], **kw) -> None:
+    print("+ " + " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def build_llamacpp(build: Path, flags: list[str], targets: list[str]) -> None:
+    """Configure (once) and build `targets` of the vendored llama.cpp into `build`, under nice (shared cores)."""
+    src = SDIST_DIR / "vendor" / "llama.cpp"
+    if not (build / "CMakeCache.txt").exists():
+        _run(["cmake", "-S", str(src), "-B", str(build), *COMMON_CMAKE, *flags])
+    missing = [t for t in targets if not (build / "bin" / t).exists()]
+    if missing:
+        _run(["nice", "cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *missing])
+
+
+def quantize_with_llamacpp(src: Path, dst: Path, kind: str) -> None:
+    """`llama-quantize --allow-requantize src dst kind` (the source is already Q4_1: its blocks are requantized)."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LIB_DIR))
+    tmp = dst.with_suffix(".tmp")
+    _run(["nice", str(LLAMA_QUANTIZE), "--allow-requantize", str(src), str(tmp), kind, str(os.cpu_count() or 2)],
+         env=env, stdout=subprocess.DEVNULL)
+    tmp.replace(dst)
+
+
+def type_mix(path: Path) -> tuple[Counter, dict[str, Counter]]:
+    """A GGUF's tensor types (gguf-py's reader): the count per type, and per tensor kind (blk.N.ffn_down -> ffn_down)
+    the count per (type, K) where K is the row length."""
+    from gguf import GGUFReader
+
+    total, by_kind = Counter(), defaultdict(Counter)
+    for t in GGUFReader(str(path)).tensors:
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.removesuffix(".weight")
+        total[t.tensor_type.name] += 1
+        by_kind[kind][(t.tensor_type.name, int(t.shape[0]))] += 1
+    return total, dict(by_kind)
+
+
+def type_mix_rows(paths: dict[str, Path]) -> list[list[str]]:
+    """Table rows: file, then per tensor kind its types with K (e.g. `Q6_K x14, Q4_K x16 (K=1536)`)."""
+    rows = []
+    for label, path in paths.items():
+        if not path.exists():
+            rows.append([label, "missing (run --setup-peers)", ""])
+            continue
+        total, by_kind = type_mix(path)
+        kinds = "; ".join(
+            f"{kind}: " + ", ".join(f"{t} x{n} (K={k})" for (t, k), n in sorted(c.items()))
+            for kind, c in by_kind.items() if not kind.endswith("norm"))
+        rows.append([label, ", ".join(f"{t} x{n}" for t, n in total.most_common()), kinds])
+    return rows
+
+
+def llamacpp_version() -> str:
+    """`llama-server --version` of the native build (the vendored llama.cpp's version and commit)."""
+    try:
+        out = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, LD_LIBRARY_PATH=str(LIB_DIR)))
+        version = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version")), "?")
+    except OSError:
+        version = "not built"
+    return f"llama-cpp-python {SDIST_VERSION} sdist's vendored llama.cpp, {version}"
+
+
+def system_info(isa: str) -> str:
+    """llama.cpp's system_info line of a build (which ggml CPU features it was compiled for)."""
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib_dir(isa)))
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c",
+                          "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() or f"(failed: {out.stderr.strip()[-300:]})"
 
 
 def setup_peers() -> None:
-    """Build llama.cpp (from the llama-cpp-python sdist's vendored sources) and the peer venv; see the docstring."""
+    """Build llama.cpp twice (native, AVX2), the peer venv and the quantized GGUFs; see the docstring."""
+    from scratchlm.defaults import default_model_path
+
     PEERS.mkdir(exist_ok=True)
     sdist = PEERS / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
     if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={SDIST_VERSION}", "-d", str(PEERS)], check=True)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              f"llama-cpp-python=={SDIST_VERSION}", "-d", str(PEERS)])
     if not SDIST_DIR.exists():
-        subprocess.run(["tar", "xzf", str(sdist), "-C", str(PEERS)], check=True)
-    if not LLAMA_SERVER.exists():
-        src = SDIST_DIR / "vendor" / "llama.cpp"
-        subprocess.run(["cmake", "-S", str(src), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                        "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"], check=True)
-        subprocess.run(["nice", "cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2),
-                        "--target", "llama-server"], check=True)
+        _run(["tar", "xzf", str(sdist), "-C", str(PEERS)])
+    build_llamacpp(BUILD, NATIVE_CMAKE, ["llama-server", "llama-quantize"])
+    build_llamacpp(AVX2_BUILD, AVX2_CMAKE, ["llama-server"])
     if not (VENV / "bin" / "python").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "numpy", "diskcache", "jinja2", "typing-extensions"],
-                       check=True)
+        _run([sys.executable, "-m", "venv", str(VENV)])
+        _run([str(VENV / "bin" / "pip"), "install", "numpy", "diskcache", "jinja2", "typing-extensions"])
         site = next((VENV / "lib").glob("python3*/site-packages"))
         (site / "llama_cpp_src.pth").write_text(str(SDIST_DIR) + "\n")  # the sdist's pure-Python llama_cpp
-    if not Q8_0_GGUF.exists():
-        from scratchlm.defaults import default_model_path
-
-        code = ("import ctypes, sys, llama_cpp as l\n"
-                "p = l.llama_model_quantize_default_params()\n"
-                "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q8_0\n"
-                "p.allow_requantize = True\n"
-                "p.nthread = 2\n"
-                "rc = l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p))\n"
-                "sys.exit(rc)\n")
-        env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(LIB_DIR))
-        subprocess.run([str(VENV / "bin" / "python"), "-c", code, str(default_model_path()), str(Q8_0_GGUF)],
-                       check=True, env=env)
+    source = default_model_path()
+    for kind in QUANTIZED:
+        if not peer_gguf(kind).exists():
+            quantize_with_llamacpp(source, peer_gguf(kind), kind)
+    for isa in ("native", "avx2"):
+        print(f"llama.cpp {isa} build ({lib_dir(isa)}): {system_info(isa)}")
+    files = {source.name: source} | {peer_gguf(k).name: peer_gguf(k) for k in QUANTIZED}
+    for label, total, kinds in type_mix_rows(files):
+        print(f"{label}: {total}\n    {kinds}")
 
 
-def stream_gbps(buf) -> float:
-    """GB/s of one plain streaming read (torch.sum) of `buf`, larger than any cache."""
-    t0 = time.perf_counter()
-    buf.sum()
-    return buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9
+def missing_peers(isas: list[str]) -> list[str]:
+    """Why the llama.cpp side cannot run ([] when it can)."""
+    why = []
+    if not (VENV / "bin" / "python").exists():
+        why.append(f"no {VENV.relative_to(REPO_ROOT)} virtual environment")
+    for isa in isas:
+        if not (lib_dir(isa) / "libllama.so").exists():
+            why.append(f"no llama.cpp {isa} build in {lib_dir(isa).relative_to(REPO_ROOT)}")
+    return why
+
+
+# ------------------------------------------------------------------------------------------ scratchlm worker
+
+
+def formats() -> dict[str, tuple[Path, str | None, Path]]:
+    """name -> (the GGUF scratchlm loads, its quantization option, the GGUF llama.cpp runs beside it)."""
+    from scratchlm.defaults import default_model_path
+
+    q41 = default_model_path()
+    out = {"Q4_1": (q41, "gguf", q41), "Q8_0": (Q8_0_GGUF, "gguf", Q8_0_GGUF), "int8": (q41, "int8", Q8_0_GGUF),
+           "fp32": (q41, None, q41)}
+    for kind in ("Q4_K_M", "Q5_K_M", "Q6_K"):
+        out[kind] = (peer_gguf(kind), "gguf", peer_gguf(kind))
+    return out
+
+
+def weight_bytes(m) -> int:
+    """Bytes a decode step reads: every weight but the embedding table (one row read), unless the head is tied."""
+    seen, total = set(), 0
+    emb = {id(t) for t in m.tok_embeddings.buffers()} | {id(t) for t in m.tok_embeddings.parameters()}
+    head = getattr(m, "output_head", None)
+    head_ids = set() if head is None else {id(t) for t in head.buffers()}
+    tied = getattr(m, "lm_head", None) is None and head is None
+    for t in list(m.parameters()) + list(m.buffers()):
+        if t.data_ptr() in seen or (id(t) in emb and id(t) not in head_ids and not tied):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def scratchlm_worker(names: list[str], threads: int) -> int:
+    """The scratchlm side as a worker process (its ISA cap comes from its environment): loads one engine per
+    format, prints READY {per format: weight bytes, fused step, or the load error}, then answers `decode NAME N`
+    (seconds of N decode steps, greedy ids) and `stream` (GB/s of a plain streaming read)."""
+    set_threads(threads)
+    import torch
+
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+
+    engines, info = {}, {}
+    table = formats()
+    for name in names:
+        path, quant, _ = table[name]
+        try:
+            t0 = time.perf_counter()
+            e = LLMEngine.from_pretrained(path, EngineConfig(max_num_seqs=1, kv_cache_memory=64 << 20,
+                                                             quantization=quant))
+            engines[name] = e
+            info[name] = {"bytes": weight_bytes(e.runner.model), "fused": e.runner.fused_decoder is not None,
+                          "load_s": time.perf_counter() - t0}
+        except Exception as exc:  # reported beside the table, the other formats still run
+            info[name] = {"error": f"LLMEngine.from_pretrained({path.name!r}, quantization={quant!r}): "
+                                   f"{type(exc).__name__}: {exc}"}
+    print("READY " + json.dumps(info), flush=True)
+    buf = torch.ones(64 << 20)  # 256 MiB, beyond every cache
+    counter = iter(range(10**9))
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "stream":
+            t0 = time.perf_counter()
+            buf.sum()
+            print("RESULT " + json.dumps({"gbps": buf.numel() * 4 / (time.perf_counter() - t0) / 1e9}), flush=True)
+            continue
+        engine, n = engines[cmd[1]], int(cmd[2])
+        rid = str(next(counter))
+        engine.add_request(rid, PROMPT_IDS, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+        ids = [list(o.outputs[0].token_ids) for o in engine.step()]  # prefill + first token (untimed)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            ids = [list(o.outputs[0].token_ids) for o in engine.step()] or ids
+        ids = ids[0] if ids else []
+        print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "ids": ids}), flush=True)
+    return 0
+
+
+def start_scratchlm(names: list[str], threads: int, cores: str, isa: str) -> Worker:
+    env = dict(isa_env(isa), PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "benchmarks.llamacpp_decode", "--worker", *names, "--threads", str(threads)]
+    return Worker(cmd, env, cores, what=f"the scratchlm worker ({isa})")
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def measure(args, threads: int, isas: list[str], notes: list[str]) -> dict:
+    """One interleaved run at `threads` threads, every ISA column at once; per ISA, per format: tok/s of
+    scratchlm and llama.cpp per round, bytes per token, fused, ids."""
+    cores = ""
+    if args.bind_core >= 0:
+        cores = ",".join(str(c) for c in range(args.bind_core, args.bind_core + threads))
+    table = formats()
+    peers_ok = not missing_peers(isas)
+    ours: dict[str, Worker] = {}
+    theirs: dict[tuple[str, Path], LlamaCppWorker] = {}
+    res: dict = {"cores": cores, "isa": {}}
+    try:
+        for isa in isas:
+            print(f"[{threads} thread(s), {isa}] loading scratchlm {' '.join(args.formats)} ...", file=sys.stderr)
+            w = ours[isa] = start_scratchlm(args.formats, threads, cores, isa)
+            col = res["isa"][isa] = {"formats": {}, "stream": [], "system_info": ""}
+            for name in args.formats:
+                peer_file = table[name][2]
+                entry = col["formats"][name] = dict(w.info[name], ours=[], theirs=[], ratios=[], peer=peer_file.name)
+                if "error" in entry:
+                    notes.append(f"scratchlm {name} ({isa}, {threads}t) failed to load: {entry['error']}")
+                if "error" in entry or not peers_ok or not peer_file.exists():
+                    continue
+                if (isa, peer_file) not in theirs:
+                    theirs[isa, peer_file] = LlamaCppWorker(str(peer_file), cores, threads, lib=lib_dir(isa),
+                                                            env=isa_env(isa))
+                col["system_info"] = theirs[isa, peer_file].system_info
+        pairs = [(isa, name) for isa in isas for name in args.formats
+                 if "error" not in res["isa"][isa]["formats"][name]]
+
+        def ours_once(isa, name):
+            r = ours[isa].request(f"decode {name} {args.tokens}")
+            return args.tokens / r["seconds"], r["ids"]
+
+        def theirs_once(isa, name):
+            w = theirs.get((isa, table[name][2]))
+            return w.decode_tok_s(args.tokens) if w else (None, None)
+
+        for isa, name in pairs:  # warm-up, and the greedy ids of each side
+            entry = res["isa"][isa]["formats"][name]
+            entry["ids"] = ours_once(isa, name)[1]
+            entry["peer_ids"] = theirs_once(isa, name)[1]
+        for r in range(args.rounds):
+            line = []
+            for isa in isas:
+                res["isa"][isa]["stream"].append(ours[isa].request("stream")["gbps"])
+            for isa, name in pairs:
+                entry = res["isa"][isa]["formats"][name]
+                if r % 2 == 0:
+                    a, b = ours_once(isa, name)[0], theirs_once(isa, name)[0]
+                else:
+                    b, a = theirs_once(isa, name)[0], ours_once(isa, name)[0]
+                entry["ours"].append(a)
+                if b is not None:
+                    entry["theirs"].append(b)
+                    entry["ratios"].append(a / b)
+                line.append(f"{isa} {name} {a:.1f}" + (f"/{b:.1f}" if b else ""))
+            print(f"[{threads}t] round {r + 1}/{args.rounds}: " + ", ".join(line) +
+                  f"; load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    finally:
+        for w in [*ours.values(), *theirs.values()]:
+            w.close()
+    return res
+
+
+def leading_equal(a: list[int] | None, b: list[int] | None) -> str:
+    if not a or not b:
+        return ""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n}/{min(len(a), len(b))}"
+
+
+def write_report(args, runs: dict[int, dict], notes: list[str], argv: list[str]) -> None:
+    isas, threads = args.isa, args.threads
+    report = Report("llamacpp_decode", "Batch-1 decode against llama.cpp on the same GGUF, native and AVX2-capped",
+                    argv)
+    default_run = sorted(args.formats) == sorted(["Q4_K_M", "Q4_1", "Q8_0", "int8"]) and args.rounds >= 5
+    report.machine["torch threads"] = "per contender: " + ", ".join(map(str, threads)) + " (one run each)"
+    report.machine["llama.cpp"] = llamacpp_version()
+    report.name = "llamacpp_decode" + ("" if default_run else "-" + "-".join(
+        [*(f"{t}t" for t in threads), *isas]))
+    report.add(f"{args.tokens} greedy decode steps after a {len(PROMPT_IDS)}-token prompt; {args.rounds} interleaved "
+               f"rounds per thread count; every contender a worker process pinned to the same cores. ISA columns: "
+               f"native = no cap, llama.cpp's GGML_NATIVE build; avx2 = scratchlm under SCRATCHLM_ISA=avx2 with "
+               f"ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2, llama.cpp's AVX2 "
+               f"build (.peers/llama-avx2-build). Ratio = median over rounds of scratchlm tok/s / llama.cpp tok/s "
+               f"in the same round; target >= {TARGET}x everywhere.")
+    cols = [(t, isa) for t in threads for isa in isas]
+    rows, verdict = [], []
+    for name in args.formats:
+        row = [name, formats()[name][2].name]
+        for t, isa in cols:
+            e = runs[t]["isa"][isa]["formats"][name]
+            if "error" in e:
+                row.append("load failed")
+            elif not e["ratios"]:
+                row.append("no peer")
+            else:
+                ratio = statistics.median(e["ratios"])
+                ok = ratio >= TARGET
+                verdict.append(ok)
+                row.append(f"**{ratio:.2f}x** {'met' if ok else 'MISSED'}")
+        rows.append(row)
+    report.table(["scratchlm format", "llama.cpp file", *(f"{isa}, {t} thread{'s' * (t > 1)}" for t, isa in cols)],
+                 rows, caption=f"scratchlm / llama.cpp decode tok/s (median of per-round ratios; target >= {TARGET}x)")
+    if verdict:
+        report.add(f"**Targets met: {sum(verdict)}/{len(verdict)} columns x formats.**")
+    for t in threads:
+        for isa in isas:
+            col = runs[t]["isa"][isa]
+            stream = statistics.median(col["stream"]) if col["stream"] else float("nan")
+            rows = []
+            for name in args.formats:
+                e = col["formats"][name]
+                if "error" in e:
+                    rows.append([name, "load failed", "", "", "", "", "", "", ""])
+                    continue
+                med = statistics.median(e["ours"])
+                gb = e["bytes"] * med / 1e9
+                peer = f"{statistics.median(e['theirs']):.1f}" if e["theirs"] else "-"
+                ratios = ", ".join(f"{x:.2f}" for x in e["ratios"])
+                rows.append([name, f"{med:.1f}", f"{max(e['ours']):.1f}", peer, ratios, f"{e['bytes'] / 2**20:.0f}",
+                             f"{gb:.1f} ({100 * gb / stream:.0f} %)", "yes" if e["fused"] else "no",
+                             leading_equal(e.get("ids"), e.get("peer_ids"))])
+            report.table(["format", "scratchlm tok/s (median)", "(best)", "llama.cpp tok/s (median)",
+                          "per-round ratios", "MiB read / token", "GB/s (% of streaming read)", "fused C++ step",
+                          "greedy ids equal to llama.cpp's (leading)"], rows,
+                         caption=f"{isa}, {t} thread(s), cores {runs[t]['cores'] or 'unpinned'}: streaming read "
+                                 f"median {stream:.1f} GB/s")
+    infos = {isa: next((runs[t]["isa"][isa]["system_info"] for t in threads if runs[t]["isa"][isa]["system_info"]),
+                       "") for isa in isas}
+    report.add("llama.cpp builds (llama-cpp-python " + SDIST_VERSION + " sdist's vendored llama.cpp), system_info:\n"
+               + "\n".join(f"- {isa} ({lib_dir(isa).relative_to(REPO_ROOT)}): `{info or 'not run'}`"
+                           for isa, info in infos.items()))
+    files = {formats()[n][2].name: formats()[n][2] for n in args.formats}
+    report.table(["file", "tensor types", "per tensor kind (type x count, K = row length)"], type_mix_rows(files),
+                 caption="The GGUF files (gguf-py's reader). K-quants need K % 256 == 0: SmolLM2's K = 576 tensors "
+                         "fall back (Q4_K_M -> Q5_0, Q5_K_M -> Q5_1, Q6_K -> Q8_0, as llama-quantize reports), "
+                         "only ffn_down (K = 1536) is Q4_K / Q5_K / Q6_K")
+    if notes:
+        report.add("\n".join(f"- {n}" for n in notes))
+    report.write()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setup-peers", action="store_true", help="build llama.cpp into .peers and exit")
+    ap.add_argument("--setup-peers", action="store_true", help="build llama.cpp and the GGUF files into .peers, exit")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed per measurement")
-    ap.add_argument("--threads", type=int, default=1, help="threads of every contender")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts, one run each")
+    ap.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=["native", "avx2"],
+                    help="ISA columns (run at the same time, interleaved)")
+    ap.add_argument("--formats", nargs="+", default=["Q4_K_M", "Q4_1", "Q8_0", "int8"],
+                    choices=["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_1", "Q8_0", "int8", "fp32"])
     ap.add_argument("--bind-core", type=int, default=0,
                     help="pin every contender to cores bind_core .. bind_core + threads - 1; -1: no pinning")
-    ap.add_argument("--no-fp32", action="store_true", help="leave out the fp32 scratchlm contender")
+    ap.add_argument("--worker", nargs="+", default=None, metavar="FORMAT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return scratchlm_worker(args.worker, args.threads[0])
     if args.setup_peers:
         setup_peers()
         return 0
-    set_threads(args.threads)
-    cores = ""
-    if args.bind_core >= 0:
-        core_set = set(range(args.bind_core, args.bind_core + args.threads))
-        os.sched_setaffinity(0, core_set)
-        cores = ",".join(map(str, sorted(core_set)))
-    import torch
-
-    from scratchlm.defaults import default_model_path
-    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
-    from scratchlm.inference.quantization import load_gguf_packed, quantize_model
-    from scratchlm.model import load
-
-    path = default_model_path()
-    ref = load(path)
-    models = {} if args.no_fp32 else {"scratchlm fp32": ref.model}
-    models["scratchlm int8 (per channel)"] = quantize_model(ref.model, "int8")
-    models["scratchlm gguf Q4_1 (packed)"] = load_gguf_packed(path).model
-    if Q8_0_GGUF.exists():
-        models["scratchlm gguf Q8_0 (packed)"] = load_gguf_packed(Q8_0_GGUF).model
-
-    def weight_bytes(m) -> int:  # what a decode step reads: every weight but the embedding table (one row read)
-        seen, total = set(), 0
-        emb = {id(t) for t in m.tok_embeddings.buffers()} | {id(t) for t in m.tok_embeddings.parameters()}
-        head = getattr(m, "output_head", None)
-        head_ids = set() if head is None else {id(t) for t in head.buffers()}
-        tied = getattr(m, "lm_head", None) is None and head is None
-        for t in list(m.parameters()) + list(m.buffers()):
-            if t.data_ptr() in seen or (id(t) in emb and id(t) not in head_ids and not tied):
-                continue
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-        return total
-
-    mbytes = {n: weight_bytes(m) for n, m in models.items()}
-    engines = {n: LLMEngine(m, ref.tokenizer, ref.config, EngineConfig(max_num_seqs=1, kv_cache_memory=64 << 20))
-               for n, m in models.items()}
-    fused = {n: e.runner.fused_decoder is not None for n, e in engines.items()}
-    counter = iter(range(10**9))
-
-    def scratchlm_tok_s(engine) -> float:
-        engine.add_request(str(next(counter)), PROMPT_IDS,
-                           SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True))
-        engine.step()  # prefill + first token
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        return args.tokens / (time.perf_counter() - t0)
-
-    contenders = {n: (lambda e=e: scratchlm_tok_s(e)) for n, e in engines.items()}
     notes = []
-    workers = []
-    if (VENV / "bin" / "python").exists() and LIB_DIR.exists():
-        for label, gguf in (("Q4_1", path), ("Q8_0", Q8_0_GGUF)):
-            if not Path(gguf).exists():
-                notes.append(f"llama.cpp {label} skipped: {gguf} missing (run --setup-peers)")
-                continue
-            w = LlamaCppWorker(str(gguf), cores, args.threads)
-            workers.append(w)
-            contenders[f"llama.cpp {label}"] = lambda w=w: w.decode_tok_s(args.tokens)[0]
-            mbytes[f"llama.cpp {label}"] = None
-    else:
-        notes.append("llama.cpp skipped: no .peers/llamacpp (run with --setup-peers; it builds for ~20 min)")
-    for fn in contenders.values():
-        fn()  # warm-up
-    buf = torch.ones(64 << 20)  # 256 MiB
-    rates: dict[str, list[float]] = {n: [] for n in contenders}
-    streams: list[float] = []
-    loads = [os.getloadavg()[0]]
-    for r in range(args.rounds):
-        streams.append(stream_gbps(buf))
-        for name, fn in contenders.items():
-            rates[name].append(fn())
-        loads.append(os.getloadavg()[0])
-        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), file=sys.stderr)
-    for w in workers:
-        w.close()
-    stream = statistics.median(streams)
-    peer_of = {"scratchlm gguf Q4_1 (packed)": "llama.cpp Q4_1", "scratchlm gguf Q8_0 (packed)": "llama.cpp Q8_0",
-               "scratchlm int8 (per channel)": "llama.cpp Q8_0", "scratchlm fp32": "llama.cpp Q4_1"}
-    rows = []
-    for name, rs in rates.items():
-        med = statistics.median(rs)
-        peer = peer_of.get(name)
-        ratio = f"{med / statistics.median(rates[peer]):.2f}x vs {peer}" if peer in rates else ""
-        mb = mbytes.get(name)
-        gbps = f"{mb * med / 1e9:.1f} ({100 * mb * med / 1e9 / stream:.0f} %)" if mb else ""
-        rows.append([name, f"{med:.1f}", f"{max(rs):.1f}", ratio, f"{mb / 2**20:.0f}" if mb else "",
-                     gbps, {True: "yes", False: "no"}.get(fused.get(name), "")])
-    report = Report("llamacpp_decode", "Batch-1 decode against llama.cpp on the same GGUF", argv or sys.argv[1:])
-    report.name = f"llamacpp_decode-{args.threads}t"  # one results file per thread count
-    report.add(f"Model `{path.name}` (Q8_0: `{Q8_0_GGUF.name}`, made by llama.cpp's quantizer from it); "
-               f"{args.tokens} greedy decode steps after a {len(PROMPT_IDS)}-token prompt; {args.threads} thread(s) "
-               f"per contender{f', all pinned to cores {cores}' if cores else ''}; {args.rounds} interleaved rounds. "
-               f"Streaming read (torch.sum of 256 MiB) in the same rounds: median {stream:.1f} GB/s "
-               f"(best {max(streams):.1f}). Load average during the run: {min(loads):.1f}-{max(loads):.1f}.")
-    report.table(["contender", "decode tok/s (median)", "decode tok/s (best)", "ratio (median)",
-                  "MiB read / token", "GB/s (% of streaming read)", "fused C++ step"], rows)
-    if notes:
-        report.add("\n".join(f"- {n}" for n in notes))
-    report.write()
+    missing = missing_peers(args.isa)
+    if missing:
+        print("llama.cpp peer missing: " + "; ".join(missing) +
+              " -- run `python -m benchmarks.llamacpp_decode --setup-peers`; scratchlm alone is measured",
+              file=sys.stderr)
+        notes.append("llama.cpp skipped: " + "; ".join(missing) + " (python -m benchmarks.llamacpp_decode "
+                     "--setup-peers)")
+    for name in args.formats:
+        peer_file = formats()[name][2]
+        if not peer_file.exists():
+            notes.append(f"{name}: {peer_file.name} missing (python -m benchmarks.llamacpp_decode --setup-peers)")
+    runs = {t: measure(args, t, args.isa, notes) for t in args.threads}
+    write_report(args, runs, notes, sys.argv[1:] if argv is None else argv)
     return 0
 
 
