@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, Report, set_threads
+from benchmarks.common import REPO_ROOT, Report, apply_isa, isa_env, set_threads
 
 
 @dataclass
@@ -239,26 +239,44 @@ def pinned(cmd: list[str], cores: str) -> list[str]:
 
 
 def start_llama_server(binary: Path, gguf: str, threads: int, parallel: int, ctx_per_slot: int, cores: str,
-                       log_path: Path) -> tuple[subprocess.Popen, str]:
-    """llama.cpp's own llama-server (built by `benchmarks/llamacpp_decode.py --setup-peers`): continuous batching
-    over `parallel` slots of `ctx_per_slot` tokens each, `threads` threads for decode and prompt processing."""
+                       log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own llama-server (built by `benchmarks/llamacpp_decode.py --setup-peers`, native or AVX2):
+    continuous batching over `parallel` slots of `ctx_per_slot` tokens each, `threads` threads for decode and prompt
+    processing."""
     port = free_port()
     cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
            "--cont-batching", "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
            "--alias", "bench", "--no-webui"]
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
+    env = dict(os.environ if env is None else env, LD_LIBRARY_PATH=str(binary.parent))
     proc = subprocess.Popen(pinned(cmd, cores), stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, 600)
     return proc, url
 
 
+def model_shape(model: str) -> tuple[int, int]:
+    """(vocabulary size, longest sequence) of `model` without building an engine (GGUF: its metadata)."""
+    if model.endswith(".gguf"):
+        from scratchlm.model.loading.gguf_file import config_from_gguf
+        from scratchlm.model.loading.gguf_reader import read_gguf
+
+        meta, tensors = read_gguf(model)
+        config = config_from_gguf(meta, tensors, model)[0]
+    else:
+        from scratchlm.model import load
+
+        config = load(model).config
+    return config.vocab_size, config.max_seq_len
+
+
 def start_scratchlm_server(model: str, threads: int, max_num_seqs: int, log_path: Path,
                            engine_process: bool = False, quantization: str | None = None,
-                           cores: str = "", extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+                           cores: str = "", extra: list[str] | None = None,
+                           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`scratchlm serve` in a subprocess (environment `env`, default os.environ: e.g. an ISA cap)."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO_ROOT))
     cmd = [sys.executable, "-m", "scratchlm", "serve", model, "--port", str(port), "--threads", str(threads),
            "--max-num-seqs",
@@ -388,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llama-server", action="store_true",
                         help="do not start llama.cpp's llama-server even if .peers has it")
     parser.add_argument("--no-offline", action="store_true", help="leave out the offline LLM.generate contender")
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "avx2"],
+                        help="ISA columns: scratchlm serve under this cap (benchmarks/common.py ISA_CAP_ENV) beside "
+                             "llama-server of the matching build (.peers/llama-server-build or llama-avx2-build); "
+                             "several columns run at the same time, interleaved (without the offline contender and "
+                             "vLLM); one column caps this process too")
     parser.add_argument("--bind-core", type=int, default=-1,
                         help="pin the servers to cores bind_core .. bind_core + threads - 1 (-1: no pinning)")
     parser.add_argument("--results-name", default=None,
@@ -401,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: the engine's step-event cost with a listener / an inspector viewer, interleaved")
     args = parser.parse_args(argv)
 
+    if len(args.isa) == 1:
+        apply_isa(args.isa[0])  # before torch's and the kernels' first use: the offline engine runs under it
     set_threads(args.threads)
     if args.url:
         import httpx
@@ -424,10 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         return inspector_overhead(args, model)
     if args.scheduling_ab:
         return scheduling_ab(args, model)
-    print(f"loading {model} for the offline engine ...", file=sys.stderr)
-    llm = LLM(model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
-    vocab = llm.engine.model_config.vocab_size
-    max_len = llm.engine.max_model_len
+    multi = len(args.isa) > 1
+    offline = not (args.no_offline or multi)
+    if offline:
+        print(f"loading {model} for the offline engine ...", file=sys.stderr)
+        llm = LLM(model, max_num_seqs=args.max_concurrency, quantization=args.quantization)
+        vocab, max_len = llm.engine.model_config.vocab_size, llm.engine.max_model_len
+    else:
+        vocab, max_len = model_shape(model)
 
     def workload(seed: int) -> list[Job]:
         jobs = make_workload(args.num_requests, vocab, seed, tuple(args.prompt_len), tuple(args.output_len))
@@ -444,20 +473,28 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, str] = {}
     pids: dict[str, int] = {}  # contender -> server process (its CPU time, with its children's, is measured)
     procs: list[subprocess.Popen] = []
-    runs: dict[str, list[RunResult]] = {"offline LLM.generate": []}
+    runs: dict[str, list[RunResult]] = {"offline LLM.generate": []} if offline else {}
+    if not offline:
+        notes.append("offline LLM.generate not run (" + ("several ISA columns" if multi else "--no-offline") + ").")
+    pairs: dict[str, tuple[str, str]] = {}  # ISA column -> (scratchlm contender, llama-server contender)
     try:
-        print(f"starting `scratchlm serve` (log: {tmp / 'scratchlm-bench-serve.log'}) ...", file=sys.stderr)
-        proc, servers["scratchlm serve"] = start_scratchlm_server(model, args.threads, args.max_concurrency,
-                                                                  tmp / "scratchlm-bench-serve.log",
-                                                                  engine_process=args.engine_process,
-                                                                  quantization=args.quantization, cores=cores,
-                                                                  extra=args.serve_args.split())
-        pids["scratchlm serve"] = proc.pid
+        for isa in args.isa:
+            name = "scratchlm serve" + (f" [{isa}]" if multi else "")
+            log_path = tmp / f"scratchlm-bench-serve-{isa}.log"
+            print(f"starting `scratchlm serve` under the {isa} cap (log: {log_path}) ...", file=sys.stderr)
+            proc, servers[name] = start_scratchlm_server(model, args.threads, args.max_concurrency, log_path,
+                                                         engine_process=args.engine_process,
+                                                         quantization=args.quantization, cores=cores,
+                                                         extra=args.serve_args.split(), env=isa_env(isa))
+            pids[name] = proc.pid
+            procs.append(proc)
+            pairs[isa] = (name, "llama-server" + (f" [{isa}]" if multi else ""))
         notes.append("`scratchlm serve` ran its engine in " + ("its own process (--engine-process)."
                                                                if args.engine_process else "a thread of the server."))
-        procs.append(proc)
-        vllm = None if args.no_vllm or args.vllm_url else find_vllm()
-        if args.vllm_url:
+        vllm = None if args.no_vllm or args.vllm_url or multi else find_vllm()
+        if multi and not args.no_vllm:
+            notes.append("`vllm serve` not run (several ISA columns).")
+        elif args.vllm_url:
             servers["vllm serve"] = args.vllm_url
             notes.append(f"`vllm serve` already running at {args.vllm_url} (--vllm-url), serving an HF export of "
                          "the same weights as `bench`.")
@@ -477,39 +514,49 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"`vllm serve` from {vllm.parent.parent} on an HF export of the same weights (fp32).")
             except Exception as e:  # a peer that cannot start is reported, not fatal
                 notes.append(f"`vllm serve` failed to start ({e}); see {tmp / 'vllm-bench-serve.log'}.")
-        from benchmarks.llamacpp_decode import LLAMA_SERVER
+        from benchmarks.llamacpp_decode import llama_server_binary, system_info
 
-        if args.no_llama_server:
-            notes.append("llama-server not run (--no-llama-server).")
-        elif not LLAMA_SERVER.exists():
-            notes.append("llama-server skipped: not built (python -m benchmarks.llamacpp_decode --setup-peers).")
-        elif not model.endswith(".gguf"):
-            notes.append("llama-server skipped: the model is not a GGUF.")
-        else:
+        for isa, (_, name) in pairs.items():
+            binary = llama_server_binary(isa)
+            if args.no_llama_server:
+                notes.append("llama-server not run (--no-llama-server).")
+                break
+            if not binary.exists():
+                notes.append(f"llama-server ({isa}) skipped: {binary.relative_to(REPO_ROOT)} not built (python -m "
+                             "benchmarks.llamacpp_decode --setup-peers).")
+                print(notes[-1], file=sys.stderr)
+                continue
+            if not model.endswith(".gguf"):
+                notes.append("llama-server skipped: the model is not a GGUF.")
+                break
+            log_path = tmp / f"llama-server-bench-{isa}.log"
             try:
                 ctx = args.prompt_len[1] + args.output_len[1] + 16
-                proc, servers["llama-server"] = start_llama_server(LLAMA_SERVER, model, args.threads,
-                                                                   args.max_concurrency, ctx, cores,
-                                                                   tmp / "llama-server-bench.log")
-                pids["llama-server"] = proc.pid
+                proc, servers[name] = start_llama_server(binary, model, args.threads, args.max_concurrency, ctx,
+                                                         cores, log_path, env=isa_env(isa))
+                pids[name] = proc.pid
                 procs.append(proc)
-                notes.append(f"llama-server ({LLAMA_SERVER.relative_to(REPO_ROOT)}) on the same GGUF: --parallel "
+                notes.append(f"{name} ({binary.relative_to(REPO_ROOT)}) on the same GGUF: --parallel "
                              f"{args.max_concurrency} --cont-batching, -c {args.max_concurrency * ctx}, "
-                             f"-t/-tb {args.threads}.")
+                             f"-t/-tb {args.threads}; its libraries' system_info: `{system_info(isa)}`.")
             except (OSError, TimeoutError, RuntimeError) as e:
-                notes.append(f"llama-server failed to start ({e}); see {tmp / 'llama-server-bench.log'}.")
+                notes.append(f"{name} failed to start ({e}); see {log_path}.")
         for name in servers:
             runs[name] = []
         # warm-up every contender
-        run_offline(llm, warmup)
+        if offline:
+            run_offline(llm, warmup)
         for url in servers.values():
             asyncio.run(drive(url, "bench", warmup, args.max_concurrency, math.inf, args.seed))
         for r in range(args.repeats):
             jobs = workload(args.seed + r)  # fresh prompts each repeat, the same for every contender
-            off = run_offline(llm, jobs)
-            runs["offline LLM.generate"].append(off)
-            line = [f"offline {off.output_tok_s:.1f} tok/s ({off.output_tok_per_cpu_s:.1f} per CPU s)"]
-            for name, url in servers.items():
+            line = []
+            if offline:
+                off = run_offline(llm, jobs)
+                runs["offline LLM.generate"].append(off)
+                line.append(f"offline {off.output_tok_s:.1f} tok/s ({off.output_tok_per_cpu_s:.1f} per CPU s)")
+            order = list(servers.items())
+            for name, url in order if r % 2 == 0 else order[::-1]:  # drift cancels over the repeats
                 cpu = process_cpu_seconds(pids[name]) if name in pids else math.nan
                 duration, results = asyncio.run(drive(url, "bench", jobs, args.max_concurrency, args.request_rate,
                                                       args.seed))
@@ -529,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
     report = Report("serve", "OpenAI server under load against the offline engine", argv=sys.argv[1:])
+    report.machine["ISA columns"] = ", ".join(args.isa)
     # one results file per model and engine placement
     report.name = ("serve" if args.model is None else f"serve-{Path(model).stem}") + \
         ("-engine-process" if args.engine_process else "-engine-thread" if args.engine_thread else "")
@@ -539,9 +587,11 @@ def main(argv: list[str] | None = None) -> int:
                f"greedy; max concurrency {args.max_concurrency}, request rate {args.request_rate}; "
                f"{args.threads} threads per contender{f' pinned to cores {cores}' if cores else ''}; "
                f"scratchlm weights: {args.quantization or 'fp32'}; {args.repeats} interleaved repeats (median and "
-               f"best). Load average "
+               f"best; the servers' order reversed on odd repeats). ISA columns: {', '.join(args.isa)} (avx2: "
+               f"scratchlm serve under SCRATCHLM_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, "
+               f"MKL_ENABLE_INSTRUCTIONS=AVX2; llama-server of .peers/llama-avx2-build). Load average "
                f"at the end: {os.getloadavg()[0]:.1f}.")
-    base = statistics.median(r.output_tok_s for r in runs["offline LLM.generate"])
+    base = statistics.median(r.output_tok_s for r in runs["offline LLM.generate"]) if offline else None
     rows = []
     for name, rs in runs.items():
         toks = [r.output_tok_s for r in rs]
@@ -549,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         per_cpu = [r.output_tok_per_cpu_s for r in rs]
         cpu_text = f"{statistics.median(per_cpu):.1f}" if not any(math.isnan(x) for x in per_cpu) else "-"
         rows.append([name, f"{sum(r.completed for r in rs)}/{len(jobs) * len(rs)}", f"{statistics.median(toks):.1f}",
-                     f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}", f"{statistics.median(toks) / base:.3f}",
+                     f"{max(toks):.1f}", f"{statistics.median(reqs):.3f}",
+                     f"{statistics.median(toks) / base:.3f}" if base else "-",
                      cpu_text, f"{statistics.median(r.cpu_s / r.duration for r in rs):.2f}"])
     report.table(["contender", "completed", "output tok/s (median)", "output tok/s (best)", "req/s (median)",
                   "ratio to offline (median)", "output tok per CPU s (median)", "CPU s per wall s"], rows,
@@ -568,25 +619,30 @@ def main(argv: list[str] | None = None) -> int:
                    f"{name}: {', '.join(str(sum(x.cached_tokens for x in r.requests)) for r in runs[name])}"
                    for name in servers) + " (scratchlm's usage does not report it; its prompts share no 16-token "
                "block).")
-    ratio = statistics.median(r.output_tok_s for r in runs["scratchlm serve"]) / base
-    report.add(f"**Server / offline output throughput: {ratio:.3f}x** (target >= 0.9x).")
-    if runs.get("llama-server"):
-        ours = runs["scratchlm serve"]
-        theirs = runs["llama-server"]
-        o_tok = statistics.median(r.output_tok_s for r in ours)
-        t_tok = statistics.median(r.output_tok_s for r in theirs)
+    if offline:
+        ratio = statistics.median(r.output_tok_s for r in runs["scratchlm serve"]) / base
+        report.add(f"**Server / offline output throughput: {ratio:.3f}x** (target >= 0.9x).")
+    rows = []
+    for isa, (ours_name, theirs_name) in pairs.items():
+        if not runs.get(theirs_name):
+            continue
+        ours, theirs = runs[ours_name], runs[theirs_name]
         per = [a.output_tok_s / b.output_tok_s for a, b in zip(ours, theirs)]
+        per_cpu = [a.output_tok_per_cpu_s / b.output_tok_per_cpu_s for a, b in zip(ours, theirs)]
 
         def ttft(rs):
-            return statistics.median(statistics.median(x.ttft for x in r.requests if x.ok)
-                                     for r in rs)
-        per_cpu = [a.output_tok_per_cpu_s / b.output_tok_per_cpu_s for a, b in zip(ours, theirs)]
-        report.add(f"**scratchlm serve / llama-server output throughput: {o_tok / t_tok:.2f}x** (per repeat: "
-                   f"{', '.join(f'{x:.2f}x' for x in per)}; target >= 2.0x); median TTFT {1e3 * ttft(ours):.0f} ms "
-                   f"against {1e3 * ttft(theirs):.0f} ms (target <=; per repeat: "
-                   f"{', '.join(f'{1e3 * ttft([a]):.0f} vs {1e3 * ttft([b]):.0f}' for a, b in zip(ours, theirs))} ms). "
-                   f"Output tokens per CPU second: {statistics.median(per_cpu):.2f}x (per repeat: "
-                   f"{', '.join(f'{x:.2f}x' for x in per_cpu)}).")
+            return statistics.median(statistics.median(x.ttft for x in r.requests if x.ok) for r in rs)
+
+        ratio = statistics.median(per)
+        rows.append([isa, f"{statistics.median(r.output_tok_s for r in ours):.1f}",
+                     f"{statistics.median(r.output_tok_s for r in theirs):.1f}", f"**{ratio:.2f}x**",
+                     ", ".join(f"{x:.2f}" for x in per), "met" if ratio >= 2.0 else "MISSED",
+                     f"{1e3 * ttft(ours):.0f} vs {1e3 * ttft(theirs):.0f}", f"{statistics.median(per_cpu):.2f}x"])
+    if rows:
+        report.table(["ISA", "scratchlm serve output tok/s (median)", "llama-server (median)",
+                      "ratio (median of paired repeats)", "per repeat", "target >= 2.0x",
+                      "median TTFT, ms (scratchlm vs llama-server)", "output tok per CPU s ratio (median)"], rows,
+                     caption="scratchlm serve against llama-server on the same GGUF")
     if "vllm serve" in runs and runs["vllm serve"]:
         ours = statistics.median(r.output_tok_s for r in runs["scratchlm serve"])
         theirs = statistics.median(r.output_tok_s for r in runs["vllm serve"])
