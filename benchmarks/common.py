@@ -116,6 +116,30 @@ def isa_cap_text() -> str:
     return ", ".join(f"{k}={os.environ[k]}" for k in CAP_VARIABLES if k in os.environ) or "none (native)"
 
 
+TORCH_ISA_PROBE = r"""
+import torch
+x, w = torch.randn(64, 256), torch.randn(256, 256)
+torch.mm(x, w)
+if torch.backends.mkldnn.is_available():
+    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+print("ATEN_CAPABILITY " + torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def torch_isa_check(python: str, env: dict[str, str]) -> str:
+    """What torch under `python` (a venv's interpreter) runs with `env`: ATen's CPU capability and the ISA oneDNN
+    reports (ONEDNN_VERBOSE's info line). MKL prints no ISA; MKL_ENABLE_INSTRUCTIONS is only set, not verified."""
+    env = dict(env, ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1")
+    try:
+        out = subprocess.run([python, "-c", TORCH_ISA_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"probe failed: {e}"
+    lines = out.stdout.splitlines()
+    aten = next((x.split(" ", 1)[1] for x in lines if x.startswith("ATEN_CAPABILITY ")), "?")
+    onednn = next((x.split("isa:", 1)[1].strip() for x in lines if "isa:" in x), "not reported")
+    return f"ATen CPU capability {aten}, oneDNN ISA: {onednn}"
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(

