@@ -75,6 +75,7 @@ BENCHES: dict[str, Bench] = {
                                       "hf", "batch1", "--parts", "throughput")),
     "kv_cache": Bench(why="even its --quick prefills WikiText-2 through SmolLM2-135M for each KV dtype (the default "
                       "suite runs only small-model smoke runs)"),
+    "dequant_speed": Bench(quick=("--weights", "100000", "--repeats", "1", "--files")),
     "quant_gemv": Bench(full=("--rounds", "5"), why="210 matrices of SmolLM2's shapes per kernel and format, pinned "
                         "(minutes)"),
     "fp32_gemm": Bench(full=("--repeats", "5"),

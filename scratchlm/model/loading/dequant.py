@@ -1,62 +1,299 @@
-"""Vectorised torch dequantizers for the common llama.cpp block formats.
+"""Vectorised torch dequantizers for every GGUF tensor type scratchlm reads; an unknown type is a ValueError.
 
-`gguf.quants.dequantize` (numpy) covers every type but takes ~40 s for a 135M Q4_1 model on this
-machine; these take about a second. Other types fall back to `gguf.quants`. Blocks of 32 weights:
+Each type has one function `(blocks (n, block_bytes) uint8) -> (n, block_weights) float32` built from torch
+ops only, so it runs on any device (CPU, CUDA) the raw bytes are on. The values are bit-equal to
+`gguf.quants.dequantize` (the numpy oracle of the tests): every float is produced by the same float32 ops in
+the same order as ggml's `dequantize_row_*` (an fp16 scale widened to float32, multiplied by a small integer
+held exactly in float32, then by the code, minus the min term). Nothing falls back to numpy: a type outside
+`SUPPORTED_TYPES` (the 2-/3-bit grid i-quants IQ1_S/IQ1_M/IQ2_*/IQ3_*, Q8_K, Q8_1, Q1_0) raises ValueError
+naming it; the GGUF loaders check every tensor's type before they read any (`gguf_file.check_types`).
 
-- Q8_0 (34 bytes): fp16 scale d, 32 x int8 q          -> d * q
-- Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles          -> d * (q - 8)
-- Q4_1 (20 bytes): fp16 d, fp16 min m, 16 bytes nibbles -> d * q + m
-Nibbles: the low 4 bits of byte j are weight j, the high 4 bits weight j + 16.
+Block layouts (bytes; fp16 = little-endian IEEE half; "nibbles" of 16 bytes: the low 4 bits of byte j are
+weight j, the high 4 bits weight j + 16 of the 32):
+
+- 32-weight blocks: Q4_0 (18: fp16 d, nibbles: d (q - 8)), Q4_1 (20: d, fp16 m, nibbles: d q + m),
+  Q5_0 (22: d, u32 high bits, nibbles: d (q - 16)), Q5_1 (24: d, m, u32 high bits, nibbles: d q + m),
+  Q8_0 (34: d, 32 int8: d q), IQ4_NL (18: d, nibbles: d kvalues[q]), MXFP4 (17: e8m0 e, nibbles:
+  2^(e-128) kvalues_mxfp4[q]); NVFP4 (36 bytes, 64 weights: 4 ue4m3 scales of 16 weights, 32 bytes of codes).
+- 256-weight super-blocks (K-quants): Q2_K (84: 16 bytes of 4-bit scale|min, 64 bytes of 2-bit codes, d,
+  dmin: d sc q - dmin m), Q3_K (110: 32-byte high-bit mask, 64 bytes of 2-bit codes, 12 bytes of 6-bit
+  scales, d: d (sc - 32) (q - 4 [high bit clear])), Q4_K (144: d, dmin, 12 bytes of 6-bit scales and mins,
+  128 bytes of nibbles: d sc q - dmin m per 32), Q5_K (176: as Q4_K plus a 32-byte high-bit plane),
+  Q6_K (210: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, d: d sc (q - 32) per 16),
+  IQ4_XS (136: d, u16 high scale bits, 4 bytes low scale nibbles, nibbles: d (ls - 32) kvalues[q] per 32),
+  TQ1_0 (54: base-3 packed ternary codes, d) and TQ2_0 (66: 2-bit ternary codes, d).
+- F32, F16 and BF16 are one weight per element.
+
+On CPU a big tensor is dequantized in chunks of `CHUNK_WEIGHTS` so the intermediates stay in cache
+(`benchmarks/dequant_speed.py` times each type against `gguf.quants`); `dequantize_rows` is the entry point for
+code that dequantizes some rows of a packed matrix (an embedding lookup).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-BLOCK = 32
+CHUNK_WEIGHTS = 1 << 16  # weights per chunk on CPU: each float32 intermediate is 256 KiB, inside L2
+
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1 values, doubled
 
 
-def _fp16(blocks: Tensor, start: int) -> Tensor:
-    """The fp16 at byte `start` of each block, as float32 (N, 1)."""
+# --- field helpers: (n, bytes) uint8 blocks -> fields --------------------------------------------------------
+
+def _f16(blocks: Tensor, start: int) -> Tensor:
+    """The fp16 at byte `start` of each block, as float32 (n, 1)."""
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: Tensor) -> Tensor:
-    """(N, 16) packed bytes -> (N, 32) values 0..15 in weight order."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=1).float()
+    """(..., m) packed bytes -> (..., 2m) codes 0..15: the m low nibbles, then the m high nibbles (uint8)."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
-def dequantize_q8_0(raw: Tensor) -> Tensor:
-    blocks = raw.reshape(-1, 34)
-    return (blocks[:, 2:].contiguous().view(torch.int8).float() * _fp16(blocks, 0)).reshape(-1)
+def _bits(qs: Tensor, width: int) -> Tensor:
+    """(..., m) bytes -> (..., 8 // width, m) fields: field s of byte j is bits [s*width, (s+1)*width) (uint8)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=qs.device).view(-1, 1)  # (8/width, 1)
+    return (qs.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 
 
-def dequantize_q4_0(raw: Tensor) -> Tensor:
-    blocks = raw.reshape(-1, 18)
-    return ((_nibbles(blocks[:, 2:]) - 8.0) * _fp16(blocks, 0)).reshape(-1)
+def _lut(values: tuple[int, ...], codes: Tensor) -> Tensor:
+    """codes (any shape, 0..len(values)-1, uint8) -> float32 values[codes] of the same shape."""
+    table = torch.tensor(values, dtype=torch.float32, device=codes.device)
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
-def dequantize_q4_1(raw: Tensor) -> Tensor:
-    blocks = raw.reshape(-1, 20)
-    return (_nibbles(blocks[:, 4:]) * _fp16(blocks, 0) + _fp16(blocks, 2)).reshape(-1)
+# --- 32-weight blocks ----------------------------------------------------------------------------------------
+
+def _q4_0(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 2:18]).view(torch.int8) - 8  # (n, 32) -8..7
+    return q * _f16(b, 0)
 
 
-_TORCH_DEQUANT = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1}
+def _q4_1(b: Tensor) -> Tensor:
+    return (_nibbles(b[:, 4:20]) * _f16(b, 0)).add_(_f16(b, 2))
 
 
-def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tensor:
-    """A GGUF tensor's raw data -> float32 (or its float dtype for F32/F16) torch tensor of `shape`."""
-    if type_name in ("F32", "F16"):
-        return torch.from_numpy(np.array(data)).reshape(shape)
-    if type_name in _TORCH_DEQUANT:
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(-1)
-        return _TORCH_DEQUANT[type_name](raw).reshape(shape)
-    from gguf import GGMLQuantizationType, quants
+def _q5_high(qh: Tensor) -> Tensor:
+    """(n, 4) bytes of a little-endian u32 -> (n, 32) bit j of it at position j, shifted to 16 (uint8)."""
+    return (_bits(qh, 1).transpose(-1, -2).reshape(-1, 32)) << 4  # byte k bit s = weight 8k + s
 
-    try:
-        arr = quants.dequantize(data, GGMLQuantizationType[type_name])
-    except (NotImplementedError, KeyError):
-        raise ValueError(f"quantization type {type_name} is not supported by the dequantizer") from None
-    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+
+def _q5_0(b: Tensor) -> Tensor:
+    q = (_nibbles(b[:, 6:22]) | _q5_high(b[:, 2:6])).view(torch.int8) - 16  # (n, 32) -16..15
+    return q * _f16(b, 0)
+
+
+def _q5_1(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 8:24]) | _q5_high(b[:, 4:8])  # (n, 32) 0..31
+    return (q * _f16(b, 0)).add_(_f16(b, 2))
+
+
+def _q8_0(b: Tensor) -> Tensor:
+    return b[:, 2:34].view(torch.int8) * _f16(b, 0)
+
+
+def _iq4_nl(b: Tensor) -> Tensor:
+    return _lut(KVALUES_IQ4NL, _nibbles(b[:, 2:18])) * _f16(b, 0)
+
+
+def _e8m0_half(e: Tensor) -> Tensor:
+    """ggml's GGML_E8M0_TO_FP32_HALF: (n, 1) uint8 exponents -> float32 2^(e - 128), built from its bits."""
+    e = e.int()
+    bits = torch.where(e < 2, 0x00200000 * (e + 1), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: Tensor) -> Tensor:
+    return _lut(KVALUES_MXFP4, _nibbles(b[:, 1:17])) * _e8m0_half(b[:, 0:1])
+
+
+def _ue4m3_half(x: Tensor) -> Tensor:
+    """Unsigned e4m3 scale bytes -> float32 value / 2 (gguf's NVFP4.ue4m3_to_fp32); 0 and 0x7F give 0."""
+    exp = ((x >> 3) & 0xF).float()
+    man = (x & 0x7).float()
+    pow2 = ((exp.int() + 120) << 23).view(torch.float32)  # 2^(exp - 7), exactly
+    raw = torch.where(exp == 0, man * 2.0 ** -9, (1.0 + man / 8.0) * pow2)
+    return torch.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5)
+
+
+def _nvfp4(b: Tensor) -> Tensor:
+    d = _ue4m3_half(b[:, 0:4]).unsqueeze(-1)  # (n, 4, 1): one scale per 16 weights
+    codes = _nibbles(b[:, 4:36].reshape(-1, 4, 8))  # (n, 4, 16)
+    return (d * _lut(KVALUES_MXFP4, codes)).reshape(-1, 64)
+
+
+# --- 256-weight super-blocks ---------------------------------------------------------------------------------
+
+def _q2_k(b: Tensor) -> Tensor:
+    scales = b[:, 0:16]
+    dl = (_f16(b, 80) * (scales & 0xF)).unsqueeze(-1)  # (n, 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4)).unsqueeze(-1)
+    q = _bits(b[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # (n, 2 halves, 4 shifts, 32) -> per 16
+    return (dl * q).sub_(ml).reshape(-1, 256)
+
+
+def _q3_k(b: Tensor) -> Tensor:
+    sc = b[:, 96:108]
+    low = _nibbles(sc[:, 0:8])  # (n, 16): low 4 bits of scales 0..7 then 8..15
+    high = _bits(sc[:, 8:12], 2).reshape(-1, 16)  # (n, 16): 2 high bits, scale 4s + j from byte j, shift 2s
+    scales = ((low | (high << 4)).view(torch.int8) - 32)  # (n, 16) -32..31
+    dl = (_f16(b, 108) * scales).unsqueeze(-1)  # (n, 16, 1)
+    ql = _bits(b[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)  # (n, 16, 16) 0..3
+    hm = _bits(b[:, 0:32], 1).reshape(-1, 16, 16)  # bit s of the mask byte j: weight 32s + j
+    q = ql.view(torch.int8) - ((hm ^ 1) << 2).view(torch.int8)  # -4 where the high bit is clear
+    return (dl * q).reshape(-1, 256)
+
+
+def _k_scale_min(sc: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> (scales, mins), each (n, 8) 6-bit values (uint8), as ggml's get_scale_min_k4."""
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scales = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return scales, mins
+
+
+def _k_apply(b: Tensor, q: Tensor) -> Tensor:
+    """Q4_K/Q5_K: (n, 8, 32) codes -> d sc q - dmin m per 32-weight sub-block."""
+    scales, mins = _k_scale_min(b[:, 4:16])
+    dl = (_f16(b, 0) * scales).unsqueeze(-1)  # (n, 8, 1)
+    ml = (_f16(b, 2) * mins).unsqueeze(-1)
+    return (dl * q).sub_(ml).reshape(-1, 256)
+
+
+def _q4_k(b: Tensor) -> Tensor:
+    return _k_apply(b, _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32))
+
+
+def _q5_k(b: Tensor) -> Tensor:
+    ql = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # 64 weights per 32 bytes
+    qh = _bits(b[:, 16:48], 1)  # (n, 8, 32): bit s of byte j is the high bit of weight 32s + j
+    return _k_apply(b, ql | (qh << 4))
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    dl = (_f16(b, 208) * b[:, 192:208].view(torch.int8)).unsqueeze(-1)  # (n, 16, 1)
+    ql = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 2, 4, 32)  # (n, half, 4, 32): low 0..63, high
+    qh = _bits(b[:, 128:192].reshape(-1, 2, 32), 2)  # (n, 2, 4, 32)
+    q = (ql | (qh << 4)).view(torch.int8) - 32  # (n, 2, 4, 32) -32..31
+    return (dl * q.reshape(-1, 16, 16)).reshape(-1, 256)
+
+
+def _iq4_xs(b: Tensor) -> Tensor:
+    low = _bits(b[:, 4:8], 4).transpose(-1, -2).reshape(-1, 8)  # (n, 8): sub-block 2k + s from byte k
+    high = _bits(b[:, 2:4], 2).transpose(-1, -2).reshape(-1, 8)  # (n, 8): sub-block 4k + s from byte k
+    scales = (low | (high << 4)).view(torch.int8) - 32
+    dl = (_f16(b, 0) * scales).unsqueeze(-1)  # (n, 8, 1)
+    q = _nibbles(b[:, 8:136].reshape(-1, 8, 16))  # (n, 8, 32)
+    return (dl * _lut(KVALUES_IQ4NL, q)).reshape(-1, 256)
+
+
+def _tq1_0(b: Tensor) -> Tensor:
+    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8, device=b.device).view(-1, 1)  # (5, 1)
+    q0 = (b[:, 0:32].unsqueeze(-2) * pow3).reshape(-1, 160)  # uint8 products wrap mod 256, as ggml's
+    q1 = (b[:, 32:48].unsqueeze(-2) * pow3).reshape(-1, 80)
+    q2 = (b[:, 48:52].unsqueeze(-2) * pow3[:4]).reshape(-1, 16)
+    q = torch.cat((q0, q1, q2), dim=-1).short()  # (n, 256)
+    return (((q * 3) >> 8) - 1) * _f16(b, 52)
+
+
+def _tq2_0(b: Tensor) -> Tensor:
+    q = _bits(b[:, 0:64].reshape(-1, 2, 32), 2).reshape(-1, 256).view(torch.int8) - 1
+    return q * _f16(b, 64)
+
+
+# name -> (weights per block, bytes per block, block function or None for the float types)
+_TYPES: dict[str, tuple[int, int, Callable[[Tensor], Tensor] | None]] = {
+    "F32": (1, 4, None), "F16": (1, 2, None), "BF16": (1, 2, None),
+    "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
+    "Q8_0": (32, 34, _q8_0), "IQ4_NL": (32, 18, _iq4_nl), "MXFP4": (32, 17, _mxfp4), "NVFP4": (64, 36, _nvfp4),
+    "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k),
+    "Q6_K": (256, 210, _q6_k), "IQ4_XS": (256, 136, _iq4_xs), "TQ1_0": (256, 54, _tq1_0),
+    "TQ2_0": (256, 66, _tq2_0),
+}
+
+TYPE_INFO: dict[str, tuple[int, int]] = {name: (bw, bb) for name, (bw, bb, _) in _TYPES.items()}
+"""GGUF type name -> (weights per block, bytes per block), as ggml's type traits (GGML_QUANT_SIZES)."""
+
+SUPPORTED_TYPES: tuple[str, ...] = tuple(_TYPES)
+"""The GGUF tensor types scratchlm dequantizes; any other type is a ValueError naming it."""
+
+
+def _unsupported(type_name: str) -> ValueError:
+    return ValueError(f"GGUF tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def _float_rows(raw: Tensor, type_name: str) -> Tensor:
+    """F32 / F16 / BF16 bytes (..., 2 or 4 per weight) -> float32 (..., weights)."""
+    raw = raw.contiguous()
+    if type_name == "F32":
+        return raw.view(torch.float32)  # shares the input's memory
+    if type_name == "F16":
+        return raw.view(torch.float16).float()
+    return (raw.view(torch.int16).int() << 16).view(torch.float32)  # BF16: the high half of a float32
+
+
+def dequantize_blocks(blocks: Tensor, type_name: str) -> Tensor:
+    """(n, block_bytes) uint8 blocks of `type_name` -> (n, block_weights) float32 on the same device.
+
+    On CPU, large inputs are done in chunks of `CHUNK_WEIGHTS` weights (the intermediates stay in cache)."""
+    if type_name not in _TYPES:
+        raise _unsupported(type_name)
+    bw, bb, fn = _TYPES[type_name]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != bb:
+        raise ValueError(f"{type_name} blocks must be (n, {bb}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+    if fn is None:
+        return _float_rows(blocks, type_name)
+    n = blocks.shape[0]
+    step = max(1, CHUNK_WEIGHTS // bw)
+    if blocks.device.type != "cpu" or n <= step:
+        return fn(blocks).reshape(n, bw)
+    out = torch.empty(n, bw, dtype=torch.float32)
+    for i in range(0, n, step):
+        out[i:i + step] = fn(blocks[i:i + step])
+    return out
+
+
+def dequantize_rows(raw: Tensor, type_name: str, K: int) -> Tensor:
+    """Rows of a GGUF matrix as the file stores them: raw (R, row_bytes) uint8 -> (R, K) float32, same device.
+
+    `row_bytes` must be K / block_weights * block_bytes (K a multiple of the block); the packed embedding
+    lookup calls this on the rows its ids select."""
+    if type_name not in _TYPES:
+        raise _unsupported(type_name)
+    bw, bb = TYPE_INFO[type_name]
+    if K % bw:
+        raise ValueError(f"{type_name} rows of {K} weights: not a multiple of the {bw}-weight block")
+    if raw.dim() != 2 or raw.shape[1] != K // bw * bb:
+        raise ValueError(f"{type_name} rows of {K} weights take {K // bw * bb} bytes, got {tuple(raw.shape)}")
+    R = raw.shape[0]
+    return dequantize_blocks(raw.reshape(R * (K // bw), bb), type_name).view(R, K)
+
+
+def as_uint8_tensor(data: np.ndarray | Tensor) -> Tensor:
+    """A tensor's raw bytes (numpy, possibly a read-only memmap, or torch) as a flat uint8 torch tensor."""
+    if isinstance(data, Tensor):
+        data = data.contiguous()
+        return data.view(torch.uint8).reshape(-1) if data.dtype != torch.uint8 else data.reshape(-1)
+    return torch.from_numpy(np.array(data, copy=True).reshape(-1).view(np.uint8))  # copy: memmaps are read-only
+
+
+def dequantize(data: np.ndarray | Tensor, type_name: str, shape: tuple[int, ...]) -> Tensor:
+    """A GGUF tensor's data (raw bytes, or the float view the reader makes for F32/F16) -> float32 `shape`.
+
+    `data` may be numpy (the reader's memmap views) or a torch tensor on any device; the result is on that
+    device (CPU for numpy). Raises ValueError naming the type for one outside `SUPPORTED_TYPES`, or when the
+    byte count does not match `shape`."""
+    if type_name not in _TYPES:
+        raise _unsupported(type_name)
+    bw, bb = TYPE_INFO[type_name]
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = as_uint8_tensor(data)
+    if n % bw or raw.numel() != n // bw * bb:
+        raise ValueError(f"{type_name} tensor of shape {tuple(shape)} needs {n // bw * bb} bytes "
+                         f"({n} weights in {bw}-weight blocks of {bb} bytes), got {raw.numel()}")
+    return dequantize_blocks(raw.view(n // bw, bb), type_name).view(shape)

@@ -1,9 +1,12 @@
 """GGUF files (llama.cpp) through the `gguf` package: every architecture a family of `model/families/` answers to.
 
 The file is parsed by `gguf_reader` (a lean reader; `gguf.GGUFReader` is ~20x slower on big
-vocabularies). Quantized tensors (Q4_0/Q4_1/Q5_x/Q8_0/K-quants) are dequantized to the compute dtype with
-`gguf.quants.dequantize`. llama.cpp's converter permutes the q/k rows of llama models into the
-adjacent-pair RoPE layout; the family's rules undo that so the weights match HF's rotate-half layout exactly.
+vocabularies). Every tensor's type is checked before any is read (`check_types`: a type outside
+`dequant.SUPPORTED_TYPES` is a CheckpointError naming the tensor and the type), then quantized tensors
+(Q4_0/Q4_1/Q5_x/Q8_0, K-quants, IQ4_NL/IQ4_XS, ...) are dequantized by the torch dequantizers of `dequant.py`
+(bit-equal to `gguf.quants`) and cast to the compute dtype. llama.cpp's converter permutes the q/k rows of llama
+models into the adjacent-pair RoPE layout; the family's rules undo that so the weights match HF's rotate-half
+layout exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from scratchlm.model.loading.common import (
     optional_tokenizer,
     require_file,
 )
-from scratchlm.model.loading.dequant import dequantize
+from scratchlm.model.loading.dequant import SUPPORTED_TYPES, dequantize
 from scratchlm.model.loading.gguf_reader import GGUFTensor, read_gguf
 
 
@@ -39,6 +42,23 @@ def _dequantize(t: GGUFTensor, source: str) -> Tensor:
         return dequantize(t.data, t.type_name, t.shape)
     except ValueError as e:
         raise CheckpointError(f"{source}: tensor {t.name}: {e}") from None
+
+
+def check_types(tensors: dict[str, GGUFTensor], source: str | Path) -> None:
+    """Raise CheckpointError before any work when a tensor has a type scratchlm cannot dequantize.
+
+    The message names the first such tensor and its type, how many others there are, and the supported types.
+    Every GGUF loader calls it right after `read_gguf` (the packed loader too: its packed types are a subset)."""
+    bad = [(name, t.type_name) for name, t in tensors.items() if t.type_name not in SUPPORTED_TYPES]
+    if not bad:
+        return
+    name, type_name = bad[0]
+    more = ""
+    if len(bad) > 1:
+        others = sorted({t for _, t in bad[1:]})
+        more = f" (and {len(bad) - 1} more tensor{'s' * (len(bad) > 2)} of type {', '.join(others)})"
+    raise CheckpointError(f"{source}: tensor {name} has type {type_name}, which scratchlm cannot read{more}; "
+                          f"supported: {', '.join(SUPPORTED_TYPES)}")
 
 
 def gguf_family(meta: dict[str, Any], source: str) -> Family:
@@ -88,6 +108,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         meta, tensors = read_gguf(path)
     except (ValueError, OSError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    check_types(tensors, path)
     config, arch = config_from_gguf(meta, tensors, str(path))
     rules = gguf_rules(meta, config, tensors, str(path))
     log.info("loading GGUF %s (%s): %d layers, d_model %d, vocab %d", path.name, arch, config.n_layers,
