@@ -43,6 +43,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "simd_common.h"
 #include "skinny_gemm.h"
 
@@ -220,41 +222,164 @@ PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, con
   }
 }
 
-// AVX2: 6 rows x one panel (2 x 8 lanes): 12 accumulators.
+// ---- AVX2 + FMA (16 ymm registers): packed x, 6 x 16 micro-tiles, k-chunks that stay in L1 ----
+//
+// A 6-row x 16-column tile keeps 12 accumulators, the 2 vectors of a panel's k step and one broadcast x element in
+// the 16 registers (per k step 12 FMAs for 2 loads + 6 broadcasts: FMA-bound). x is packed per call into tiles of
+// <= 6 rows, k-major (the 6 elements of a k step side by side), so the broadcasts read one sequential stream from
+// L1/L2 instead of 6 rows 4*K bytes apart. Each panel is cut into k-chunks whose 64-byte lines (kc * 64 bytes, sized
+// to about half of L1d) stay in L1 while every row tile of the block passes over them, the partial sums going to
+// y (load-add-store per chunk). The packed rows of a block are sized to about 3/8 of L2, so larger M (or K) runs
+// in row blocks, each streaming the weights again (from L3 for SmolLM2's matrices). Loop order: row block > panel
+// > k-chunk > row tile: a panel is read front to back, once per row block. With 2+ row tiles, the first tiles of
+// each chunk prefetch the next chunk (of this panel or the next) into L1, spread over their k steps, so the
+// weights' memory latency overlaps the FMAs of the other tiles (decode batches of 7-64 rows); one tile (<= 6 rows)
+// leaves it to the hardware prefetchers. The tile before this (6 x 16 over unpacked x, whole-K panels, stores of
+// the accumulators on every k step from an aliased array) ran at 45 % of the core's AVX2 peak at 512 rows, oneDNN
+// at 86 %; measured in benchmarks/fp32_gemm.py.
+
+struct Avx2Blocking {
+  int64_t kc_max, a_floats;  // the longest k-chunk (k steps), floats of packed x per row block
+};
+
+// From the data caches: a chunk of kc * 64 bytes plus a 6-row tile of packed x (24 * kc bytes) in 70 % of L1d,
+// packed x in 3/8 of L2 (Zen 3: 32 KiB / 512 KiB -> kc 256, 48 Ki floats; Zen 5: 48 KiB / 1 MiB -> 384, 96 Ki).
+inline const Avx2Blocking& avx2_blocking() {
+  static const Avx2Blocking b = [] {
+    long l1 = 0, l2 = 0;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+    l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (l1 <= 0) l1 = 32 << 10;
+    if (l2 <= 0) l2 = 512 << 10;
+    const int64_t kc = std::clamp<int64_t>(l1 * 7 / 10 / (64 + 24) / 32 * 32, 128, 512);
+    const int64_t a = std::clamp<int64_t>(l2 * 3 / 8 / 4, 16 << 10, 256 << 10);
+    return Avx2Blocking{kc, a};
+  }();
+  return b;
+}
+
+constexpr int kAvx2Rows = 6;
+
+// One 16-column chunk of y rows c .. c+MR-1 (row stride ldc) += / = packed x tile a (kc, MR) @ panel chunk b (kc, 16);
+// `valid` columns are written (16: whole vectors; `stream`: non-temporal stores, 32-byte aligned rows).
+// Prefetches pf_lines 64-byte lines from pf on the way, one every kc / pf_lines k steps.
 template <int MR>
-AVX2_FN void tile256(const float* x, int64_t ldx, int64_t K, const float* w, const Dest& d, int64_t m) {
+AVX2_FN void micro256(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, bool add, int valid,
+                      bool stream, const char* pf, int64_t pf_lines) {
   __m256 acc[MR][2];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* xr = x + m * ldx;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wv = w + k * kLanes;
-    _mm_prefetch(reinterpret_cast<const char*>(wv + kPrefetchLines * kLanes), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(wv), b1 = _mm256_loadu_ps(wv + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(xr + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+  int64_t k = 0;
+  if (pf_lines > 0) {  // the k steps with a prefetch: `every` steps apart
+    const int64_t every = std::max<int64_t>(1, kc / pf_lines);
+    for (int64_t l = 0; l < pf_lines && k < kc; ++l) {
+      _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+      for (const int64_t end = std::min(kc, k + every); k < end; ++k, a += MR, b += kLanes) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256 x = _mm256_broadcast_ss(a + r);
+          acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+        }
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    float out[kLanes];
-    _mm256_storeu_ps(out, acc[r][0]);
-    _mm256_storeu_ps(out + 8, acc[r][1]);
-    float* y = d.y + (m + r) * d.ld;
-    for (int64_t j = 0; j < d.valid; ++j) y[j] = out[j];
+  for (; k < kc; ++k, a += MR, b += kLanes) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  if (valid == kLanes) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      float* cr = c + r * ldc;
+      __m256 lo = acc[r][0], hi = acc[r][1];
+      if (add) lo = _mm256_add_ps(lo, _mm256_loadu_ps(cr)), hi = _mm256_add_ps(hi, _mm256_loadu_ps(cr + 8));
+      if (stream) _mm256_stream_ps(cr, lo), _mm256_stream_ps(cr + 8, hi);
+      else _mm256_storeu_ps(cr, lo), _mm256_storeu_ps(cr + 8, hi);
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      alignas(32) float out[kLanes];
+      _mm256_store_ps(out, acc[r][0]);
+      _mm256_store_ps(out + 8, acc[r][1]);
+      float* cr = c + r * ldc;
+      for (int j = 0; j < valid; ++j) cr[j] = add ? cr[j] + out[j] : out[j];
+    }
   }
 }
 
-AVX2_FN inline void block256(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const Dest& d) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile256<6>(x, ldx, K, w, d, m);
-  switch (M - m) {
-    case 5: tile256<5>(x, ldx, K, w, d, m); break;
-    case 4: tile256<4>(x, ldx, K, w, d, m); break;
-    case 3: tile256<3>(x, ldx, K, w, d, m); break;
-    case 2: tile256<2>(x, ldx, K, w, d, m); break;
-    case 1: tile256<1>(x, ldx, K, w, d, m); break;
-    default: break;
+using Micro256 = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, int, bool, const char*, int64_t);
+
+// M rows split into tiles of at most 6, as even as possible (the first `extra` tiles one row more).
+struct RowTiles {
+  int64_t n, base, extra;
+  explicit RowTiles(int64_t m) : n((m + kAvx2Rows - 1) / kAvx2Rows), base(m / n), extra(m % n) {}
+  int rows(int64_t t) const { return static_cast<int>(base + (t < extra ? 1 : 0)); }
+};
+
+// x rows (mc of them, row stride ldx, all K) -> the tiles of RowTiles(mc), one after another: a tile of r rows
+// starting at row m lies at a + m * K, element (k, i) at [k * r + i].
+inline void pack_rows(const float* x, int64_t ldx, int64_t mc, int64_t K, float* a) {
+  const RowTiles T(mc);
+  for (int64_t t = 0, m = 0; t < T.n; m += T.rows(t), ++t) {
+    const int r = T.rows(t);
+    float* at = a + m * K;
+    for (int i = 0; i < r; ++i) {
+      const float* xr = x + (m + i) * ldx;
+      for (int64_t k = 0; k < K; ++k) at[k * r + i] = xr[k];
+    }
+  }
+}
+
+// Panels [p0, p1) of y = x @ W^T for all M rows (one thread's share), by the loop order above.
+AVX2_FN inline void panels256(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t P,
+                              int64_t p0, int64_t p1, const PanelOut* outs, int nouts, bool stream) {
+  static constexpr Micro256 tab[kAvx2Rows + 1] = {nullptr, micro256<1>, micro256<2>, micro256<3>, micro256<4>,
+                                                  micro256<5>, micro256<6>};
+  const Avx2Blocking& blk = avx2_blocking();
+  const int64_t mc_max = std::max<int64_t>(kAvx2Rows, blk.a_floats / K / kAvx2Rows * kAvx2Rows);
+  const int64_t blocks = (M + mc_max - 1) / mc_max;
+  const int64_t mc_step = ((M + blocks - 1) / blocks + kAvx2Rows - 1) / kAvx2Rows * kAvx2Rows;
+  static thread_local std::vector<float> packed;
+  if (packed.size() < static_cast<size_t>(mc_step * K)) packed.resize(mc_step * K);
+  float* a = packed.data();
+  for (int64_t m0 = 0; m0 < M; m0 += mc_step) {
+    const int64_t mc = std::min(mc_step, M - m0);
+    pack_rows(x + m0 * ldx, ldx, mc, K, a);
+    const RowTiles T(mc);
+    const int64_t chunks = T.n == 1 ? 1 : (K + blk.kc_max - 1) / blk.kc_max;
+    const int64_t kc_step = (K + chunks - 1) / chunks;
+    for (int64_t p = p0; p < p1; ++p) {
+      const Dest d = dest_of(outs, nouts, p);
+      if (d.valid <= 0) continue;
+      const float* wp = w + p * K * kLanes;
+      float* yp = d.y + m0 * d.ld;
+      const bool nt = stream && d.valid == kLanes && reinterpret_cast<uintptr_t>(d.y) % 32 == 0 && d.ld % 8 == 0;
+      for (int64_t k0 = 0; k0 < K; k0 += kc_step) {
+        const int64_t kc = std::min(kc_step, K - k0);
+        const bool last = k0 + kc >= K;
+        // the chunk after this one (the next of this panel, or the first of the next panel in this thread's share)
+        const float* next = last ? (p + 1 < p1 ? wp + K * kLanes : nullptr) : wp + (k0 + kc) * kLanes;
+        const int64_t lines = next != nullptr && T.n > 1 ? std::min(kc_step, last ? K : K - k0 - kc) : 0;
+        const int64_t share = (lines + T.n - 1) / std::max<int64_t>(1, T.n);
+        int64_t done = 0;
+        for (int64_t t = 0, m = 0; t < T.n; m += T.rows(t), ++t) {
+          const int r = T.rows(t);
+          const int64_t n = std::min(share, lines - done);
+          tab[r](a + m * K + k0 * r, wp + k0 * kLanes, kc, yp + m * d.ld, d.ld, k0 > 0, static_cast<int>(d.valid),
+                 nt && last, reinterpret_cast<const char*>(next) + done * 64, n);
+          done += n;
+        }
+      }
+    }
   }
 }
 #endif
@@ -347,8 +472,12 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     return;
   }
   if (path == 1) {
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) block256(x, ldx, M, K, w + p * K * kLanes, dest_of(outs, nouts, p));
+    const bool stream = streaming().load(std::memory_order_relaxed) && M * P * kLanes * 4 >= kStreamOutBytes &&
+                        P * K * kLanes * 4 >= kStreamWeightBytes;
+    const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * kLanes));
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      panels256(x, ldx, M, K, w, P, p0, p1, outs, nouts, stream);
+      if (stream) _mm_sfence();
     });
     return;
   }
