@@ -201,6 +201,7 @@ inline void prepare_x(const float* x, int64_t M, int64_t K, GType t, bool vnni, 
 #define B32_AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define B32_VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 
+constexpr int64_t kAhead = 4;  // tiles ahead to prefetch (measured: 2-4 best, 1 and 6 worse)
 enum Kind : int { kQ5_0 = 0, kQ5_1 = 1, kIQ4NL = 2 };
 constexpr int64_t kBytes[3] = {22, 24, 18}, kQs[3] = {6, 8, 2};
 
@@ -217,7 +218,8 @@ B32_AVX2_FN inline void codes_t8(const uint8_t* p, int64_t rb, __m256i C[4]) {
 }
 
 // The headers of one block of 8 rows (p: row 0's block start): d (and m) as floats, qh as dwords, lane i = row i.
-// Words of a header: Q5_0 d, qh lo, qh hi; Q5_1 d, m, qh lo, qh hi; IQ4_NL d.
+// Words of a header: Q5_0 d, qh lo, qh hi; Q5_1 d, m, qh lo, qh hi; IQ4_NL d. (Two vpgatherdd instead: measured
+// 25 % slower on Zen 4, and gathers are slower still on Intel cores with the GDS microcode.)
 template <int T>
 B32_AVX2_FN inline void header_t8(const uint8_t* p, int64_t rb, __m256& d, __m256& m, __m256i& qh) {
   __m256i Z[4];
@@ -249,10 +251,9 @@ B32_AVX2_FN inline void planes(__m256i qh, __m256i P[8]) {
   P[4] = plane<4>(qh), P[5] = plane<5>(qh), P[6] = plane<6>(qh), P[7] = plane<7>(qh);
 }
 
-B32_AVX2_FN inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
+B32_AVX2_FN inline __m256i bcast4(const int8_t* p) {  // a plain load, so that EVEX code folds it into the dot
+  return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p));
 }
 
 // Where one call's x rows are: xq (M, nb * 32), dx / sx (M, nb), xp (M, nb, 32), corr (M, nb).
@@ -285,7 +286,8 @@ B32_VNNI_FN inline void rows8_vnni(const uint8_t* q, int64_t rb, const XView& x,
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
-    for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+    if (pf)
+      for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
     const uint8_t* p = q + b * BB;
     __m256i C[4], L[4], H[4], P[8], qh;
     __m256 d, m;
@@ -337,7 +339,8 @@ B32_AVX2_FN inline void rows8_avx2(const uint8_t* q, int64_t rb, const XView& x,
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
-    for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+    if (pf)
+      for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
     const uint8_t* p = q + b * BB;
     __m256i C[4], W[8], P[8], qh;
     __m256 d, m;
@@ -381,6 +384,164 @@ B32_AVX2_FN inline void rows8_avx2(const uint8_t* q, int64_t rb, const XView& x,
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// ------------------------------------------------------------------ 8-row panels (the tile unpacked once)
+// Paths 8 (AVX512-VNNI) and 9 (AVX2), for several rows of x: each 8-row tile is unpacked ONCE per call into an L1
+// panel (per block 8 chunk vectors, lane i = row i, chunk c = weights 4c .. 4c + 3, chunk 4 + c = 16 + 4c ..) of
+// finished codes: Q5's 5 bits (the 5th bit spread from qh into the chunk's bytes: a byte shuffle replicating one
+// qh byte across each lane, and + compare against the bit of each byte, and 0x10, or), IQ4_NL's codebook values
+// (+ 128 for VNNI) -- and the blocks' d (and m) as (nb, 8) floats. Every x row then costs 8 dot instructions per
+// block (the in-register kernels above pay 16 for Q5: codes and 5th-bit planes). The integer sums are the same
+// integers and the float work is block_out's, so paths 8 / 9 equal paths 6 / 7 bit for bit.
+template <int T, bool VNNI>
+B32_AVX2_FN inline void unpack_tile(const uint8_t* q, int64_t rb, int64_t nb, uint8_t* panel, float* dT, float* mT,
+                                    const char* pf) {
+  constexpr int64_t BB = kBytes[T], QS = kQs[T];
+  const __m256i lo = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(0x10);
+  const __m256i tab = VNNI ? _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39,
+                                              -15, 1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59,
+                                              -39, -15)
+                           : _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                              -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m256i bm[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
+  for (int64_t b = 0; b < nb; ++b) {
+    if (pf)
+      for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+    const uint8_t* p = q + b * BB;
+    __m256i C[4], qh;
+    __m256 d, m;
+    codes_t8(p + QS, rb, C);
+    header_t8<T>(p, rb, d, m, qh);
+    __m256i V[4];  // V[j]: byte j of each row's qh in all 4 bytes of its lane
+    if constexpr (T != kIQ4NL)
+      for (int j = 0; j < 4; ++j)
+        V[j] = _mm256_shuffle_epi8(qh, _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12,
+                                                                        12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12,
+                                                                        12, 12),
+                                                       _mm256_set1_epi8(static_cast<char>(j))));
+    uint8_t* out = panel + b * 256;
+    for (int c = 0; c < 4; ++c) {
+      __m256i l = _mm256_and_si256(C[c], lo), h = _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo);
+      if constexpr (T == kIQ4NL) {
+        l = _mm256_shuffle_epi8(tab, l), h = _mm256_shuffle_epi8(tab, h);
+      } else {  // weights 4c + k: bit 4c + k of qh = bit 4 (c & 1) + k of byte c / 2 (16 + 4c + k: of byte 2 + c / 2)
+        const __m256i m0 = bm[c & 1];
+        l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(V[c / 2], m0), m0), b16));
+        h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(V[2 + c / 2], m0), m0), b16));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * c), l);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + 128 + 32 * c), h);
+    }
+    _mm256_storeu_ps(dT + 8 * b, d);
+    if constexpr (T == kQ5_1) _mm256_storeu_ps(mT + 8 * b, m);
+  }
+}
+
+template <int T, int MR>
+B32_VNNI_FN inline void panel_rows_vnni(const uint8_t* panel, const float* dT, const float* mT, const XView& x,
+                                        int64_t r0, float* y, int64_t ldy) {
+  __m256 acc[MR];
+  __m256 m = _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i W[8];
+    for (int j = 0; j < 8; ++j) W[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + b * 256 + 32 * j));
+    const __m256 d = _mm256_loadu_ps(dT + 8 * b);
+    if constexpr (T == kQ5_1) m = _mm256_loadu_ps(mT + 8 * b);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb_ = (r0 + r) * x.nb + b;
+      const int8_t* xb = x.xq + rb_ * 32;
+      __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        il = _mm256_dpbusd_epi32(il, W[c], bcast4(xb + 4 * c));
+        ih = _mm256_dpbusd_epi32(ih, W[4 + c], bcast4(xb + 16 + 4 * c));
+      }
+      acc[r] = block_out<T>(acc[r], _mm256_add_epi32(il, ih), d, m, x, rb_);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int T, int MR>
+B32_AVX2_FN inline void panel_rows_avx2(const uint8_t* panel, const float* dT, const float* mT, const XView& x,
+                                        int64_t r0, float* y, int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  __m256 m = _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i W[8];
+    for (int j = 0; j < 8; ++j) W[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + b * 256 + 32 * j));
+    const __m256 d = _mm256_loadu_ps(dT + 8 * b);
+    if constexpr (T == kQ5_1) m = _mm256_loadu_ps(mT + 8 * b);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb_ = (r0 + r) * x.nb + b;
+      const int8_t* xb = x.xq + rb_ * 32;
+      __m256i is;
+      if constexpr (T == kIQ4NL) {  // the sign trick, one madd per chunk (pairs up to 2 * 127 * 127)
+        __m256i s[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m256i a = _mm256_maddubs_epi16(_mm256_abs_epi8(W[c]), _mm256_sign_epi8(bcast4(xb + 4 * c), W[c]));
+          const __m256i e = _mm256_maddubs_epi16(_mm256_abs_epi8(W[4 + c]),
+                                                 _mm256_sign_epi8(bcast4(xb + 16 + 4 * c), W[4 + c]));
+          s[c] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(e, ones));
+        }
+        is = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
+      } else {  // 5-bit codes: four pairs of 2 * 31 * 127 summed in int16 (31496 < 2^15), one madd per half
+        __m256i t[8];
+        for (int c = 0; c < 4; ++c) {
+          t[c] = _mm256_maddubs_epi16(W[c], bcast4(xb + 4 * c));
+          t[4 + c] = _mm256_maddubs_epi16(W[4 + c], bcast4(xb + 16 + 4 * c));
+        }
+        const __m256i l = _mm256_add_epi16(_mm256_add_epi16(t[0], t[1]), _mm256_add_epi16(t[2], t[3]));
+        const __m256i h = _mm256_add_epi16(_mm256_add_epi16(t[4], t[5]), _mm256_add_epi16(t[6], t[7]));
+        is = _mm256_add_epi32(_mm256_madd_epi16(l, ones), _mm256_madd_epi16(h, ones));
+      }
+      acc[r] = block_out<T>(acc[r], is, d, m, x, rb_);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Weight rows n0 .. n1 against every row of x through panels (path 8: vnni, 9: AVX2); ragged end as tile8.
+template <int T>
+inline void tile_panel(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
+  const int64_t rb = w.row_bytes, nb = x.nb;
+  std::vector<uint8_t> store(nb * 256 + 64), pad;
+  uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
+  std::vector<float> dT(nb * 8), mT(T == kQ5_1 ? nb * 8 : 0), ybuf;
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int64_t valid = std::min<int64_t>(8, w.N - n);
+    const uint8_t* q = w.raw + n * rb;
+    float* yt = y + n;
+    int64_t ldy = w.N;
+    if (valid < 8) {
+      pad.assign(8 * rb, 0);
+      std::memcpy(pad.data(), q, valid * rb);
+      q = pad.data();
+      ybuf.assign(M * 8, 0.f), yt = ybuf.data(), ldy = 8;
+    }
+    const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 8 * kAhead) * rb;
+    if (vnni) unpack_tile<T, true>(q, rb, nb, panel, dT.data(), mT.data(), pf);
+    else unpack_tile<T, false>(q, rb, nb, panel, dT.data(), mT.data(), pf);
+    int64_t r = 0;
+    const float *d = dT.data(), *m = mT.data();
+    // x rows per call (measured, one Zen 4 core: VNNI 8 > 6 > 4; AVX2 4 for Q5, 2 for IQ4_NL's longer chains)
+    if (vnni) {
+      for (; r + 8 <= M; r += 8) panel_rows_vnni<T, 8>(panel, d, m, x, r, yt + r * ldy, ldy);
+      for (; r + 4 <= M; r += 4) panel_rows_vnni<T, 4>(panel, d, m, x, r, yt + r * ldy, ldy);
+      for (; r + 2 <= M; r += 2) panel_rows_vnni<T, 2>(panel, d, m, x, r, yt + r * ldy, ldy);
+      if (r < M) panel_rows_vnni<T, 1>(panel, d, m, x, r, yt + r * ldy, ldy);
+    } else {
+      constexpr int R = T == kIQ4NL ? 2 : 4;
+      for (; r + R <= M; r += R) panel_rows_avx2<T, R>(panel, d, m, x, r, yt + r * ldy, ldy);
+      for (; r + 2 <= M; r += 2) panel_rows_avx2<T, 2>(panel, d, m, x, r, yt + r * ldy, ldy);
+      if (r < M) panel_rows_avx2<T, 1>(panel, d, m, x, r, yt + r * ldy, ldy);
+    }
+    if (valid < 8)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * 8, valid * sizeof(float));
+  }
+}
+
 // Weight rows n0 .. n1 (a multiple of 8 apart, or the ragged end) against every row of x: tiles of 8 rows, each
 // meeting the x rows in chunks of MR (VNNI: 4, 2, 1; AVX2: 2, 1; the transposed block is rebuilt per chunk).
 // A ragged last tile (N % 8 rows) is copied into a zero-padded tile (d = 0 rows add nothing) and its outputs
@@ -401,24 +562,27 @@ inline void tile8(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0
       q = pad.data();
       ybuf.assign(M * 8, 0.f), yt = ybuf.data(), ldy = 8;
     }
-    // the tile two ahead, spread over the blocks (a prefetch past the end cannot fault)
-    const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 16) * rb;
+    // the tile kAhead ahead, spread over the blocks (a prefetch past the end cannot fault; without it Q5_0 and
+    // IQ4_NL rows, 396 and 324 bytes, ran at 3 GB/s out of cache: the hardware prefetchers miss 8 such streams)
+    const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 8 * kAhead) * rb;
     int64_t r = 0;
+    const char* p = pf;  // the prefetch rides on the first x chunk only
     if (vnni) {
-      for (; r + 4 <= M; r += 4) rows8_vnni<T, 4>(q, rb, x, r, yt + r * ldy, ldy, pf);
-      for (; r + 2 <= M; r += 2) rows8_vnni<T, 2>(q, rb, x, r, yt + r * ldy, ldy, pf);
-      if (r < M) rows8_vnni<T, 1>(q, rb, x, r, yt + r * ldy, ldy, pf);
+      for (; r + 4 <= M; r += 4, p = nullptr) rows8_vnni<T, 4>(q, rb, x, r, yt + r * ldy, ldy, p);
+      for (; r + 2 <= M; r += 2, p = nullptr) rows8_vnni<T, 2>(q, rb, x, r, yt + r * ldy, ldy, p);
+      if (r < M) rows8_vnni<T, 1>(q, rb, x, r, yt + r * ldy, ldy, p);
     } else {
-      for (; r + 2 <= M; r += 2) rows8_avx2<T, 2>(q, rb, x, r, yt + r * ldy, ldy, pf);
-      if (r < M) rows8_avx2<T, 1>(q, rb, x, r, yt + r * ldy, ldy, pf);
+      for (; r + 2 <= M; r += 2, p = nullptr) rows8_avx2<T, 2>(q, rb, x, r, yt + r * ldy, ldy, p);
+      if (r < M) rows8_avx2<T, 1>(q, rb, x, r, yt + r * ldy, ldy, p);
     }
     if (valid < 8)
       for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * 8, valid * sizeof(float));
   }
 }
 
-// y (M, N) = x W^T through the 8-row integer kernels (path 6: vnni, path 7: AVX2).
-inline void gemm_t8(const float* x, int64_t M, const GMat& w, float* y, bool vnni) {
+// y (M, N) = x W^T through the integer kernels: in registers (path 6: VNNI, 7: AVX2) or panels (8: VNNI, 9: AVX2).
+inline void gemm_int(const float* x, int64_t M, const GMat& w, float* y, int path) {
+  const bool vnni = path == 6 || path == 8, panel = path >= 8;
   XPrep prep;
   prepare_x(x, M, w.K, w.type, vnni, prep);
   const XView xv{prep.a.q.data(), prep.xp.empty() ? nullptr : prep.xp.data(), prep.a.dx.data(), prep.a.sx.data(),
@@ -428,9 +592,9 @@ inline void gemm_t8(const float* x, int64_t M, const GMat& w, float* y, bool vnn
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * 8, n1 = std::min(w.N, t1 * 8);
     switch (w.type) {
-      case GType::Q5_0: return tile8<kQ5_0>(xv, M, w, y, n0, n1, vnni);
-      case GType::Q5_1: return tile8<kQ5_1>(xv, M, w, y, n0, n1, vnni);
-      default: return tile8<kIQ4NL>(xv, M, w, y, n0, n1, vnni);
+      case GType::Q5_0: return panel ? tile_panel<kQ5_0>(xv, M, w, y, n0, n1, vnni) : tile8<kQ5_0>(xv, M, w, y, n0, n1, vnni);
+      case GType::Q5_1: return panel ? tile_panel<kQ5_1>(xv, M, w, y, n0, n1, vnni) : tile8<kQ5_1>(xv, M, w, y, n0, n1, vnni);
+      default: return panel ? tile_panel<kIQ4NL>(xv, M, w, y, n0, n1, vnni) : tile8<kIQ4NL>(xv, M, w, y, n0, n1, vnni);
     }
   });
 }
@@ -448,15 +612,20 @@ inline bool b32_handles(GType t) { return t == GType::Q5_0 || t == GType::Q5_1 |
 inline void b32_dequantize_rows(const GMat& w, int64_t n0, int64_t n1, float* out) { b32::dequantize_rows(w, n0, n1, out); }
 
 // The path b32_gemm runs for M rows of x when asked for `path` (-1: the default for this CPU and M). A path this
-// CPU lacks is replaced by the best it has (6 -> 7 without AVX512-VNNI, 6 / 7 -> 0 without AVX2).
+// CPU lacks is replaced by the best it has (6 -> 7 and 8 -> 9 without AVX512-VNNI, 6 .. 9 -> 0 without AVX2).
+// Default (measured, benchmarks/gguf_gemv.py and docs/quantization.md): the in-register kernel for 1 row of x (2
+// with VNNI), the panels above, prefill included.
 inline int b32_resolve_path(const GMat& w, int64_t M, int path) {
   (void)b32::layout(w.type);  // throws for a type this header does not handle
-  if (path != -1 && path != 0 && path != 6 && path != 7)
-    throw std::invalid_argument("b32_gemm: unknown code path " + std::to_string(path) + " (paths: -1, 0, 6, 7)");
-  const int best = b32::cpu_vnni() ? 6 : b32::cpu_avx2() ? 7 : 0;
-  if (path < 0) return M > scratchlm_qgemm::kMaxRows ? 0 : best;
-  if (path == 6 && best != 6) return best;
-  if (path == 7 && best == 0) return 0;
+  if (path != -1 && path != 0 && (path < 6 || path > 9))
+    throw std::invalid_argument("b32_gemm: unknown code path " + std::to_string(path) + " (paths: -1, 0, 6, 7, 8, 9)");
+  const bool vnni = b32::cpu_vnni(), avx2 = b32::cpu_avx2();
+  if (path < 0) {
+    if (!avx2) return 0;
+    return M <= (vnni ? 2 : 1) ? (vnni ? 6 : 7) : (vnni ? 8 : 9);
+  }
+  if (path == 0 || !avx2) return 0;
+  if (!vnni && (path == 6 || path == 8)) return path + 1;
   return path;
 }
 
@@ -465,7 +634,7 @@ inline void b32_gemm(const float* x, int64_t M, const GMat& w, float* y, int pat
   const int p = b32_resolve_path(w, M, path);
   if (M == 0 || w.N == 0) return;
 #ifdef SCRATCHLM_X86
-  if (p == 6 || p == 7) return b32::gemm_t8(x, M, w, y, p == 6);
+  if (p != 0) return b32::gemm_int(x, M, w, y, p);
 #endif
   if (M > scratchlm_qgemm::kMaxRows) return b32::gemm_float_dequantized(x, M, w, y);
   b32::gemm_float_rows(x, M, w, y);

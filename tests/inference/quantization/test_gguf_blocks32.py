@@ -2,9 +2,10 @@
 
 Oracles that share no code with the kernels: gguf.quants' numpy dequantizers (the dequantized rows must equal them
 bit for bit) and a float64 matmul of those values. Path 0 (float x) is exact up to float32 summation order; the
-integer paths (6 AVX512-VNNI, 7 AVX2) round x to int8 per 32-block and are held to that rounding's bound
-(helpers.integer_bound). Every path this CPU runs is forced, for rows of x across the decode / prefill boundary and a
-row count N that is not a multiple of 8; the AVX2 code is also checked under SCRATCHLM_ISA=avx2 in a subprocess.
+integer paths (6 / 8 AVX512-VNNI, 7 / 9 AVX2: in registers / panels) round x to int8 per 32-block and are held to
+that rounding's bound (helpers.integer_bound). Every path this CPU runs is forced, for rows of x across the decode /
+prefill boundary and a row count N that is not a multiple of 8; the AVX2 code is also checked under
+SCRATCHLM_ISA=avx2 in a subprocess.
 Until the engine binds `gguf_linear`, the header is compiled into a small test-only extension.
 """
 
@@ -71,13 +72,16 @@ def load_test_extension():
     digest = hashlib.sha1(_SOURCE.encode() + " ".join(ce.CFLAGS).encode())
     for path in sorted(CSRC.glob("*.h")):
         digest.update(path.name.encode() + path.read_bytes())
-    directory = ce.build_dir() / f"gguf_blocks32_test-{digest.hexdigest()[:10]}"
+    where = hashlib.sha1(str(CSRC).encode()).hexdigest()[:10]  # one folder per checkout, as cpp_extensions
+    directory = ce.build_dir() / f"gguf_blocks32_test-{where}-{digest.hexdigest()[:10]}"
     directory.mkdir(parents=True, exist_ok=True)
     ce._put_venv_ninja_on_path()
-    return load_inline(name="gguf_blocks32_test", cpp_sources=[_SOURCE],
+    module = load_inline(name="gguf_blocks32_test", cpp_sources=[_SOURCE],
                        functions=["gguf_linear", "gguf_dequantize", "gguf_resolved_path", "isa"],
                        extra_cflags=ce.CFLAGS + [f"-I{CSRC}"], extra_ldflags=["-fopenmp"],
                        build_directory=str(directory))
+    ce._remove_superseded(directory, f"gguf_blocks32_test-{where}")
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +110,9 @@ def oracle(raw: np.ndarray, qtype: QT) -> torch.Tensor:
 
 
 def integer_paths(ext) -> list[int]:
-    """The integer paths this CPU runs itself: 7 (AVX2) and 6 (AVX512-VNNI) where present."""
+    """The integer paths this CPU runs itself: 7 and 9 (AVX2: in registers, panels), 6 and 8 (AVX512-VNNI)."""
     isa = ext.isa()
-    return ([7] if isa != "scalar" else []) + ([6] if isa == "avx512-vnni" else [])
+    return ([7, 9] if isa != "scalar" else []) + ([6, 8] if isa == "avx512-vnni" else [])
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -145,8 +149,8 @@ def test_every_path_against_float64(ext, name):
             assert_within_integer_bound(got, x, wd, f"{name} path {path}, M={m}")
             if first is None:
                 first = got
-            else:  # the same integer sums and float order: 6 and 7 agree exactly
-                assert torch.equal(got, first), f"{name}: paths 6 and 7 differ at M={m}"
+            else:  # the same integer sums and float order: paths 6 .. 9 agree exactly
+                assert torch.equal(got, first), f"{name}: path {path} differs from path 7 at M={m}"
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -187,10 +191,24 @@ def test_extreme_codes(ext):
             assert_within_integer_bound(got, x, wd, f"{qtype.name} extremes, path {path}")
 
 
+def test_default_paths(ext):
+    """-1: the in-register kernel for one row (two with VNNI), the panels above, prefill included; path 0 without
+    AVX2; a forced path this CPU lacks resolves to the one it has."""
+    raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
+    isa = ext.isa()
+    want = {"avx512-vnni": [6, 6, 8, 8, 8], "scalar": [0] * 5}.get(isa, [7, 9, 9, 9, 9])
+    assert [ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, m, -1) for m in (1, 2, 3, 64, 512)] == want
+    if isa not in ("avx512-vnni", "scalar"):
+        assert ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, 1, 6) == 7
+        assert ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, 1, 8) == 9
+
+
 def test_unknown_path_and_type_are_errors(ext):
     raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
     with pytest.raises(Exception, match="code path"):
         ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 5)
+    with pytest.raises(Exception, match="code path"):
+        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 10)
     with pytest.raises(Exception, match="not Q5_0, Q5_1 or IQ4_NL"):
         ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q4_K), 64, 0)
 
@@ -208,8 +226,10 @@ for name, qtype in t.TYPES.items():
     rt = torch.from_numpy(raw)
     for m in (1, 3, 64, 65):
         assert ext.gguf_resolved_path(rt, int(qtype), 576, m, 6) == 7  # no VNNI under the cap
+        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, 8) == 9
+        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, -1) == (7 if m == 1 else 9)
         x = torch.randn(m, 576)
-        for path in (-1, 6, 7):
+        for path in (-1, 6, 7, 8, 9):
             got = ext.gguf_linear(x, rt, int(qtype), 576, path).double()
             err = (got - x.double() @ wd.double().t()).abs()
             assert (err <= integer_bound(x, wd)).all(), (name, m, path)
@@ -218,7 +238,8 @@ print("ok")
 
 
 def test_avx2_cap_subprocess(ext):
-    """SCRATCHLM_ISA=avx2: the default and a forced path 6 run the AVX2 kernel (7), within the bound."""
+    """SCRATCHLM_ISA=avx2: the default and forced VNNI paths run the AVX2 kernels (6 -> 7, 8 -> 9), within the
+    bound."""
     if ext.isa() == "scalar":
         pytest.skip("no AVX2 on this CPU")
     root = str(Path(__file__).resolve().parents[3])
