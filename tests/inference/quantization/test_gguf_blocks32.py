@@ -6,12 +6,11 @@ integer paths (6 / 8 AVX512-VNNI, 7 / 9 AVX2: in registers / panels) round x to 
 that rounding's bound (helpers.integer_bound). Every path this CPU runs is forced, for rows of x across the decode /
 prefill boundary and a row count N that is not a multiple of 8; the AVX2 code is also checked under
 SCRATCHLM_ISA=avx2 in a subprocess.
-Until the engine binds `gguf_linear`, the header is compiled into a small test-only extension.
+Through the engine extension's bindings (gguf_linear, gguf_dequantize, gguf_resolve_path: csrc/gguf_gemm.h).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -23,70 +22,20 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from tests.inference.quantization.helpers import assert_within_integer_bound
+from tests.inference.quantization.helpers import assert_within_integer_bound, engine_kernels_or_fail
 
-CSRC = Path(__file__).resolve().parents[3] / "scratchlm" / "inference" / "csrc"
 TYPES = {"Q5_0": QT.Q5_0, "Q5_1": QT.Q5_1, "IQ4_NL": QT.IQ4_NL}
 BLOCK_BYTES = {QT.Q5_0: 22, QT.Q5_1: 24, QT.IQ4_NL: 18}
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include "gguf_blocks32.h"
-
-using namespace scratchlm_gguf;
-
-static GMat gmat(const torch::Tensor& raw, int64_t type_id, int64_t K) {
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), "raw: uint8 (N, row_bytes)");
-  return GMat{static_cast<GType>(type_id), raw.size(0), K, raw.size(1), raw.data_ptr<uint8_t>()};
-}
-
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t type_id, int64_t K, int64_t path) {
-  x = x.contiguous();
-  const GMat w = gmat(raw, type_id, K);
-  auto y = torch::empty({x.size(0), w.N}, x.options());
-  b32_gemm(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), static_cast<int>(path));
-  return y;
-}
-
-torch::Tensor gguf_dequantize(torch::Tensor raw, int64_t type_id, int64_t K) {
-  const GMat w = gmat(raw, type_id, K);
-  auto out = torch::empty({w.N, K}, torch::dtype(torch::kFloat));
-  b32_dequantize_rows(w, 0, w.N, out.data_ptr<float>());
-  return out;
-}
-
-int64_t gguf_resolved_path(torch::Tensor raw, int64_t type_id, int64_t K, int64_t M, int64_t path) {
-  return b32_resolve_path(gmat(raw, type_id, K), M, static_cast<int>(path));
-}
-
-std::string isa() { return scratchlm_simd::isa_name(); }
-"""
-
-
-def load_test_extension():
-    """The header compiled with the engine's flags into a module cached per content of csrc/."""
-    from torch.utils.cpp_extension import load_inline
-
-    from scratchlm.inference import cpp_extensions as ce
-
-    digest = hashlib.sha1(_SOURCE.encode() + " ".join(ce.CFLAGS).encode())
-    for path in sorted(CSRC.glob("*.h")):
-        digest.update(path.name.encode() + path.read_bytes())
-    where = hashlib.sha1(str(CSRC).encode()).hexdigest()[:10]  # one folder per checkout, as cpp_extensions
-    directory = ce.build_dir() / f"gguf_blocks32_test-{where}-{digest.hexdigest()[:10]}"
-    directory.mkdir(parents=True, exist_ok=True)
-    ce._put_venv_ninja_on_path()
-    module = load_inline(name="gguf_blocks32_test", cpp_sources=[_SOURCE],
-                       functions=["gguf_linear", "gguf_dequantize", "gguf_resolved_path", "isa"],
-                       extra_cflags=ce.CFLAGS + [f"-I{CSRC}"], extra_ldflags=["-fopenmp"],
-                       build_directory=str(directory))
-    ce._remove_superseded(directory, f"gguf_blocks32_test-{where}")
-    return module
 
 
 @pytest.fixture(scope="module")
 def ext():
-    return load_test_extension()
+    return engine_kernels_or_fail()
+
+
+def isa(ext) -> str:
+    """What the kernels run here (honours $SCRATCHLM_ISA): avx512-vnni, avx2 or scalar."""
+    return {2: "avx512-vnni", 1: "avx2"}.get(ext.quant_best_path(), "scalar")
 
 
 def make_raw(qtype: QT, n: int, k: int, seed: int) -> np.ndarray:
@@ -111,8 +60,8 @@ def oracle(raw: np.ndarray, qtype: QT) -> torch.Tensor:
 
 def integer_paths(ext) -> list[int]:
     """The integer paths this CPU runs itself: 7 and 9 (AVX2: in registers, panels), 6 and 8 (AVX512-VNNI)."""
-    isa = ext.isa()
-    return ([7, 9] if isa != "scalar" else []) + ([6, 8] if isa == "avx512-vnni" else [])
+    here = isa(ext)
+    return ([7, 9] if here != "scalar" else []) + ([6, 8] if here == "avx512-vnni" else [])
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -138,13 +87,13 @@ def test_every_path_against_float64(ext, name):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         x[:, 5] *= 30.0  # an outlier channel, as real activations have
         want = x.double() @ wd.double().t()
-        assert ext.gguf_resolved_path(rt, int(qtype), k, m, 0) == 0
+        assert ext.gguf_resolve_path(rt, int(qtype), k, m, 0) == 0
         got = ext.gguf_linear(x, rt, int(qtype), k, 0)
         scale = x.abs().double() @ wd.abs().double().t()
         assert ((got.double() - want).abs() <= 1e-5 * scale + 1e-6).all(), f"{name} path 0, M={m}"
         first = None
         for path in integer_paths(ext):
-            assert ext.gguf_resolved_path(rt, int(qtype), k, m, path) == path
+            assert ext.gguf_resolve_path(rt, int(qtype), k, m, path) == path
             got = ext.gguf_linear(x, rt, int(qtype), k, path)
             assert_within_integer_bound(got, x, wd, f"{name} path {path}, M={m}")
             if first is None:
@@ -192,42 +141,42 @@ def test_extreme_codes(ext):
 
 
 def test_default_paths(ext):
-    """-1: the in-register kernel for one row (two with VNNI), the panels above, prefill included; path 0 without
-    AVX2; a forced path this CPU lacks resolves to the one it has."""
+    """-1 up to 64 rows: the in-register kernel for one row (two with VNNI), the panels above; path 0 without AVX2;
+    a forced path this CPU lacks resolves to the one it has. (Above 64 rows gguf_gemm.h chooses: the panels or its
+    dequantize + fp32 GEMM path.)"""
     raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
-    isa = ext.isa()
-    want = {"avx512-vnni": [6, 6, 8, 8, 8], "scalar": [0] * 5}.get(isa, [7, 9, 9, 9, 9])
-    assert [ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, m, -1) for m in (1, 2, 3, 64, 512)] == want
-    if isa not in ("avx512-vnni", "scalar"):
-        assert ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, 1, 6) == 7
-        assert ext.gguf_resolved_path(raw, int(QT.Q5_0), 64, 1, 8) == 9
+    here = isa(ext)
+    want = {"avx512-vnni": [6, 6, 8, 8], "scalar": [0] * 4}.get(here, [7, 9, 9, 9])
+    assert [ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, m, -1) for m in (1, 2, 3, 64)] == want
+    assert ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, 512, -1) in (want[-1], ext.gguf_dequant_path())
+    if here not in ("avx512-vnni", "scalar"):
+        assert ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, 1, 6) == 7
+        assert ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, 1, 8) == 9
 
 
-def test_unknown_path_and_type_are_errors(ext):
+def test_unknown_path_is_an_error(ext):
     raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
-    with pytest.raises(Exception, match="code path"):
-        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 5)
-    with pytest.raises(Exception, match="code path"):
-        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, 10)
-    with pytest.raises(Exception, match="not Q5_0, Q5_1 or IQ4_NL"):
-        ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q4_K), 64, 0)
+    for path in (1, 5, 10):
+        with pytest.raises(Exception, match="unknown code path"):
+            ext.gguf_linear(torch.randn(1, 64), raw, int(QT.Q5_0), 64, path)
 
 
 _AVX2_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
 from tests.inference.quantization import test_gguf_blocks32 as t
-from tests.inference.quantization.helpers import integer_bound
-ext = t.load_test_extension()
-assert ext.isa() == "avx2", ext.isa()
+from tests.inference.quantization.helpers import integer_bound, engine_kernels_or_fail
+ext = engine_kernels_or_fail()
+assert t.isa(ext) == "avx2", t.isa(ext)
 for name, qtype in t.TYPES.items():
     raw = t.make_raw(qtype, 21, 576, seed=3)
     wd = t.oracle(raw, qtype)
     rt = torch.from_numpy(raw)
     for m in (1, 3, 64, 65):
-        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, 6) == 7  # no VNNI under the cap
-        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, 8) == 9
-        assert ext.gguf_resolved_path(rt, int(qtype), 576, m, -1) == (7 if m == 1 else 9)
+        assert ext.gguf_resolve_path(rt, int(qtype), 576, m, 6) == 7  # no VNNI under the cap
+        assert ext.gguf_resolve_path(rt, int(qtype), 576, m, 8) == 9
+        if m <= 64:
+            assert ext.gguf_resolve_path(rt, int(qtype), 576, m, -1) == (7 if m == 1 else 9)
         x = torch.randn(m, 576)
         for path in (-1, 6, 7, 8, 9):
             got = ext.gguf_linear(x, rt, int(qtype), 576, path).double()
@@ -240,7 +189,7 @@ print("ok")
 def test_avx2_cap_subprocess(ext):
     """SCRATCHLM_ISA=avx2: the default and forced VNNI paths run the AVX2 kernels (6 -> 7, 8 -> 9), within the
     bound."""
-    if ext.isa() == "scalar":
+    if isa(ext) == "scalar":
         pytest.skip("no AVX2 on this CPU")
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, SCRATCHLM_ISA="avx2")
