@@ -141,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens generated after the load")
     ap.add_argument("--ctx", type=int, default=2048, help="context tokens (llama.cpp n_ctx; scratchlm max_model_len)")
     ap.add_argument("--bind-core", type=int, default=0, help="pin each process to this core; -1: no pinning")
+    ap.add_argument("--setup-peers", action="store_true",
+                    help="build llama.cpp and the GGUF files (= benchmarks.llamacpp_decode --setup-peers), exit")
     args = ap.parse_args(argv)
+    if args.setup_peers:
+        from benchmarks.llamacpp_decode import setup_peers
+
+        setup_peers()
+        return 0
     model = Path(args.model)
     if not model.exists():
         print(f"{model} is missing: python -m benchmarks.llamacpp_decode --setup-peers makes it", file=sys.stderr)

@@ -422,7 +422,16 @@ def main(argv: list[str] | None = None) -> int:
                              "fcfs:512,shortest-first:512), interleaved; tokens per engine CPU s and median TTFT")
     parser.add_argument("--inspector-overhead", action="store_true",
                         help="instead: the engine's step-event cost with a listener / an inspector viewer, interleaved")
+    parser.add_argument("--setup-peers", action="store_true",
+                        help="build llama.cpp (both ISA builds) and the GGUF files (python -m "
+                             "benchmarks.llamacpp_decode --setup-peers) and exit; vLLM: python -m "
+                             "benchmarks.engine_throughput --setup-peers")
     args = parser.parse_args(argv)
+    if args.setup_peers:
+        from benchmarks.llamacpp_decode import setup_peers
+
+        setup_peers()
+        return 0
 
     if len(args.isa) == 1:
         apply_isa(args.isa[0])  # before torch's and the kernels' first use: the offline engine runs under it
