@@ -331,6 +331,11 @@ def scratchlm_worker(names: list[str], threads: int) -> int:
         except Exception as exc:  # reported beside the table, the other formats still run
             info[name] = {"error": f"LLMEngine.from_pretrained({path.name!r}, quantization={quant!r}): "
                                    f"{type(exc).__name__}: {exc}"}
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+
+    kernels = load_engine_kernels()
+    info["_cap"] = {"quant_best_path": kernels.quant_best_path() if kernels is not None else None,
+                    "aten": torch.backends.cpu.get_cpu_capability()}
     print("READY " + json.dumps(info), flush=True)
     buf = torch.ones(64 << 20)  # 256 MiB, beyond every cache
     counter = iter(range(10**9))
@@ -377,7 +382,7 @@ def measure(args, threads: int, isas: list[str], notes: list[str]) -> dict:
         for isa in isas:
             print(f"[{threads} thread(s), {isa}] loading scratchlm {' '.join(args.formats)} ...", file=sys.stderr)
             w = ours[isa] = start_scratchlm(args.formats, threads, cores, isa)
-            col = res["isa"][isa] = {"formats": {}, "stream": [], "system_info": ""}
+            col = res["isa"][isa] = {"formats": {}, "stream": [], "system_info": "", "cap": w.info.get("_cap", {})}
             for name in args.formats:
                 peer_file = table[name][2]
                 entry = col["formats"][name] = dict(w.info[name], ours=[], theirs=[], ratios=[], peer=peer_file.name)
@@ -493,6 +498,10 @@ def write_report(args, runs: dict[int, dict], notes: list[str], argv: list[str])
                                  f"median {stream:.1f} GB/s")
     infos = {isa: next((runs[t]["isa"][isa]["system_info"] for t in threads if runs[t]["isa"][isa]["system_info"]),
                        "") for isa in isas}
+    paths = {0: "scalar", 1: "AVX2", 2: "VNNI"}
+    report.add("What the scratchlm workers ran: " + "; ".join(
+        f"{isa}: quantized kernels' path {paths.get(c.get('quant_best_path'), c.get('quant_best_path'))}, ATen "
+        f"{c.get('aten')}" for isa in isas for c in [runs[threads[0]]["isa"][isa]["cap"]]) + ".")
     report.add("llama.cpp builds (llama-cpp-python " + SDIST_VERSION + " sdist's vendored llama.cpp), system_info:\n"
                + "\n".join(f"- {isa} ({lib_dir(isa).relative_to(REPO_ROOT)}): `{info or 'not run'}`"
                            for isa, info in infos.items()))
