@@ -260,11 +260,22 @@ def setup_peers() -> None:
     for kind in QUANTIZED:
         if not peer_gguf(kind).exists():
             quantize_with_llamacpp(source, peer_gguf(kind), kind)
-    for isa in ("native", "avx2"):
-        print(f"llama.cpp {isa} build ({lib_dir(isa)}): {system_info(isa)}")
+    report = Report("llamacpp_peers", "The llama.cpp peers and the GGUF files its quantizer made", ["--setup-peers"])
+    report.machine["llama.cpp"] = llamacpp_version()
+    report.table(["build", "CMake flags (besides " + " ".join(COMMON_CMAKE) + ")", "system_info"],
+                 [[f"{isa} ({lib_dir(isa).relative_to(REPO_ROOT)})", " ".join(flags), f"`{system_info(isa)}`"]
+                  for isa, flags in (("native", NATIVE_CMAKE), ("avx2", AVX2_CMAKE))],
+                 caption="llama.cpp builds (the ggml CPU features each was compiled for)")
     files = {source.name: source} | {peer_gguf(k).name: peer_gguf(k) for k in QUANTIZED}
-    for label, total, kinds in type_mix_rows(files):
-        print(f"{label}: {total}\n    {kinds}")
+    report.table(["file", "tensor types", "per tensor kind (type x count, K = row length)"], type_mix_rows(files),
+                 caption=f"The GGUF files: the default model, and what `llama-quantize --allow-requantize "
+                         f"{source.name} OUT TYPE` made of it (gguf-py's reader)")
+    report.add("K-quants need rows of a multiple of 256 weights. SmolLM2-135M's d_model is 576, so every tensor whose "
+               "rows are 576 long falls back (llama-quantize: \"180 of 272 tensor(s) required fallback "
+               "quantization\"): Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0. Only ffn_down (K = 1536) is a K-quant; "
+               "Q4_K_M and Q5_K_M make 14 of its 30 layers (and attn_v there) one step finer (Q6_K, Q8_0) as the _M "
+               "mixes do. token_embd stays Q8_0 (the source's), and it is also the output head (tied).")
+    report.write()
 
 
 def missing_peers(isas: list[str]) -> list[str]:
