@@ -18,7 +18,21 @@
 //   0  portable, float x: each weight row dequantized as above and float32 dot products (M <= 64); above 64 rows the
 //      weight dequantized in chunks of rows and multiplied by the fp32 GEMM (skinny_gemm.h's large_gemm). Exact up
 //      to the float32 summation order.
-//   (the integer paths below round x to int8: see "Rounding x")
+//   6  AVX512-VNNI, 8 weight rows transposed in registers per block (vpdpbusd on 256-bit registers)
+//   7  the same on AVX2 + FMA + F16C (maddubs + madd)
+//   8  AVX512-VNNI panels: each 8-row tile unpacked once per call into L1, then every x row
+//   9  the same on AVX2
+// Default (-1; measured with benchmarks/gguf_gemv.py, one Zen 4 core, interleaved; results 2026-12-02): 6 for 1-2
+// rows of x, 8 from 3 rows on (1.2-1.9x path 6 at 8-32 rows); without VNNI 7 for 1 row, 9 from 2 (1.4-2.9x path 7
+// at 8-32 rows); the panels also above 64 rows (prefill: 210-280 GFLOP/s with VNNI, 145-205 on AVX2, against 80-90
+// for the dequantize + fp32 GEMM path of gguf_gemm.h, which chooses above 64 rows); 0 without AVX2. A forced path
+// the CPU lacks resolves to one it has (6 -> 7, 8 -> 9, 6 .. 9 -> 0 without AVX2); any other number is an error.
+//
+// Rounding x (paths 6 .. 9): x is rounded to int8 per 32-block as quant_gemm.h's Q4_0 / Q4_1 / Q8_0 kernels do
+// (its QAct / quantize_rows: xq = round-half-to-even(x * 127 / amax), dx = amax / 127, |x - dx xq| <= amax / 254
+// per element of the block), then every block is an exact integer dot product (int32; AVX2's int16 partial sums
+// cannot saturate, bounds below) times float32 d dx, summed in float32. The rounding of x is the only difference
+// from path 0 beyond the summation order; the four integer paths give the same floats bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -616,7 +630,11 @@ inline void b32_dequantize_rows(const GMat& w, int64_t n0, int64_t n1, float* ou
 // Default (measured, benchmarks/gguf_gemv.py and docs/quantization.md): the in-register kernel for 1 row of x (2
 // with VNNI), the panels above, prefill included.
 inline int b32_resolve_path(const GMat& w, int64_t M, int path) {
-  (void)b32::layout(w.type);  // throws for a type this header does not handle
+  const b32::Layout L = b32::layout(w.type);  // throws for a type this header does not handle
+  if (w.K <= 0 || w.K % 32 || w.row_bytes != w.K / 32 * L.bytes)
+    throw std::invalid_argument("b32_gemm: rows of K = " + std::to_string(w.K) + " weights in 32-blocks of " +
+                                std::to_string(L.bytes) + " bytes (K a multiple of 32), got row_bytes " +
+                                std::to_string(w.row_bytes));
   if (path != -1 && path != 0 && (path < 6 || path > 9))
     throw std::invalid_argument("b32_gemm: unknown code path " + std::to_string(path) + " (paths: -1, 0, 6, 7, 8, 9)");
   const bool vnni = b32::cpu_vnni(), avx2 = b32::cpu_avx2();
