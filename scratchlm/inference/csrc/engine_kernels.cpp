@@ -323,15 +323,15 @@ scratchlm_gguf::GMat gguf_mat(const torch::Tensor& raw, int64_t type_id, int64_t
   return scratchlm_gguf::make_gmat(type_id, raw.size(0), K, raw.size(1), raw.data_ptr<uint8_t>(), what);
 }
 
-// y (M, N) = x (M, K) @ W^T for W a raw GGUF weight; path -1: the default (gguf_gemm.h), else the kernel's path
-// number (0: portable scalar), or kDequantPath (100).
+// y (M, N) = x (M, K) @ W^T for W a raw GGUF weight; path -1: the default (gguf_gemm.h; kDequantPath with float
+// activations, qlinear.h's gguf_path), else the kernel's path number (0: portable scalar), or kDequantPath (100).
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t type_id, int64_t K, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == K,
               "gguf_linear: x must be a float32 CPU tensor (M, ", K, "), got ", x.scalar_type(), " ", x.sizes());
   const auto w = gguf_mat(raw, type_id, K, "gguf_linear");
   x = x.contiguous();
   auto y = torch::empty({x.size(0), w.N}, x.options());
-  if (x.size(0) > 0) scratchlm_gguf::gguf_gemm(x, w, y, static_cast<int>(path));
+  if (x.size(0) > 0) scratchlm_gguf::gguf_gemm(x, w, y, scratchlm_qgemm::gguf_path(static_cast<int>(path)));
   return y;
 }
 
@@ -342,7 +342,8 @@ torch::Tensor gguf_dequantize(torch::Tensor raw, int64_t type_id, int64_t K) {
 
 // The path gguf_linear runs for M rows (path -1: the default here).
 int64_t gguf_resolve_path(torch::Tensor raw, int64_t type_id, int64_t K, int64_t M, int64_t path) {
-  return scratchlm_gguf::gguf_resolve_path(gguf_mat(raw, type_id, K, "gguf_resolve_path"), M, static_cast<int>(path));
+  return scratchlm_gguf::gguf_resolve_path(gguf_mat(raw, type_id, K, "gguf_resolve_path"), M,
+                                           scratchlm_qgemm::gguf_path(static_cast<int>(path)));
 }
 
 // The ggml type ids this build keeps raw and has kernels for.

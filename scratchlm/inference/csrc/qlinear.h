@@ -44,6 +44,10 @@ inline std::atomic<bool>& integer_prefill_flag() {
 // The group_size that marks a raw GGUF weight of ggml type t (QLinear::from; runner.py passes the same).
 inline int64_t gguf_group_code(int64_t type_id) { return -type_id; }
 
+// The gguf_gemm.h path asked for a raw GGUF weight: with float_activations() the default (-1) is kDequantPath
+// (float32 weights and x, exact up to the summation order) at every M, as the int planes' float kernels are.
+inline int gguf_path(int path) { return path < 0 && float_activations() ? scratchlm_gguf::kDequantPath : path; }
+
 struct QLinear {
   QMat mat;
   scratchlm_gguf::GMat raw;             // a GGUF weight as the file's blocks (raw.raw != nullptr), else unused
@@ -122,7 +126,7 @@ struct QLinear {
 
   // The code path forward() runs for M rows of x when asked for `path` (-1: the default for this CPU and M).
   int resolve_path(int64_t M, int path) const {
-    if (is_raw()) return scratchlm_gguf::gguf_resolve_path(raw, M, path);  // gguf_gemm.h's choice
+    if (is_raw()) return scratchlm_gguf::gguf_resolve_path(raw, M, gguf_path(path));  // gguf_gemm.h's choice
     if (!quantized()) return 0;
     const int best = best_path();
     // Measured (benchmarks/quant_gemv.py, one core; docs/quantization.md "Kernels"): the 8-row integer kernels
@@ -165,7 +169,7 @@ struct QLinear {
   // Raw GGUF weights: gguf_gemm.h's paths (xq unused: the kernels quantize x their own way, per 32 or 256).
   void forward(const torch::Tensor& x, torch::Tensor& y, QAct* xq, int path = -1) const {
     const int64_t M = x.size(0);
-    if (is_raw()) return scratchlm_gguf::gguf_gemm(x, raw, y, path);
+    if (is_raw()) return scratchlm_gguf::gguf_gemm(x, raw, y, gguf_path(path));
     if (is_panels()) return panels.forward(x, {&y}, path != 0);
     if (!quantized()) {
       if (M > kMaxRows) scratchlm_gemm::large_gemm(x, mat_tensor(), y);  // oneDNN where torch has it

@@ -64,7 +64,8 @@ def _engine_kernels(x: Tensor, use_simd: bool) -> Any | None:
 def float_activations(enabled: bool | None = None) -> bool:
     """Whether the CPU kernels keep activations in float32 (exact up to the summation order) instead of rounding
     them to int8 per 32-block for the faster integer dot products (the default on AVX512-VNNI CPUs, as
-    llama.cpp; see docs/quantization.md "Kernels"). `enabled` switches it for the process (also the fused step);
+    llama.cpp; see docs/quantization.md "Kernels"); raw GGUF weights then run dequantize + fp32 GEMM at every row
+    count (gguf_gemm.h's kDequantPath). `enabled` switches it for the process (also the fused step);
     ``$SCRATCHLM_QUANT_FLOAT_ACTIVATIONS=1`` sets it at start. True without the engine extension (the reference)."""
     eng = cpp_extensions.load_engine_kernels()
     if eng is None:
