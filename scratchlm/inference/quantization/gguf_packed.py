@@ -38,7 +38,7 @@ from scratchlm.inference.quantization.scheme import GGUF_RAW_TYPES, LayerFormat
 from scratchlm.model.families import Rule
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, optional_tokenizer, require_file
 from scratchlm.model.loading.dequant import dequantize
-from scratchlm.model.loading.gguf_file import config_from_gguf, gguf_rules
+from scratchlm.model.loading.gguf_file import check_types, config_from_gguf, gguf_rules
 from scratchlm.model.loading.gguf_reader import GGUFTensor, read_gguf
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
         meta, tensors = read_gguf(path)
     except (ValueError, OSError, struct.error) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    check_types(tensors, path)  # every type readable at all (the float loader's check), before any work
     config, _ = config_from_gguf(meta, tensors, str(path))
     rules = gguf_rules(meta, config, tensors, str(path))
     plan = plan_tensors(rules, tensors, str(path), torch.device(device).type)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from scratchlm.inference.quantization.scheme import CHUNK, GGUF_RAW_TYPES, LayerFormat
+from scratchlm.model.loading.dequant import dequantize_rows
 
 
 def _grouped(w: Tensor, g: int) -> tuple[Tensor, int]:
@@ -101,16 +102,10 @@ def dequantize_int4(packed: Tensor, d: Tensor, m: Tensor | None, group_size: int
 
 def dequantize_gguf(raw: Tensor, type_name: str, k: int) -> Tensor:
     """A GGUF weight kept raw, uint8 (N, row_bytes) of `type_name` blocks, -> float32 (N, k) on raw's device:
-    gguf.quants' values (llama.cpp's reference dequantizer)."""
+    gguf.quants' values (llama.cpp's reference dequantizer), by the float loader's torch dequantizers."""
     if type_name not in GGUF_RAW_TYPES:
         raise ValueError(f"GGUF type {type_name!r} is not kept raw (raw types: {', '.join(GGUF_RAW_TYPES)})")
-    n = raw.shape[0]
-    # TEMPORARY: gguf.quants' numpy dequantizer (slow, host memory) until scratchlm/model/loading/dequant.py's
-    # vectorised torch `dequantize_rows` (helper "dequant") lands; then call it here on raw's own device.
-    from gguf import GGMLQuantizationType, quants
-
-    arr = quants.dequantize(raw.cpu().numpy(), GGMLQuantizationType[type_name])
-    return torch.from_numpy(arr.astype("float32", copy=False)).reshape(n, k).to(raw.device)
+    return dequantize_rows(raw, type_name, k)  # vectorised torch, on raw's device (model/loading/dequant.py)
 
 
 def reference_linear(x: Tensor, w_deq: Tensor) -> Tensor:

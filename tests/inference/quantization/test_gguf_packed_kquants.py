@@ -327,7 +327,11 @@ def test_unsupported_type_is_an_error_before_any_work(tmp_path):
     raw type the loader finds with a row length its blocks do not divide (LayerFormat.check)."""
     path = tmp_path / "iq2.gguf"
     write_gguf(path, "blocks32", extra={"blk.1.ffn_up.weight": "IQ2_XXS"})
-    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_up\.weight \(IQ2_XXS"):
+    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_up\.weight.*IQ2_XXS"):
+        load_gguf_packed(path)
+    path = tmp_path / "tq.gguf"  # a type the float loader reads (TQ2_0) but nothing keeps packed
+    write_gguf(path, "blocks32", extra={"blk.0.attn_k.weight": "TQ2_0"})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_k\.weight \(TQ2_0: no packed form"):
         load_gguf_packed(path)
     with pytest.raises(ValueError, match="Q4_K needs d_in to be a multiple of 256, got d_in=576"):
         LayerFormat.gguf("Q4_K").check(576, "blk.0.attn_q.weight")
