@@ -25,7 +25,8 @@ from benchmarks.common import REPO_ROOT, Report, compare, set_threads
 # byte offsets of the fp16 scale fields of each block type: random bytes there would be NaN/inf
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
-              "TQ1_0": [52], "TQ2_0": [64]}
+              "TQ1_0": [52], "TQ2_0": [64], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0],
+              "IQ3_S": [0], "IQ1_S": [0]}
 
 
 def random_blocks(type_name: str, n_weights: int, rng: np.random.Generator) -> np.ndarray:
@@ -47,6 +48,12 @@ def random_blocks(type_name: str, n_weights: int, rng: np.random.Generator) -> n
                 np.uint8)
         if type_name == "MXFP4":
             raw[:, 0] = rng.integers(100, 140, size=n)  # e8m0 exponents of ordinary weights
+        if type_name == "IQ1_M":  # the fp16 d: the top nibbles of its four u16 scale fields
+            d = (rng.standard_normal(n, dtype=np.float32) * 0.01).astype(np.float16).view(np.uint16)
+            sc = raw[:, 48:56].copy().view(np.uint16)
+            for k in range(4):
+                sc[:, k] = (sc[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+            raw[:, 48:56] = sc.view(np.uint8)
     per_row = 4096 // bw
     return raw.reshape(-1, per_row * bb) if n % per_row == 0 else raw.reshape(1, -1)
 

@@ -5,7 +5,7 @@ torch ops only, so it runs on any device (CPU, CUDA) the raw bytes are on. The v
 `gguf.quants.dequantize` (the numpy oracle of the tests): every float is produced by the same float32 ops in
 the same order as ggml's `dequantize_row_*` (an fp16 scale widened to float32, multiplied by a small integer
 held exactly in float32, then by the code, minus the min term). Nothing falls back to numpy: a type outside
-`SUPPORTED_TYPES` (the 2-/3-bit grid i-quants IQ1_S/IQ1_M/IQ2_*/IQ3_*, Q8_K, Q8_1, Q1_0) raises ValueError
+`SUPPORTED_TYPES` (Q8_K and Q8_1, ggml's activation formats; Q1_0; the integer and F64 types) raises ValueError
 naming it; the GGUF loaders check every tensor's type before they read any (`gguf_file.check_types`).
 
 Block layouts (bytes; fp16 = little-endian IEEE half; "nibbles" of 16 bytes: the low 4 bits of byte j are
@@ -22,6 +22,11 @@ weight j, the high 4 bits weight j + 16 of the 32):
   Q6_K (210: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, d: d sc (q - 32) per 16),
   IQ4_XS (136: d, u16 high scale bits, 4 bytes low scale nibbles, nibbles: d (ls - 32) kvalues[q] per 32),
   TQ1_0 (54: base-3 packed ternary codes, d) and TQ2_0 (66: 2-bit ternary codes, d).
+- i-quants on lookup grids (256 weights; `iq_grids.py` holds llama.cpp's grids): IQ2_XXS (66), IQ2_XS (74),
+  IQ2_S (82): 8-weight grid entries of {8, 25, 43}, sign bytes (IQ2_XXS/XS: 7-bit indices into ksigns, the 8th
+  sign is the parity), d (0.5 + s) / 4 per 32 or 16 weights; IQ3_XXS (98), IQ3_S (110): 4-weight entries,
+  d (0.5 + s) / 2 or d (1 + 2 s); IQ1_S (50), IQ1_M (56): entries of {-1, 0, 1} shifted by +-1/8,
+  d (2 s + 1) (IQ1_M's fp16 d is spread over the top nibbles of its scale words).
 - F32, F16 and BF16 are one weight per element.
 
 Speed (CPU): a big tensor is done in chunks of `CHUNK_WEIGHTS` so the intermediates stay in cache (eager torch
@@ -38,6 +43,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import Tensor
+
+from scratchlm.model.loading import iq_grids
 
 CHUNK_WEIGHTS = 1 << 18  # weights per chunk on CPU: float32 intermediates of 1 MiB (an L2); measured best
 
@@ -75,6 +82,12 @@ _NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # (8,)
 _PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 _POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8).view(-1, 1)  # (5, 1)
 _LUTS = {"IQ4_NL": _byte_luts(KVALUES_IQ4NL), "MXFP4": _byte_luts(KVALUES_MXFP4)}
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)  # (8,)
+_SIGN_SHIFTS = torch.tensor([0, 7, 14, 21], dtype=torch.int32)  # four 7-bit sign indices in a u32
+_TRIPLE_SHIFTS = torch.tensor([0, 3, 6, 9], dtype=torch.int32)  # four 3-bit fields in a u16
+# ggml's ksigns_iq2xs: a 7-bit index plus its parity as bit 7 (an even number of sign bits per 8 weights)
+_KSIGNS = torch.tensor([i | ((bin(i).count("1") & 1) << 7) for i in range(128)], dtype=torch.uint8)
+_GRIDS = {name: iq_grids.grid(name).float() for name in iq_grids.GRIDS}  # float32 (entries, 8 or 4)
 
 
 def _const(t: Tensor, like: Tensor) -> Tensor:
@@ -263,6 +276,108 @@ def _tq2_0(b: Tensor, out: Tensor) -> None:
     _scale(out, q, _f16(b, 64))
 
 
+# --- i-quants on lookup grids (256-weight super-blocks) ----------------------------------------------------------
+
+def _u16(b: Tensor, start: int, stop: int) -> Tensor:
+    """Little-endian u16 fields in bytes [start, stop) -> (n, (stop - start) / 2) int32 0..65535."""
+    return _field(b, start, stop).view(torch.int16).int() & 0xFFFF
+
+
+def _sign_bits(sb: Tensor) -> Tensor:
+    """Sign bytes (...) -> (..., 8) float32: -1 where bit j is set, else 1."""
+    return 1.0 - 2.0 * ((sb.unsqueeze(-1) >> _const(_BIT_SHIFTS, sb)) & 1)
+
+
+def _ksigns(words: Tensor) -> Tensor:
+    """(...) int32 words holding four 7-bit sign indices at bits 0, 7, 14, 21 -> (..., 4, 8) float32 signs."""
+    idx = (words.unsqueeze(-1) >> _const(_SIGN_SHIFTS, words)) & 127  # (..., 4)
+    return _sign_bits(_const(_KSIGNS, words).index_select(0, idx.reshape(-1)).view(idx.shape))
+
+
+def _grid(name: str, idx: Tensor) -> Tensor:
+    """Grid entries of `idx` (any shape, integer) -> (*idx.shape, 8 or 4) float32."""
+    g = _const(_GRIDS[name], idx)
+    return g.index_select(0, idx.reshape(-1).int()).view(*idx.shape, g.shape[1])
+
+
+def _half_nibbles(sc: Tensor) -> Tensor:
+    """(n, m) scale bytes -> (n, 2m): low nibble, high nibble of byte 0, then of byte 1, ..."""
+    return torch.stack((sc & 0xF, sc >> 4), dim=-1).view(sc.shape[0], -1)
+
+
+def _grid_signed(out: Tensor, db: Tensor, grid: Tensor, signs: Tensor) -> None:
+    """out = db * grid * signs, in that order (db (..., 1, 1) per group of weights)."""
+    torch.mul(db, grid, out=out)
+    out.mul_(signs)
+
+
+def _iq2_xxs(b: Tensor, out: Tensor) -> None:
+    aux = _field(b, 2, 66).view(torch.int32).view(-1, 8, 2)  # per 32 weights: 4 grid bytes, scale|4 x 7 sign bits
+    db = _f16(b, 0) * (((aux[..., 1] >> 28) & 0xF).float() + 0.5) * 0.25  # (n, 8)
+    idx = aux[..., 0].contiguous().view(torch.uint8).view(-1, 8, 4)  # (n, 8, 4)
+    _grid_signed(out.view(-1, 8, 4, 8), db.view(-1, 8, 1, 1), _grid("iq2xxs_grid", idx), _ksigns(aux[..., 1]))
+
+
+def _iq2_xs(b: Tensor, out: Tensor) -> None:
+    qs = _u16(b, 2, 66)  # (n, 32): 9-bit grid index | 7-bit sign index
+    db = _f16(b, 0) * (_half_nibbles(_field(b, 66, 74)).float() + 0.5) * 0.25  # (n, 16): one per 16 weights
+    signs = _sign_bits(_const(_KSIGNS, qs).index_select(0, (qs >> 9).reshape(-1)).view(-1, 32))
+    _grid_signed(out.view(-1, 16, 2, 8), db.view(-1, 16, 1, 1), _grid("iq2xs_grid", qs & 511).view(-1, 16, 2, 8),
+                 signs.view(-1, 16, 2, 8))
+
+
+def _iq2_s(b: Tensor, out: Tensor) -> None:
+    qh = ((_field(b, 66, 74).unsqueeze(-1) >> _const(_PAIR_SHIFTS, b)) & 3).view(-1, 32)  # (n, 32) index bits 8-9
+    idx = _field(b, 2, 34).int() | (qh.int() << 8)
+    db = _f16(b, 0) * (_half_nibbles(_field(b, 74, 82)).float() + 0.5) * 0.25  # (n, 16)
+    _grid_signed(out.view(-1, 16, 2, 8), db.view(-1, 16, 1, 1), _grid("iq2s_grid", idx).view(-1, 16, 2, 8),
+                 _sign_bits(_field(b, 34, 66)).view(-1, 16, 2, 8))
+
+
+def _iq3_xxs(b: Tensor, out: Tensor) -> None:
+    aux = _field(b, 66, 98).view(torch.int32)  # (n, 8): scale | 4 x 7 sign bits per 32 weights
+    db = _f16(b, 0) * (((aux >> 28) & 0xF).float() + 0.5) * 0.5  # (n, 8)
+    grid = _grid("iq3xxs_grid", _field(b, 2, 66)).view(-1, 8, 4, 8)  # 64 entries of 4 weights
+    _grid_signed(out.view(-1, 8, 4, 8), db.view(-1, 8, 1, 1), grid, _ksigns(aux))
+
+
+def _iq3_s(b: Tensor, out: Tensor) -> None:
+    qh = ((_field(b, 66, 74).unsqueeze(-1) >> _const(_BIT_SHIFTS, b)) & 1).view(-1, 64)  # index bit 8
+    idx = _field(b, 2, 66).int() | (qh.int() << 8)
+    db = _f16(b, 0) * (_half_nibbles(_field(b, 106, 110)) * 2 + 1)  # (n, 8): d (1 + 2 s)
+    _grid_signed(out.view(-1, 8, 4, 8), db.view(-1, 8, 1, 1), _grid("iq3s_grid", idx).view(-1, 8, 4, 8),
+                 _sign_bits(_field(b, 74, 106)).view(-1, 8, 4, 8))
+
+
+def _iq1_apply(out: Tensor, dl: Tensor, grid: Tensor, delta: Tensor) -> None:
+    """out = dl * (grid + delta)."""
+    torch.add(grid, delta, out=out)
+    out.mul_(dl)
+
+
+def _iq1_s(b: Tensor, out: Tensor) -> None:
+    qh = _u16(b, 34, 50)  # (n, 8): 3 index bits per 8 weights x 4 | 3-bit scale | delta sign
+    dl = _f16(b, 0) * (((qh >> 12) & 7) * 2 + 1)  # (n, 8)
+    delta = torch.where((qh & 0x8000) == 0, 0.125, -0.125)
+    high = ((qh.unsqueeze(-1) >> _const(_TRIPLE_SHIFTS, qh)) & 7).view(-1, 32)
+    grid = _grid("iq1s_grid", _field(b, 2, 34).int() | (high << 8)).view(-1, 8, 4, 8)
+    _iq1_apply(out.view(-1, 8, 4, 8), dl.view(-1, 8, 1, 1), grid, delta.view(-1, 8, 1, 1))
+
+
+def _iq1_m(b: Tensor, out: Tensor) -> None:
+    sc = _u16(b, 48, 56)  # (n, 4): 4 x 3-bit scales, and 4 bits of the fp16 d at the top of each
+    top = sc & 0xF000
+    dbits = (top[:, 0:1] >> 12) | (top[:, 1:2] >> 8) | (top[:, 2:3] >> 4) | top[:, 3:4]
+    d = dbits.to(torch.int16).view(torch.float16).float()  # (n, 1)
+    scales = ((sc.unsqueeze(-1) >> _const(_TRIPLE_SHIFTS, sc)) & 7).view(-1, 16)  # one per 16 weights
+    dl = d * (scales * 2 + 1)  # (n, 16)
+    qh = _field(b, 32, 48)
+    qh = torch.stack((qh & 0xF, qh >> 4), dim=-1).view(-1, 32)  # per 8 weights: 3 index bits | delta sign
+    grid = _grid("iq1s_grid", _field(b, 0, 32).int() | ((qh & 7).int() << 8)).view(-1, 8, 2, 2, 8)
+    delta = torch.where((qh & 8) == 0, 0.125, -0.125).view(-1, 8, 2, 2, 1)
+    _iq1_apply(out.view(-1, 8, 2, 2, 8), dl.view(-1, 8, 2, 1, 1), grid, delta)
+
+
 # name -> (weights per block, bytes per block, block function or None for the float types)
 _TYPES: dict[str, tuple[int, int, Callable[[Tensor, Tensor], None] | None]] = {
     "F32": (1, 4, None), "F16": (1, 2, None), "BF16": (1, 2, None),
@@ -270,7 +385,9 @@ _TYPES: dict[str, tuple[int, int, Callable[[Tensor, Tensor], None] | None]] = {
     "Q8_0": (32, 34, _q8_0), "IQ4_NL": (32, 18, _iq4_nl), "MXFP4": (32, 17, _mxfp4), "NVFP4": (64, 36, _nvfp4),
     "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k), "IQ4_XS": (256, 136, _iq4_xs), "TQ1_0": (256, 54, _tq1_0),
-    "TQ2_0": (256, 66, _tq2_0),
+    "TQ2_0": (256, 66, _tq2_0), "IQ2_XXS": (256, 66, _iq2_xxs), "IQ2_XS": (256, 74, _iq2_xs),
+    "IQ2_S": (256, 82, _iq2_s), "IQ3_XXS": (256, 98, _iq3_xxs), "IQ3_S": (256, 110, _iq3_s),
+    "IQ1_S": (256, 50, _iq1_s), "IQ1_M": (256, 56, _iq1_m),
 }
 
 TYPE_INFO: dict[str, tuple[int, int]] = {name: (bw, bb) for name, (bw, bb, _) in _TYPES.items()}

@@ -25,11 +25,12 @@ gguf = pytest.importorskip("gguf")
 # bytes there would be NaN/inf, which torch.equal cannot compare
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
-              "TQ1_0": [52], "TQ2_0": [64], "MXFP4": [], "NVFP4": []}
+              "TQ1_0": [52], "TQ2_0": [64], "MXFP4": [], "NVFP4": [], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0],
+              "IQ3_XXS": [0], "IQ3_S": [0], "IQ1_S": [0], "IQ1_M": []}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = [t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES]
-# i-quants on lookup grids, and types no GGUF weight uses: not supported, must be clear errors
-UNSUPPORTED = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q8_K", "Q8_1"]
+# ggml types no GGUF weight file uses (Q8_K/Q8_1: activation formats) or gguf.quants cannot read: clear errors
+UNSUPPORTED = ["Q8_K", "Q8_1", "Q1_0", "I8", "I32", "F64"]
 
 
 def oracle(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -52,6 +53,12 @@ def random_raw(type_name: str, n_blocks: int, rng: np.random.Generator) -> np.nd
         raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8)
     if type_name == "MXFP4":
         raw[:, 0] = rng.integers(0, 250, n_blocks)  # e8m0 exponents whose products stay finite
+    if type_name == "IQ1_M":  # its fp16 d is spread over the top nibbles of the four u16 scale fields
+        d = (rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 3, n_blocks)).astype(np.float16).view(np.uint16)
+        sc = raw[:, 48:56].copy().view(np.uint16)  # (n, 4)
+        for k in range(4):
+            sc[:, k] = (sc[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = sc.view(np.uint8)
     return raw
 
 
@@ -118,14 +125,15 @@ def test_edge_shapes_and_rows(type_name):
 
 
 def test_real_llama_cpp_files_bit_equal(default_model_path):
-    """The first tensor of each type of the default model and of the K-quant files llama.cpp's quantizer made."""
-    files = [default_model_path, *sorted((REPO_ROOT / ".peers").glob("SmolLM2-135M-Instruct.Q*.gguf"))]
+    """The smallest tensor of each type of the default model and of the K-quant files llama.cpp's quantizer made."""
+    peers = [REPO_ROOT / ".peers" / f"SmolLM2-135M-Instruct.{q}.gguf" for q in ("Q4_K_M", "Q5_K_M")]  # (--setup-peers)
+    files = [default_model_path, *(p for p in peers if p.is_file())]  # Q4_1 Q8_0, Q4_K Q5_0 Q6_K, Q5_1 Q5_K
     from scratchlm.model.loading.gguf_reader import read_gguf
 
     seen = set()
     for path in files:
         _, tensors = read_gguf(path)
-        for t in tensors.values():
+        for t in sorted(tensors.values(), key=lambda t: t.data.size):
             if t.type_name in seen or t.type_name == "F32":
                 continue
             seen.add(t.type_name)
@@ -151,6 +159,23 @@ def test_wrong_sizes_are_errors():
         dequantize_rows(torch.zeros(1, 143, dtype=torch.uint8), "Q4_K", 256)
 
 
+def test_iq_grids_match_llama_cpp_header():
+    """The grids transcribed into iq_grids.py against the tables of llama.cpp's source, when it is present."""
+    import re
+
+    from scratchlm.model.loading import iq_grids
+
+    header = REPO_ROOT / ".peers/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/src/ggml-common.h"
+    if not header.is_file():
+        pytest.skip(f"llama.cpp's source is not at {header}")
+    text = header.read_text()
+    for name, (n, per, _, _, _) in iq_grids.GRIDS.items():
+        body = re.search(rf"GGML_TABLE_BEGIN\(\w+, {name}, \w+\)(.*?)GGML_TABLE_END", text, re.S).group(1)
+        words = [int(v, 16) for v in re.findall(r"0x[0-9a-fA-F]+", body)]
+        want = np.array(words, dtype=np.uint64 if per == 8 else np.uint32).view(np.int8).reshape(n, per)
+        assert np.array_equal(iq_grids.grid(name).numpy(), want), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_gguf_with_an_unsupported_tensor_type_fails_before_any_work(tmp_path, arch):
     """The type check runs right after the header is read: before the architecture and the config (the file has
@@ -159,11 +184,9 @@ def test_gguf_with_an_unsupported_tensor_type_fails_before_any_work(tmp_path, ar
     path = tmp_path / "model.gguf"
     writer = gguf.GGUFWriter(path, arch)
     writer.add_tensor("token_embd.weight", np.zeros((8, 256), np.float32))
-    iq2 = gguf.GGMLQuantizationType.IQ2_XXS
-    raw = np.random.default_rng(0).integers(0, 256, (4, 66), dtype=np.uint8)
-    writer.add_tensor("blk.0.attn_q.weight", raw, raw_shape=raw.shape, raw_dtype=iq2)
-    iq3 = np.zeros((4, 110), np.uint8)
-    writer.add_tensor("blk.0.attn_k.weight", iq3, raw_shape=iq3.shape, raw_dtype=gguf.GGMLQuantizationType.IQ3_S)
+    q8k = np.zeros((4, 292), np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", q8k, raw_shape=q8k.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    writer.add_tensor("blk.0.attn_k.weight", np.zeros((4, 8), np.float64))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,8 +194,8 @@ def test_gguf_with_an_unsupported_tensor_type_fails_before_any_work(tmp_path, ar
     with pytest.raises(CheckpointError) as e:
         load(path)
     msg = str(e.value)
-    assert "tensor blk.0.attn_q.weight has type IQ2_XXS, which scratchlm cannot read" in msg
-    assert "(and 1 more tensor of type IQ3_S)" in msg and "supported: F32, F16, BF16, Q4_0" in msg
+    assert "tensor blk.0.attn_q.weight has type Q8_K, which scratchlm cannot read" in msg
+    assert "(and 1 more tensor of type F64)" in msg and "supported: F32, F16, BF16, Q4_0" in msg
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
