@@ -18,8 +18,8 @@
 //   0  portable, float x: each weight row dequantized as above and float32 dot products (M <= 64); above 64 rows the
 //      weight dequantized in chunks of rows and multiplied by the fp32 GEMM (skinny_gemm.h's large_gemm). Exact up
 //      to the float32 summation order.
-//   6  AVX512-VNNI, 8 weight rows transposed in registers per block (vpdpbusd on 256-bit registers)
-//   7  the same on AVX2 + FMA + F16C (maddubs + madd)
+//   6  AVX512-VNNI, 16 weight rows transposed in registers per block (vpdpbusd on 512-bit registers)
+//   7  AVX2 + FMA + F16C, 8 weight rows per block on 256-bit registers (maddubs + madd)
 //   8  AVX512-VNNI panels: each 8-row tile unpacked once per call into L1, then every x row
 //   9  the same on AVX2
 // Default (-1; measured with benchmarks/gguf_gemv.py, one Zen 4 core, interleaved; results 2026-12-02): 6 for 1-2
@@ -215,7 +215,7 @@ inline void prepare_x(const float* x, int64_t M, int64_t K, GType t, bool vnni, 
 #define B32_AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define B32_VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 
-constexpr int64_t kAhead = 4;  // tiles ahead to prefetch (measured: 2-4 best, 1 and 6 worse)
+constexpr int64_t kAhead = 4;  // 8-row tiles ahead to prefetch (measured: 2-4 best, 1 and 6 worse)
 enum Kind : int { kQ5_0 = 0, kQ5_1 = 1, kIQ4NL = 2 };
 constexpr int64_t kBytes[3] = {22, 24, 18}, kQs[3] = {6, 8, 2};
 
@@ -289,57 +289,103 @@ B32_AVX2_FN inline __m256 block_out(__m256 acc, __m256i is, __m256 d, __m256 m, 
   return acc;
 }
 
-// Rows r0 .. r0 + MR - 1 of x against weight rows q (8 rows, stride rb) into y (+ r * ldy): AVX512-VNNI.
+// Path 6 (AVX512-VNNI): the same method on 512-bit registers, 16 weight rows per tile (lane i of a chunk = row i:
+// each 128-bit lane holds 4 rows through the same unpacks). Measured on Zen 4, which runs 512-bit ops as two 256-bit
+// halves: 1.25x the 8-row 256-bit version in cache and 1.15-1.35x streaming from memory at 1 row of x (half the
+// instructions per weight; the loads stay the same). Rows r0 .. r0 + MR - 1 of x against weight rows q (16 rows,
+// stride rb) into y (+ r * ldy).
+#define B32_Z_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+// 16 bytes of rows 0, 4, 8, 12 (p, stride rb) in the four 128-bit lanes.
+B32_Z_FN inline __m512i load4x16(const uint8_t* p, int64_t rb) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * rb)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * rb)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12 * rb)), 3);
+}
+B32_Z_FN inline __m512i bcast4z(const int8_t* p) {
+  return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p));
+}
+template <int S>
+B32_Z_FN inline __m512i plane_z(__m512i qh) {
+  const __m512i m = _mm512_set1_epi8(0x10);
+  if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi32(qh, 4 - S), m);
+  else if constexpr (S == 4) return _mm512_and_si512(qh, m);
+  else return _mm512_and_si512(_mm512_srli_epi32(qh, S - 4), m);
+}
+
 template <int T, int MR>
-B32_VNNI_FN inline void rows8_vnni(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
-                                   const char* pf) {
+B32_Z_FN inline void rows16_vnni(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
+                                 const char* pf) {
   constexpr int64_t BB = kBytes[T], QS = kQs[T];
-  const __m256i lo = _mm256_set1_epi8(0x0F), hi = _mm256_set1_epi8(static_cast<char>(0xF0));
-  const __m256i tab = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15,
-                                       1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m512i lo = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75,
+                                                           -59, -39, -15));  // kvalue + 128
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
     if (pf)
-      for (int l = 0; l < 3; ++l) _mm_prefetch(pf + b * 8 * BB + 64 * l, _MM_HINT_T0);
+      for (int l = 0; l < (16 * BB + 63) / 64; ++l) _mm_prefetch(pf + b * 16 * BB + 64 * l, _MM_HINT_T0);
     const uint8_t* p = q + b * BB;
-    __m256i C[4], L[4], H[4], P[8], qh;
-    __m256 d, m;
-    codes_t8(p + QS, rb, C);
-    header_t8<T>(p, rb, d, m, qh);
+    __m512i Y[4], Z[4];
+    for (int r = 0; r < 4; ++r) Y[r] = load4x16(p + QS + r * rb, rb);
+    const __m512i p0 = _mm512_unpacklo_epi32(Y[0], Y[1]), p1 = _mm512_unpackhi_epi32(Y[0], Y[1]);
+    const __m512i p2 = _mm512_unpacklo_epi32(Y[2], Y[3]), p3 = _mm512_unpackhi_epi32(Y[2], Y[3]);
+    const __m512i C[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
+                          _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
+    // the headers as header_t8, per 128-bit lane of 4 rows; the d (and m) words of the 4 lanes gathered in order
+    for (int r = 0; r < 4; ++r) Z[r] = load4x16(p + r * rb, rb);
+    const __m512i a01 = _mm512_unpacklo_epi16(Z[0], Z[1]), a23 = _mm512_unpacklo_epi16(Z[2], Z[3]);
+    const __m512i w01 = _mm512_unpacklo_epi32(a01, a23);
+    const __m512i dm = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), w01);
+    const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (T == kQ5_1) m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+    __m512i L[4], H[4], P[8];
     for (int c = 0; c < 4; ++c) {
-      if constexpr (T == kIQ4NL) {  // kvalue + 128 as unsigned bytes
-        L[c] = _mm256_shuffle_epi8(tab, _mm256_and_si256(C[c], lo));
-        H[c] = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(C[c], 4), lo));
-      } else {  // high nibbles masked in place (16 q: the int32 sum is divided by 16 exactly)
-        L[c] = _mm256_and_si256(C[c], lo), H[c] = _mm256_and_si256(C[c], hi);
+      if constexpr (T == kIQ4NL) {
+        L[c] = _mm512_shuffle_epi8(tab, _mm512_and_si512(C[c], lo));
+        H[c] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(C[c], 4), lo));
+      } else {
+        L[c] = _mm512_and_si512(C[c], lo), H[c] = _mm512_and_si512(C[c], hi);
       }
     }
-    if constexpr (T != kIQ4NL) planes(qh, P);
+    if constexpr (T != kIQ4NL) {
+      const __m512i w23 = _mm512_unpackhi_epi32(a01, a23);
+      const __m512i qh = T == kQ5_0 ? _mm512_unpacklo_epi16(_mm512_bsrli_epi128(w01, 8), w23)
+                                    : _mm512_unpacklo_epi16(w23, _mm512_bsrli_epi128(w23, 8));
+      P[0] = plane_z<0>(qh), P[1] = plane_z<1>(qh), P[2] = plane_z<2>(qh), P[3] = plane_z<3>(qh);
+      P[4] = plane_z<4>(qh), P[5] = plane_z<5>(qh), P[6] = plane_z<6>(qh), P[7] = plane_z<7>(qh);
+    }
     for (int r = 0; r < MR; ++r) {
       const int64_t rb_ = (r0 + r) * x.nb + b;
       const int8_t* xb = x.xq + rb_ * 32;
-      __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
+      __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        il = _mm256_dpbusd_epi32(il, L[c], bcast4(xb + 4 * c));
-        ih = _mm256_dpbusd_epi32(ih, H[c], bcast4(xb + 16 + 4 * c));
+        il = _mm512_dpbusd_epi32(il, L[c], bcast4z(xb + 4 * c));
+        ih = _mm512_dpbusd_epi32(ih, H[c], bcast4z(xb + 16 + 4 * c));
       }
-      __m256i is;
+      __m512i is;
       if constexpr (T == kIQ4NL) {
-        is = _mm256_add_epi32(il, ih);
+        is = _mm512_add_epi32(il, ih);
       } else {
         const int8_t* xs = x.xp + rb_ * 32;
-        __m256i pa = _mm256_setzero_si256(), pb = _mm256_setzero_si256();
+        __m512i pa = _mm512_setzero_si512(), pb = _mm512_setzero_si512();
         for (int s = 0; s < 4; ++s) {
-          pa = _mm256_dpbusd_epi32(pa, P[s], bcast4(xs + 4 * s));
-          pb = _mm256_dpbusd_epi32(pb, P[4 + s], bcast4(xs + 16 + 4 * s));
+          pa = _mm512_dpbusd_epi32(pa, P[s], bcast4z(xs + 4 * s));
+          pb = _mm512_dpbusd_epi32(pb, P[4 + s], bcast4z(xs + 16 + 4 * s));
         }
-        is = _mm256_add_epi32(_mm256_add_epi32(il, _mm256_srai_epi32(ih, 4)), _mm256_add_epi32(pa, pb));
+        is = _mm512_add_epi32(_mm512_add_epi32(il, _mm512_srai_epi32(ih, 4)), _mm512_add_epi32(pa, pb));
       }
-      acc[r] = block_out<T>(acc[r], is, d, m, x, rb_);
+      // block_out's float work, lane for lane (so path 6 equals paths 7 - 9 bit for bit)
+      if constexpr (T != kQ5_1) {
+        if (x.corr) is = _mm512_sub_epi32(is, _mm512_set1_epi32(x.corr[rb_]));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[rb_])), acc[r]);
+      if constexpr (T == kQ5_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sx[rb_]), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
 // The same on AVX2: maddubs into int16 (summed eight at a time, see above), one madd per block and row.
@@ -516,7 +562,7 @@ B32_AVX2_FN inline void panel_rows_avx2(const uint8_t* panel, const float* dT, c
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Weight rows n0 .. n1 against every row of x through panels (path 8: vnni, 9: AVX2); ragged end as tile8.
+// Weight rows n0 .. n1 against every row of x through panels (path 8: vnni, 9: AVX2); ragged end as tile_regs.
 template <int T>
 inline void tile_panel(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
   const int64_t rb = w.row_bytes, nb = x.nb;
@@ -556,41 +602,40 @@ inline void tile_panel(const XView& x, int64_t M, const GMat& w, float* y, int64
   }
 }
 
-// Weight rows n0 .. n1 (a multiple of 8 apart, or the ragged end) against every row of x: tiles of 8 rows, each
-// meeting the x rows in chunks of MR (VNNI: 4, 2, 1; AVX2: 2, 1; the transposed block is rebuilt per chunk).
-// A ragged last tile (N % 8 rows) is copied into a zero-padded tile (d = 0 rows add nothing) and its outputs
-// through a buffer.
+// Weight rows n0 .. n1 (whole tiles apart, or the ragged end) against every row of x: tiles of 16 rows (VNNI) or 8
+// (AVX2), each meeting the x rows in chunks of 2 and 1 (the transposed block is rebuilt per chunk; from 3 rows on
+// the default is the panels). A ragged last tile (N % 16 or N % 8 rows) is copied into a zero-padded tile (d = 0
+// rows add nothing) and its outputs go through a buffer.
 template <int T>
-inline void tile8(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
-  const int64_t rb = w.row_bytes;
+inline void tile_regs(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
+  const int64_t rb = w.row_bytes, ts = vnni ? 16 : 8;
   std::vector<uint8_t> pad;
   std::vector<float> ybuf;
-  for (int64_t n = n0; n < n1; n += 8) {
-    const int64_t valid = std::min<int64_t>(8, w.N - n);
+  for (int64_t n = n0; n < n1; n += ts) {
+    const int64_t valid = std::min(ts, w.N - n);
     const uint8_t* q = w.raw + n * rb;
     float* yt = y + n;
     int64_t ldy = w.N;
-    if (valid < 8) {
-      pad.assign(8 * rb, 0);
+    if (valid < ts) {
+      pad.assign(ts * rb, 0);
       std::memcpy(pad.data(), q, valid * rb);
       q = pad.data();
-      ybuf.assign(M * 8, 0.f), yt = ybuf.data(), ldy = 8;
+      ybuf.assign(M * ts, 0.f), yt = ybuf.data(), ldy = ts;
     }
-    // the tile kAhead ahead, spread over the blocks (a prefetch past the end cannot fault; without it Q5_0 and
-    // IQ4_NL rows, 396 and 324 bytes, ran at 3 GB/s out of cache: the hardware prefetchers miss 8 such streams)
+    // 32 rows ahead, spread over the blocks (a prefetch past the end cannot fault; without it Q5_0 and IQ4_NL rows,
+    // 396 and 324 bytes, ran at 3 GB/s out of cache: the hardware prefetchers miss 8 such streams)
     const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 8 * kAhead) * rb;
     int64_t r = 0;
     const char* p = pf;  // the prefetch rides on the first x chunk only
     if (vnni) {
-      for (; r + 4 <= M; r += 4, p = nullptr) rows8_vnni<T, 4>(q, rb, x, r, yt + r * ldy, ldy, p);
-      for (; r + 2 <= M; r += 2, p = nullptr) rows8_vnni<T, 2>(q, rb, x, r, yt + r * ldy, ldy, p);
-      if (r < M) rows8_vnni<T, 1>(q, rb, x, r, yt + r * ldy, ldy, p);
+      for (; r + 2 <= M; r += 2, p = nullptr) rows16_vnni<T, 2>(q, rb, x, r, yt + r * ldy, ldy, p);
+      if (r < M) rows16_vnni<T, 1>(q, rb, x, r, yt + r * ldy, ldy, p);
     } else {
       for (; r + 2 <= M; r += 2, p = nullptr) rows8_avx2<T, 2>(q, rb, x, r, yt + r * ldy, ldy, p);
       if (r < M) rows8_avx2<T, 1>(q, rb, x, r, yt + r * ldy, ldy, p);
     }
-    if (valid < 8)
-      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * 8, valid * sizeof(float));
+    if (valid < ts)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * ts, valid * sizeof(float));
   }
 }
 
@@ -601,14 +646,17 @@ inline void gemm_int(const float* x, int64_t M, const GMat& w, float* y, int pat
   prepare_x(x, M, w.K, w.type, vnni, prep);
   const XView xv{prep.a.q.data(), prep.xp.empty() ? nullptr : prep.xp.data(), prep.a.dx.data(), prep.a.sx.data(),
                  prep.corr.empty() ? nullptr : prep.corr.data(), w.K / 32};
-  const int64_t tiles = (w.N + 7) / 8;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M) / 8);
+  const int64_t ts = path == 6 ? 16 : 8, tiles = (w.N + ts - 1) / ts;  // weight rows per tile
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M) / ts);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * 8, n1 = std::min(w.N, t1 * 8);
+    const int64_t n0 = t0 * ts, n1 = std::min(w.N, t1 * ts);
     switch (w.type) {
-      case GType::Q5_0: return panel ? tile_panel<kQ5_0>(xv, M, w, y, n0, n1, vnni) : tile8<kQ5_0>(xv, M, w, y, n0, n1, vnni);
-      case GType::Q5_1: return panel ? tile_panel<kQ5_1>(xv, M, w, y, n0, n1, vnni) : tile8<kQ5_1>(xv, M, w, y, n0, n1, vnni);
-      default: return panel ? tile_panel<kIQ4NL>(xv, M, w, y, n0, n1, vnni) : tile8<kIQ4NL>(xv, M, w, y, n0, n1, vnni);
+      case GType::Q5_0:
+        return panel ? tile_panel<kQ5_0>(xv, M, w, y, n0, n1, vnni) : tile_regs<kQ5_0>(xv, M, w, y, n0, n1, vnni);
+      case GType::Q5_1:
+        return panel ? tile_panel<kQ5_1>(xv, M, w, y, n0, n1, vnni) : tile_regs<kQ5_1>(xv, M, w, y, n0, n1, vnni);
+      default:
+        return panel ? tile_panel<kIQ4NL>(xv, M, w, y, n0, n1, vnni) : tile_regs<kIQ4NL>(xv, M, w, y, n0, n1, vnni);
     }
   });
 }
