@@ -20,13 +20,13 @@
 //      to the float32 summation order.
 //   6  AVX512-VNNI, 16 weight rows transposed in registers per block (vpdpbusd on 512-bit registers)
 //   7  AVX2 + FMA + F16C, 8 weight rows per block on 256-bit registers (maddubs + madd)
-//   8  AVX512-VNNI panels: each 8-row tile unpacked once per call into L1, then every x row
-//   9  the same on AVX2
-// Default (-1; measured with benchmarks/gguf_gemv.py, one Zen 4 core, interleaved; results 2026-12-02): 6 for 1-2
-// rows of x, 8 from 3 rows on (1.2-1.9x path 6 at 8-32 rows); without VNNI 7 for 1 row, 9 from 2 (1.4-2.9x path 7
-// at 8-32 rows); the panels also above 64 rows (prefill: 210-280 GFLOP/s with VNNI, 145-205 on AVX2, against 80-90
-// for the dequantize + fp32 GEMM path of gguf_gemm.h, which chooses above 64 rows); 0 without AVX2. A forced path
-// the CPU lacks resolves to one it has (6 -> 7, 8 -> 9, 6 .. 9 -> 0 without AVX2); any other number is an error.
+//   8  AVX512-VNNI panels: each 16-row tile unpacked once per call into L1, then every x row (512-bit registers)
+//   9  AVX2 panels of 8-row tiles
+// Default (-1; measured with benchmarks/gguf_gemv.py, one Zen 4 core, interleaved; results 2026-12-02): the
+// in-register kernel (6, or 7 without VNNI) for 1 row of x, the panels (8, or 9) from 2 rows on, prefill included
+// (where they run 2-3x the dequantize + fp32 GEMM path of gguf_gemm.h, which chooses above 64 rows); 0 without AVX2.
+// A forced path the CPU lacks resolves to one it has (6 -> 7, 8 -> 9, 6 .. 9 -> 0 without AVX2); any other number
+// is an error.
 //
 // Rounding x (paths 6 .. 9): x is rounded to int8 per 32-block as quant_gemm.h's Q4_0 / Q4_1 / Q8_0 kernels do
 // (its QAct / quantize_rows: xq = round-half-to-even(x * 127 / amax), dx = amax / 127, |x - dx xq| <= amax / 254
@@ -195,10 +195,11 @@ inline void prepare_x(const float* x, int64_t M, int64_t K, GType t, bool vnni, 
         for (int j = 0; j < 4; ++j) p.xp[i * 32 + 4 * s + j] = xq[i * 32 + 8 * j + s];
 }
 
-// ------------------------------------------------------------------ 8-row transposed blocks (in registers)
+// ------------------------------------------------------------------ transposed blocks (in registers)
 // The method of quant_gemm.h's 8-row int4 kernels (paths 6 / 7 there), extended to the 5th bit and the codebook:
-// eight weight rows are read block by block and transposed so that each 32-bit lane holds one row; one dot
-// instruction against 4 bytes of x broadcast then adds 4 products to each of the 8 rows, with no horizontal sums.
+// eight weight rows (AVX2; sixteen on 512-bit registers) are read block by block and transposed so that each 32-bit
+// lane holds one row; one dot instruction against 4 bytes of x broadcast then adds 4 products to each row, with no
+// horizontal sums.
 //   codes   lane i of chunk c = qs bytes 4c .. 4c + 3 of row i: low nibbles are weights 4c .. 4c + 3, high nibbles
 //           16 + 4c .. 16 + 4c + 3 (as Q4_0); x broadcast from the matching 4 bytes
 //   5th bit (Q5_0, Q5_1) qh's 8 rows as one vector of dwords; plane s (s = 0 .. 7) = (qh shifted so that bit s of
@@ -208,12 +209,13 @@ inline void prepare_x(const float* x, int64_t M, int64_t K, GType t, bool vnni, 
 //   IQ4_NL  codes through the codebook with one byte shuffle (pshufb) per chunk: VNNI reads kvalue + 128 (1 .. 241)
 //           as the unsigned operand and subtracts 128 sum(xq) exactly per block; AVX2's maddubs would saturate on
 //           that, so it moves the sign onto x (|w| unsigned, x * sign(w)) as llama.cpp does
-//   scales  the blocks' fp16 d (and Q5_1's m) of 8 rows, transposed with the same unpacks into a float vector
-// Per block and x row: int32 sum -> float, times d dx (+ m dx sum(xq) for Q5_1), into 8 float lanes. The integer
-// sums are exact (AVX2's int16 partial sums cannot saturate: |maddubs| <= 2 * 15 * 127 per code pair and
-// 2 * 16 * 127 per plane pair, eight of each summed: 30480 and 32512 < 2^15), so paths 6 and 7 agree bit for bit.
+//   scales  the blocks' fp16 d (and Q5_1's m) of the rows, transposed with the same unpacks into a float vector
+// Per block and x row: int32 sum -> float, times d dx (+ m dx sum(xq) for Q5_1), one float lane per weight row. The
+// integer sums are exact (AVX2's int16 partial sums cannot saturate: |maddubs| <= 2 * 15 * 127 per code pair and
+// 2 * 16 * 127 per plane pair, eight of each summed: 30480 and 32512 < 2^15), and every path does the same float
+// work per lane (block_out), so paths 6 .. 9 agree bit for bit.
 #define B32_AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#define B32_VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define B32_VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 
 constexpr int64_t kAhead = 4;  // 8-row tiles ahead to prefetch (measured: 2-4 best, 1 and 6 worse)
 enum Kind : int { kQ5_0 = 0, kQ5_1 = 1, kIQ4NL = 2 };
@@ -294,20 +296,19 @@ B32_AVX2_FN inline __m256 block_out(__m256 acc, __m256i is, __m256 d, __m256 m, 
 // halves: 1.25x the 8-row 256-bit version in cache and 1.15-1.35x streaming from memory at 1 row of x (half the
 // instructions per weight; the loads stay the same). Rows r0 .. r0 + MR - 1 of x against weight rows q (16 rows,
 // stride rb) into y (+ r * ldy).
-#define B32_Z_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 
 // 16 bytes of rows 0, 4, 8, 12 (p, stride rb) in the four 128-bit lanes.
-B32_Z_FN inline __m512i load4x16(const uint8_t* p, int64_t rb) {
+B32_VNNI_FN inline __m512i load4x16(const uint8_t* p, int64_t rb) {
   __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * rb)), 1);
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * rb)), 2);
   return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12 * rb)), 3);
 }
-B32_Z_FN inline __m512i bcast4z(const int8_t* p) {
+B32_VNNI_FN inline __m512i bcast4z(const int8_t* p) {
   return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p));
 }
 template <int S>
-B32_Z_FN inline __m512i plane_z(__m512i qh) {
+B32_VNNI_FN inline __m512i plane_z(__m512i qh) {
   const __m512i m = _mm512_set1_epi8(0x10);
   if constexpr (S < 4) return _mm512_and_si512(_mm512_slli_epi32(qh, 4 - S), m);
   else if constexpr (S == 4) return _mm512_and_si512(qh, m);
@@ -315,7 +316,7 @@ B32_Z_FN inline __m512i plane_z(__m512i qh) {
 }
 
 template <int T, int MR>
-B32_Z_FN inline void rows16_vnni(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
+B32_VNNI_FN inline void rows16_vnni(const uint8_t* q, int64_t rb, const XView& x, int64_t r0, float* y, int64_t ldy,
                                  const char* pf) {
   constexpr int64_t BB = kBytes[T], QS = kQs[T];
   const __m512i lo = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(static_cast<char>(0xF0));
@@ -444,24 +445,22 @@ B32_AVX2_FN inline void rows8_avx2(const uint8_t* q, int64_t rb, const XView& x,
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// ------------------------------------------------------------------ 8-row panels (the tile unpacked once)
-// Paths 8 (AVX512-VNNI) and 9 (AVX2), for several rows of x: each 8-row tile is unpacked ONCE per call into an L1
-// panel (per block 8 chunk vectors, lane i = row i, chunk c = weights 4c .. 4c + 3, chunk 4 + c = 16 + 4c ..) of
-// finished codes: Q5's 5 bits (the 5th bit spread from qh into the chunk's bytes: a byte shuffle replicating one
-// qh byte across each lane, and + compare against the bit of each byte, and 0x10, or), IQ4_NL's codebook values
-// (+ 128 for VNNI) -- and the blocks' d (and m) as (nb, 8) floats. Every x row then costs 8 dot instructions per
-// block (the in-register kernels above pay 16 for Q5: codes and 5th-bit planes). The integer sums are the same
-// integers and the float work is block_out's, so paths 8 / 9 equal paths 6 / 7 bit for bit.
-template <int T, bool VNNI>
+// ------------------------------------------------------------------ panels (the tile unpacked once)
+// Paths 9 (AVX2, 8-row tiles) and 8 (AVX512-VNNI, 16-row tiles on 512-bit registers), for several rows of x: each
+// tile is unpacked ONCE per call into an L1 panel (per block 8 chunk vectors, lane i = row i, chunk c = weights
+// 4c .. 4c + 3, chunk 4 + c = 16 + 4c ..) of finished codes: Q5's 5 bits (the 5th bit spread from qh into the
+// chunk's bytes: a byte shuffle replicating one qh byte across each lane, then AVX2 and + compare against the bit of
+// each byte, and 0x10, or; AVX-512 a byte-mask test and a masked add of 16), IQ4_NL's codebook values (+ 128 for
+// VNNI) -- and the blocks' d (and m) as (nb, rows) floats. Every x row then costs 8 dot instructions per block (the
+// in-register kernels above pay 16 for Q5: codes and 5th-bit planes). The integer sums are the same integers and the
+// float work per lane is block_out's, so paths 8 / 9 equal paths 6 / 7 bit for bit.
+template <int T>
 B32_AVX2_FN inline void unpack_tile(const uint8_t* q, int64_t rb, int64_t nb, uint8_t* panel, float* dT, float* mT,
                                     const char* pf) {
   constexpr int64_t BB = kBytes[T], QS = kQs[T];
   const __m256i lo = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(0x10);
-  const __m256i tab = VNNI ? _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39,
-                                              -15, 1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59,
-                                              -39, -15)
-                           : _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                                              -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m256i tab = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                       -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
   const __m256i bm[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
   for (int64_t b = 0; b < nb; ++b) {
     if (pf)
@@ -494,31 +493,6 @@ B32_AVX2_FN inline void unpack_tile(const uint8_t* q, int64_t rb, int64_t nb, ui
     _mm256_storeu_ps(dT + 8 * b, d);
     if constexpr (T == kQ5_1) _mm256_storeu_ps(mT + 8 * b, m);
   }
-}
-
-template <int T, int MR>
-B32_VNNI_FN inline void panel_rows_vnni(const uint8_t* panel, const float* dT, const float* mT, const XView& x,
-                                        int64_t r0, float* y, int64_t ldy) {
-  __m256 acc[MR];
-  __m256 m = _mm256_setzero_ps();
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.nb; ++b) {
-    __m256i W[8];
-    for (int j = 0; j < 8; ++j) W[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + b * 256 + 32 * j));
-    const __m256 d = _mm256_loadu_ps(dT + 8 * b);
-    if constexpr (T == kQ5_1) m = _mm256_loadu_ps(mT + 8 * b);
-    for (int r = 0; r < MR; ++r) {
-      const int64_t rb_ = (r0 + r) * x.nb + b;
-      const int8_t* xb = x.xq + rb_ * 32;
-      __m256i il = _mm256_setzero_si256(), ih = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        il = _mm256_dpbusd_epi32(il, W[c], bcast4(xb + 4 * c));
-        ih = _mm256_dpbusd_epi32(ih, W[4 + c], bcast4(xb + 16 + 4 * c));
-      }
-      acc[r] = block_out<T>(acc[r], _mm256_add_epi32(il, ih), d, m, x, rb_);
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
 template <int T, int MR>
@@ -562,43 +536,123 @@ B32_AVX2_FN inline void panel_rows_avx2(const uint8_t* panel, const float* dT, c
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// Path 8's panels: 16 weight rows per tile (lane i = row i as rows16_vnni), the 5th bit spread with AVX-512BW byte
+// masks (vptestmb against each lane's replicated qh byte, then a masked add of 16). Measured: 1.8x the 8-row 256-bit
+// panels at 8-64 rows of x on Zen 4.
+template <int T>
+B32_VNNI_FN inline void unpack_tile16(const uint8_t* q, int64_t rb, int64_t nb, uint8_t* panel, float* dT, float* mT,
+                                   const char* pf) {
+  constexpr int64_t BB = kBytes[T], QS = kQs[T];
+  const __m512i lo = _mm512_set1_epi8(0x0F), s16 = _mm512_set1_epi8(0x10);
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75,
+                                                           -59, -39, -15));
+  const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const __m512i bm[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32(static_cast<int>(0x80402010u))};
+  for (int64_t b = 0; b < nb; ++b) {
+    if (pf)
+      for (int l = 0; l < (16 * BB + 63) / 64; ++l) _mm_prefetch(pf + b * 16 * BB + 64 * l, _MM_HINT_T0);
+    const uint8_t* p = q + b * BB;
+    __m512i Y[4], Z[4];
+    for (int r = 0; r < 4; ++r) Y[r] = load4x16(p + QS + r * rb, rb), Z[r] = load4x16(p + r * rb, rb);
+    const __m512i p0 = _mm512_unpacklo_epi32(Y[0], Y[1]), p1 = _mm512_unpackhi_epi32(Y[0], Y[1]);
+    const __m512i p2 = _mm512_unpacklo_epi32(Y[2], Y[3]), p3 = _mm512_unpackhi_epi32(Y[2], Y[3]);
+    const __m512i C[4] = {_mm512_unpacklo_epi64(p0, p2), _mm512_unpackhi_epi64(p0, p2),
+                          _mm512_unpacklo_epi64(p1, p3), _mm512_unpackhi_epi64(p1, p3)};
+    const __m512i a01 = _mm512_unpacklo_epi16(Z[0], Z[1]), a23 = _mm512_unpacklo_epi16(Z[2], Z[3]);
+    const __m512i w01 = _mm512_unpacklo_epi32(a01, a23);
+    const __m512i dm = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), w01);
+    _mm512_storeu_ps(dT + 16 * b, _mm512_cvtph_ps(_mm512_castsi512_si256(dm)));
+    if constexpr (T == kQ5_1) _mm512_storeu_ps(mT + 16 * b, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)));
+    __m512i V[4];
+    if constexpr (T != kIQ4NL) {
+      const __m512i w23 = _mm512_unpackhi_epi32(a01, a23);
+      const __m512i qh = T == kQ5_0 ? _mm512_unpacklo_epi16(_mm512_bsrli_epi128(w01, 8), w23)
+                                    : _mm512_unpacklo_epi16(w23, _mm512_bsrli_epi128(w23, 8));
+      for (int j = 0; j < 4; ++j) V[j] = _mm512_shuffle_epi8(qh, _mm512_add_epi8(rep, _mm512_set1_epi8(static_cast<char>(j))));
+    }
+    uint8_t* out = panel + b * 512;
+    for (int c = 0; c < 4; ++c) {
+      __m512i l = _mm512_and_si512(C[c], lo), h = _mm512_and_si512(_mm512_srli_epi16(C[c], 4), lo);
+      if constexpr (T == kIQ4NL) {
+        l = _mm512_shuffle_epi8(tab, l), h = _mm512_shuffle_epi8(tab, h);
+      } else {
+        l = _mm512_mask_add_epi8(l, _mm512_test_epi8_mask(V[c / 2], bm[c & 1]), l, s16);
+        h = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(V[2 + c / 2], bm[c & 1]), h, s16);
+      }
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * c), l);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 256 + 64 * c), h);
+    }
+  }
+}
+
+template <int T, int MR>
+B32_VNNI_FN inline void panel_rows16_vnni(const uint8_t* panel, const float* dT, const float* mT, const XView& x,
+                                       int64_t r0, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  __m512 m = _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i W[8];
+    for (int j = 0; j < 8; ++j) W[j] = _mm512_load_si512(reinterpret_cast<const __m512i*>(panel + b * 512 + 64 * j));
+    const __m512 d = _mm512_loadu_ps(dT + 16 * b);
+    if constexpr (T == kQ5_1) m = _mm512_loadu_ps(mT + 16 * b);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t rb_ = (r0 + r) * x.nb + b;
+      const int8_t* xb = x.xq + rb_ * 32;
+      __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        il = _mm512_dpbusd_epi32(il, W[c], bcast4z(xb + 4 * c));
+        ih = _mm512_dpbusd_epi32(ih, W[4 + c], bcast4z(xb + 16 + 4 * c));
+      }
+      __m512i is = _mm512_add_epi32(il, ih);
+      if constexpr (T != kQ5_1) {
+        if (x.corr) is = _mm512_sub_epi32(is, _mm512_set1_epi32(x.corr[rb_]));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[rb_])), acc[r]);
+      if constexpr (T == kQ5_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sx[rb_]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 // Weight rows n0 .. n1 against every row of x through panels (path 8: vnni, 9: AVX2); ragged end as tile_regs.
 template <int T>
 inline void tile_panel(const XView& x, int64_t M, const GMat& w, float* y, int64_t n0, int64_t n1, bool vnni) {
-  const int64_t rb = w.row_bytes, nb = x.nb;
-  std::vector<uint8_t> store(nb * 256 + 64), pad;
+  const int64_t rb = w.row_bytes, nb = x.nb, ts = vnni ? 16 : 8;  // weight rows per tile
+  std::vector<uint8_t> store(nb * 32 * ts + 64), pad;
   uint8_t* panel = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
-  std::vector<float> dT(nb * 8), mT(T == kQ5_1 ? nb * 8 : 0), ybuf;
-  for (int64_t n = n0; n < n1; n += 8) {
-    const int64_t valid = std::min<int64_t>(8, w.N - n);
+  std::vector<float> dT(nb * ts), mT(T == kQ5_1 ? nb * ts : 0), ybuf;
+  for (int64_t n = n0; n < n1; n += ts) {
+    const int64_t valid = std::min(ts, w.N - n);
     const uint8_t* q = w.raw + n * rb;
     float* yt = y + n;
     int64_t ldy = w.N;
-    if (valid < 8) {
-      pad.assign(8 * rb, 0);
+    if (valid < ts) {
+      pad.assign(ts * rb, 0);
       std::memcpy(pad.data(), q, valid * rb);
       q = pad.data();
-      ybuf.assign(M * 8, 0.f), yt = ybuf.data(), ldy = 8;
+      ybuf.assign(M * ts, 0.f), yt = ybuf.data(), ldy = ts;
     }
     const char* pf = reinterpret_cast<const char*>(w.raw) + (n + 8 * kAhead) * rb;
-    if (vnni) unpack_tile<T, true>(q, rb, nb, panel, dT.data(), mT.data(), pf);
-    else unpack_tile<T, false>(q, rb, nb, panel, dT.data(), mT.data(), pf);
+    if (vnni) unpack_tile16<T>(q, rb, nb, panel, dT.data(), mT.data(), pf);
+    else unpack_tile<T>(q, rb, nb, panel, dT.data(), mT.data(), pf);
     int64_t r = 0;
     const float *d = dT.data(), *m = mT.data();
-    // x rows per call (measured, one Zen 4 core: VNNI 8 > 6 > 4; AVX2 4 for Q5, 2 for IQ4_NL's longer chains)
+    // x rows per call (measured, one Zen 4 core: VNNI 8, 6 for Q5_1's extra registers; AVX2 4 for Q5, 2 for
+    // IQ4_NL's longer chains)
     if (vnni) {
-      for (; r + 8 <= M; r += 8) panel_rows_vnni<T, 8>(panel, d, m, x, r, yt + r * ldy, ldy);
-      for (; r + 4 <= M; r += 4) panel_rows_vnni<T, 4>(panel, d, m, x, r, yt + r * ldy, ldy);
-      for (; r + 2 <= M; r += 2) panel_rows_vnni<T, 2>(panel, d, m, x, r, yt + r * ldy, ldy);
-      if (r < M) panel_rows_vnni<T, 1>(panel, d, m, x, r, yt + r * ldy, ldy);
+      constexpr int R = T == kQ5_1 ? 6 : 8;
+      for (; r + R <= M; r += R) panel_rows16_vnni<T, R>(panel, d, m, x, r, yt + r * ldy, ldy);
+      for (; r + 2 <= M; r += 2) panel_rows16_vnni<T, 2>(panel, d, m, x, r, yt + r * ldy, ldy);
+      if (r < M) panel_rows16_vnni<T, 1>(panel, d, m, x, r, yt + r * ldy, ldy);
     } else {
       constexpr int R = T == kIQ4NL ? 2 : 4;
       for (; r + R <= M; r += R) panel_rows_avx2<T, R>(panel, d, m, x, r, yt + r * ldy, ldy);
       for (; r + 2 <= M; r += 2) panel_rows_avx2<T, 2>(panel, d, m, x, r, yt + r * ldy, ldy);
       if (r < M) panel_rows_avx2<T, 1>(panel, d, m, x, r, yt + r * ldy, ldy);
     }
-    if (valid < 8)
-      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * 8, valid * sizeof(float));
+    if (valid < ts)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * w.N + n, ybuf.data() + i * ts, valid * sizeof(float));
   }
 }
 
@@ -646,7 +700,7 @@ inline void gemm_int(const float* x, int64_t M, const GMat& w, float* y, int pat
   prepare_x(x, M, w.K, w.type, vnni, prep);
   const XView xv{prep.a.q.data(), prep.xp.empty() ? nullptr : prep.xp.data(), prep.a.dx.data(), prep.a.sx.data(),
                  prep.corr.empty() ? nullptr : prep.corr.data(), w.K / 32};
-  const int64_t ts = path == 6 ? 16 : 8, tiles = (w.N + ts - 1) / ts;  // weight rows per tile
+  const int64_t ts = vnni ? 16 : 8, tiles = (w.N + ts - 1) / ts;  // weight rows per tile
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M) / ts);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * ts, n1 = std::min(w.N, t1 * ts);
@@ -688,7 +742,7 @@ inline int b32_resolve_path(const GMat& w, int64_t M, int path) {
   const bool vnni = b32::cpu_vnni(), avx2 = b32::cpu_avx2();
   if (path < 0) {
     if (!avx2) return 0;
-    return M <= (vnni ? 2 : 1) ? (vnni ? 6 : 7) : (vnni ? 8 : 9);
+    return M == 1 ? (vnni ? 6 : 7) : (vnni ? 8 : 9);
   }
   if (path == 0 || !avx2) return 0;
   if (!vnni && (path == 6 || path == 8)) return path + 1;

@@ -141,12 +141,12 @@ def test_extreme_codes(ext):
 
 
 def test_default_paths(ext):
-    """-1 up to 64 rows: the in-register kernel for one row (two with VNNI), the panels above; path 0 without AVX2;
+    """-1 up to 64 rows: the in-register kernel for one row, the panels above; path 0 without AVX2;
     a forced path this CPU lacks resolves to the one it has. (Above 64 rows gguf_gemm.h chooses: the panels or its
     dequantize + fp32 GEMM path.)"""
     raw = torch.from_numpy(make_raw(QT.Q5_0, 8, 64, seed=1))
     here = isa(ext)
-    want = {"avx512-vnni": [6, 6, 8, 8], "scalar": [0] * 4}.get(here, [7, 9, 9, 9])
+    want = {"avx512-vnni": [6, 8, 8, 8], "scalar": [0] * 4}.get(here, [7, 9, 9, 9])
     assert [ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, m, -1) for m in (1, 2, 3, 64)] == want
     assert ext.gguf_resolve_path(raw, int(QT.Q5_0), 64, 512, -1) in (want[-1], ext.gguf_dequant_path())
     if here not in ("avx512-vnni", "scalar"):
