@@ -431,8 +431,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_rows", &set_decode_rows, "decode rows through the all-heads row kernel (1) or the tile kernel "
         "per KV head (0), -1 reads; returns the previous choice", py::arg("set") = -1);
   m.def("has_avx2", &has_avx2, "whether the CPU runs the AVX2+FMA path");
-  m.def("isa_name", &scratchlm_simd::isa_name, "what the kernels run here, $SCRATCHLM_ISA applied: avx512-vnni, "
-        "avx512, avx2-vnni, avx2 or scalar (simd_common.h)");
   m.def("set_fp32_kernels", &set_fp32_kernels, "AVX-512 skinny tiles / oneDNN for many rows on or off; the old choice",
         py::arg("avx512"), py::arg("onednn"));
   m.def("quant_linear", &quant_linear, "y = x @ W^T, W float32 / int8 / int4 tensors (qlinear.h)", py::arg("x"),
