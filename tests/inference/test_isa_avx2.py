@@ -11,6 +11,7 @@ once: the cap is read at run time (simd_common.h), and the subprocesses load the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,38 @@ def test_setup_check_under_the_avx2_cap() -> None:
     assert "M=1 int path 7 " in int4 and "M=8 int path 7 " in int4 and "M=65 int path 9 " in int4, int4
     int8 = next(x for x in lines if "quant_linear int8 per channel, x int8 (default):" in x)
     assert "M=1 float path 4 " in int8 and "M=8 float path 3 " in int8 and "M=65 float path 0 " in int8, int8
+
+
+GREEDY = """
+import json
+from scratchlm.defaults import default_model_path
+from scratchlm.inference import LLM
+from scratchlm.inference.cpp_extensions import load_engine_kernels
+from tests.inference.quantization.test_int_activation_greedy import check_near_ties, greedy
+llm = LLM(default_model_path(), quantization="gguf", block_size=8, max_num_batched_tokens=64)
+rounded, exact = greedy(llm, False), greedy(llm, True)
+report = check_near_ties("gguf on " + load_engine_kernels().isa_name(), rounded, exact)
+print(json.dumps({"int": [r[0] for r in rounded], "float": [r[0] for r in exact], "report": report}))
+"""
+
+
+def test_greedy_ids_on_both_isas(default_model_path) -> None:
+    """The default GGUF model on the shared prompts, AVX-512 and AVX2: with float x the same greedy ids (the
+    kernels' float rounding differs in the last bits, e.g. the attention tiles', and moves no id); with x rounded to
+    int8 (the default) the ids equal float x's up to near ties on each ISA (test_int_activation_greedy.py's check).
+    Those last bits can land x on another rounding step, so the integer-x ids of the two ISAs differ at near ties
+    (measured: 3 of 5 prompts within 24 tokens): printed, not asserted."""
+    from tests.inference.quantization.test_models import SHARED_PROMPTS, first_divergence
+
+    kernels_or_fail()
+    needs_avx512()
+    runs = {}
+    for cap in ("native", "avx2"):
+        done = run_capped(cap, ["-c", GREEDY], timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[cap] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(runs[cap]["report"])
+    native, avx2 = runs["native"], runs["avx2"]
+    assert native["float"] == avx2["float"], [first_divergence(a, b) for a, b in zip(native["float"], avx2["float"])]
+    diverged = {p: first_divergence(a, b) for p, a, b in zip(SHARED_PROMPTS, native["int"], avx2["int"])}
+    print(f"x rounded to int8, AVX-512 vs AVX2, first divergent token per prompt: {diverged}")
