@@ -44,6 +44,10 @@ class Skip(Exception):
     """A check that does not apply here (its reason is printed)."""
 
 
+def skip(reason: str) -> str:
+    raise Skip(reason)
+
+
 @dataclass
 class Report:
     """The checks' outcomes, printed as they come."""
@@ -395,33 +399,45 @@ def gguf_checks(report: Report, eng: Any) -> None:
     """The GGUF block kernels (gguf_linear / gguf_dequantize) of every type this build keeps raw, on random valid
     blocks: dequantization bit-equal to gguf.quants, products within x's int8 rounding of float64."""
     if not hasattr(eng, "gguf_linear"):
-        report.run("gguf_linear", lambda: (_ for _ in ()).throw(Skip("this build has no gguf_linear binding")))
+        report.run("gguf_linear", lambda: skip("this build has no gguf_linear binding"))
         return
     import gguf
 
     dequant_path = eng.gguf_dequant_path() if hasattr(eng, "gguf_dequant_path") else None
-    for type_id in eng.gguf_types():
-        qtype = gguf.GGMLQuantizationType(type_id)
+    was = eng.quant_float_activations(-1)
+    try:
+        for float_x in (False, True):
+            for type_id in eng.gguf_types():
+                qtype = gguf.GGMLQuantizationType(type_id)
+                name = f"gguf_linear {qtype.name}, x {'float' if float_x else 'int8 (default)'}"
+                report.run(name, lambda q=qtype, f=float_x: gguf_check(eng, q, f, dequant_path))
+    finally:
+        eng.quant_float_activations(int(was))
 
-        def check(qtype=qtype) -> str:
-            block, _ = gguf.GGML_QUANT_SIZES[qtype]
-            k = 2 * 256
-            raw = random_blocks(qtype, 40, k)
-            want_w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).astype("float32"))  # (N, K)
-            got_w = eng.gguf_dequantize(raw, int(qtype), k)
-            assert torch.equal(got_w, want_w), \
-                f"gguf_dequantize differs from gguf.quants (max {(got_w - want_w).abs().max().item():.2g})"
-            x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(int(qtype)))
 
-            def run(xm: torch.Tensor) -> tuple[torch.Tensor, str]:
-                path = eng.gguf_resolve_path(raw, int(qtype), k, xm.shape[0], -1)
-                kind = "float" if path == dequant_path else "int"
-                return eng.gguf_linear(xm, raw, int(qtype), k), f"{kind} path {path}"
+def gguf_check(eng: Any, qtype: Any, float_x: bool, dequant_path: int | None) -> str:
+    """One raw type: gguf_dequantize bit-equal to gguf.quants, gguf_linear's default path at ROWS rows within its
+    bound (x's int8 rounding per block of the type, 32 or 256, unless the path dequantizes for the fp32 GEMM)."""
+    import gguf
 
-            w_abs = want_w.abs() + want_w.abs().view(40, -1, 32).amax(-1).repeat_interleave(32, dim=1)
-            return "dequantize bit-equal; " + rows_check(run, x, want_w, w_abs, block)
+    eng.quant_float_activations(int(float_x))
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = 40, 2 * 256
+    raw = random_blocks(qtype, n, k)
+    want_w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).astype("float32"))  # (N, K)
+    got_w = eng.gguf_dequantize(raw, int(qtype), k)
+    assert torch.equal(got_w, want_w), \
+        f"gguf_dequantize differs from gguf.quants (max {(got_w - want_w).abs().max().item():.2g})"
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(int(qtype)))
 
-        report.run(f"gguf_linear {qtype.name}", check)
+    def run(xm: torch.Tensor) -> tuple[torch.Tensor, str]:
+        path = eng.gguf_resolve_path(raw, int(qtype), k, xm.shape[0], -1)
+        kind = "float" if path == dequant_path else "int"
+        return eng.gguf_linear(xm, raw, int(qtype), k), f"{kind} path {path}"
+
+    # the terms' sizes: |w| and each 32-block's largest |w| (a block's offset term, as Q4_1's m, is no larger)
+    w_abs = want_w.abs() + want_w.abs().view(n, -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    return "dequantize bit-equal; " + rows_check(run, x, want_w, w_abs, block)
 
 
 def random_blocks(qtype: Any, n: int, k: int) -> torch.Tensor:

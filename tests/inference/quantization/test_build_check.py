@@ -30,7 +30,8 @@ def test_build_check_passes_and_reports_every_kernel(capsys) -> None:
     expected = ["build scratchlm_quant_kernels", "build scratchlm_engine_kernels", "paged attention decode",
                 "paged attention prefill", "panel_linear (SIMD)", "skinny_linear (scalar)",
                 "fused decode step, float32", "fused decode step, int4-g32-asym", "ISA the engine kernels report"]
-    expected += [f"gguf_linear {gguf.GGMLQuantizationType(t).name}" for t in eng.gguf_types()]
+    expected += [f"gguf_linear {gguf.GGMLQuantizationType(t).name}, x {x}" for t in eng.gguf_types()
+                 for x in ("int8 (default)", "float")]
     assert not [n for n in expected if n not in names], names
     # the default int4 path at M=1 is named with its path number (6: VNNI, 7: AVX2, 0: no SIMD)
     line = next(x for x in lines if "quant_linear int4 g32 asym (Q4_1), x int8 (default)" in x)
@@ -70,7 +71,7 @@ def test_report_runs_every_check_and_names_the_failures() -> None:
     assert "did not build: scratchlm_engine_kernels (the engine runs the pure-torch path" in report.summary(1.0)[1]
     ok = build.Report()
     ok.run("good", lambda: "fine")
-    ok.run("skipped", lambda: (_ for _ in ()).throw(build.Skip("n/a")))
+    ok.run("skipped", lambda: build.skip("n/a"))
     assert ok.summary(2.0) == (0, "kernel check passed: 1 of 2 ok, 1 skipped (2 s)")
 
 
