@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -48,12 +49,36 @@ PACKED_TYPES = {"Q4_0": (18, LayerFormat(4, 32, True)), "Q4_1": (20, LayerFormat
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
+def _owned_bytes(raw: np.ndarray) -> np.ndarray:
+    """raw as a flat writable uint8 array: raw itself when it is one (no copy), else a copy (read-only memmaps)."""
+    if isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.flags.writeable and raw.flags.c_contiguous:
+        return raw.reshape(-1)
+    return np.array(raw, dtype=np.uint8, copy=True).reshape(-1)
+
+
+def read_tensor_bytes(t: GGUFTensor, f: BinaryIO) -> np.ndarray:
+    """A tensor's raw bytes read from the open file `f` into a new uint8 array, without touching the reader's
+    memmap (whose pages, once read, would stay resident beside the copy until the map is closed: llama.cpp keeps
+    only the map; we keep only the copy). Falls back to copying `t.data` when it is not a view of a file memmap."""
+    root = t.data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.memmap) or root.offset != 0:
+        return _owned_bytes(t.data)
+    offset = t.data.ctypes.data - root.ctypes.data  # where the tensor starts in the file (the map starts at 0)
+    out = np.empty(t.data.nbytes, dtype=np.uint8)
+    f.seek(offset)
+    if f.readinto(memoryview(out)) != out.nbytes:
+        raise ValueError(f"tensor {t.name}: the file ends before its {out.nbytes} bytes")
+    return out
+
+
 def unpack_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> dict[str, Tensor]:
     """Raw GGUF blocks of a (rows, cols) matrix -> {qweight, scales[, mins]} in our planes (codes untouched)."""
     block_bytes, _ = PACKED_TYPES[type_name]
     if cols % 32:
         raise ValueError(f"{type_name} tensor with {cols} columns: not a multiple of the 32-weight block")
-    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1))
+    data = torch.from_numpy(_owned_bytes(raw))
     expected = rows * (cols // 32) * block_bytes
     if data.numel() != expected:
         raise ValueError(f"{type_name} tensor ({rows}, {cols}) has {data.numel()} bytes, expected {expected}")
@@ -69,10 +94,11 @@ def unpack_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) ->
 
 
 def raw_gguf_rows(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Tensor:
-    """Raw GGUF blocks of a (rows, cols) matrix of a raw type -> uint8 (rows, row_bytes), the bytes unchanged."""
+    """Raw GGUF blocks of a (rows, cols) matrix of a raw type -> uint8 (rows, row_bytes), the bytes unchanged (a
+    view of `raw` when it is a writable uint8 array, else a copy)."""
     fmt = LayerFormat.gguf(type_name)
     fmt.check(cols, f"{type_name} tensor")
-    data = np.array(raw, dtype=np.uint8, copy=True).reshape(-1)
+    data = _owned_bytes(raw)
     expected = rows * fmt.row_bytes(cols)
     if data.size != expected:
         raise ValueError(f"{type_name} tensor ({rows}, {cols}) has {data.size} bytes, expected {expected}")
@@ -129,6 +155,27 @@ def _module(ours: str) -> str:
     return HEAD if module == "lm_head" else module
 
 
+def _load_tensor(rule: Rule, t: GGUFTensor, kind: str, f: BinaryIO, state: dict[str, Tensor],
+                 layout: dict[str, LayerFormat], dtype: torch.dtype) -> None:
+    """One file tensor into `state` (and its modules' formats into `layout`) as `plan_tensors` decided."""
+    if kind == "float":
+        for ours, v in rule.to_ours(dequantize(t.data, t.type_name, t.shape)):
+            state[ours] = v.to(dtype)
+        return
+    raw = read_tensor_bytes(t, f)
+    if kind == "planes":
+        planes, fmt = unpack_gguf_blocks(raw, t.type_name, *t.shape), PACKED_TYPES[t.type_name][1]
+    else:
+        planes, fmt = {"qweight": raw_gguf_rows(raw, t.type_name, *t.shape)}, LayerFormat.gguf(t.type_name)
+    del raw
+    parts = {k: rule.to_ours(v) for k, v in planes.items()}  # rows move or split, codes and blocks do not change
+    for i, ours in enumerate(rule.ours):
+        module = _module(ours)
+        layout[module] = fmt
+        for key, pieces in parts.items():
+            state[f"{module}.{key}"] = pieces[i][1].contiguous()
+
+
 def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
                      ) -> LoadedModel:
     """A GGUF of any supported family as a `QuantizedTransformerLM` whose quantized weights stay packed, each in
@@ -144,32 +191,14 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
     plan = plan_tensors(rules, tensors, str(path), torch.device(device).type)
     state: dict[str, Tensor] = {}
     layout: dict[str, LayerFormat] = {}
-    for rule in tqdm(rules, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
-        t = tensors[rule.theirs]
-        shape, type_name, kind = t.shape, t.type_name, plan[rule.theirs]  # shape: (rows, cols)
-        if kind == "float":
+    with open(path, "rb", buffering=0) as f:
+        for rule in tqdm(rules, desc="reading GGUF (packed)", unit="tensor", leave=False, disable=None):
+            t = tensors[rule.theirs]
             try:
-                w = dequantize(t.data, type_name, shape)
+                _load_tensor(rule, t, plan[rule.theirs], f, state, layout, dtype)
             except ValueError as e:
                 raise CheckpointError(f"{path}: tensor {rule.theirs}: {e}") from None
-            for ours, v in rule.to_ours(w):
-                state[ours] = v.to(dtype)
-            continue
-        try:
-            if kind == "planes":
-                planes = unpack_gguf_blocks(t.data, type_name, *shape)
-                fmt = PACKED_TYPES[type_name][1]
-            else:
-                planes = {"qweight": raw_gguf_rows(t.data, type_name, *shape)}
-                fmt = LayerFormat.gguf(type_name)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: tensor {rule.theirs}: {e}") from None
-        parts = {k: rule.to_ours(v) for k, v in planes.items()}  # rows move or split, codes and blocks do not change
-        for i, ours in enumerate(rule.ours):
-            module = _module(ours)
-            layout[module] = fmt
-            for key, pieces in parts.items():
-                state[f"{module}.{key}"] = pieces[i][1].contiguous()
+    del tensors  # the reader's memmap
     if EMBEDDING in layout and config.tie_embeddings:  # the tied head computes with the packed embedding
         layout[HEAD] = layout[EMBEDDING]
         for key in ("qweight", "scales", "mins"):
