@@ -327,32 +327,8 @@ KQ_FN inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i x) {
 struct ScalesT {
   __m128i xs[8], xm[8];
   __m256 D, Dm;
+  __m256 D_o, Dm_o;  // path 3, (s, m)-word types: D and Dm in kRowOrder
 };
-
-// 8 rows of 8 16-bit words -> per word k the 8 rows' words (an 8 x 8 transpose of int16).
-KQ_FN inline void transpose_words(const __m128i h[8], __m128i out[8]) {
-  __m128i a[8], b[8];
-  for (int i = 0; i < 4; ++i) {
-    a[2 * i] = _mm_unpacklo_epi16(h[2 * i], h[2 * i + 1]);
-    a[2 * i + 1] = _mm_unpackhi_epi16(h[2 * i], h[2 * i + 1]);
-  }
-  for (int g = 0; g < 2; ++g) {  // rows 4g .. 4g + 3
-    const __m128i* p = a + 4 * g;
-    b[4 * g] = _mm_unpacklo_epi32(p[0], p[2]), b[4 * g + 1] = _mm_unpackhi_epi32(p[0], p[2]);
-    b[4 * g + 2] = _mm_unpacklo_epi32(p[1], p[3]), b[4 * g + 3] = _mm_unpackhi_epi32(p[1], p[3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    out[2 * j] = _mm_unpacklo_epi64(b[j], b[4 + j]);
-    out[2 * j + 1] = _mm_unpackhi_epi64(b[j], b[4 + j]);
-  }
-}
-
-// 8 fp16 values at blk[r] + off as 8 floats.
-KQ_FN inline __m256 halves8(const uint8_t* const blk[8], int off) {
-  uint16_t h[8];
-  for (int r = 0; r < 8; ++r) std::memcpy(h + r, blk[r] + off, 2);
-  return _mm256_cvtph_ps(load128(h));
-}
 
 // Q4_K / Q5_K: the 12 scale bytes at b + 4 -> [s0 .. s7, m0 .. m7] (6-bit each; ggml's get_scale_min_k4).
 KQ_FN inline __m128i scales_k4(const uint8_t* b) {
@@ -372,12 +348,12 @@ KQ_FN inline __m128i scales_k4(const uint8_t* b) {
 // u as unsigned bytes in x's order. Path 3: kSegs 32-byte segments at seg_off(); zcode(u, q, T): unit u's codes in
 // transposed word q (T[s][q]: segment s, word q of the 8 rows); xoff(u, q): offset of the x bytes they meet.
 struct TQ4K {
-  static constexpr bool kPer16 = false, kMin = true, kUnit64 = false, kHi16 = true;
+  // kSM: per-32 scale and min of a unit travel as one word (s, m) per row, one transpose for both
+  static constexpr bool kPer16 = false, kMin = true, kUnit64 = false, kHi16 = true, kSM = true;
   static constexpr int kOff = 0, kCodeMax = 15, kSegs = 4;
-  KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) {
+  KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) {  // words (s_k, m_k)
     const __m128i sm = scales_k4(b);
-    hs = _mm_shuffle_epi8(sm, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    hm = _mm_shuffle_epi8(sm, _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
+    hs = hm = _mm_unpacklo_epi8(sm, _mm_srli_si128(sm, 8));
   }
   static constexpr int kDOff = 0, kDmOff = 2;
   KQ_FN static void codes(const uint8_t* b, int u, __m256i* c) {
@@ -392,7 +368,7 @@ struct TQ4K {
 };
 
 struct TQ5K {
-  static constexpr bool kPer16 = false, kMin = true, kUnit64 = false, kHi16 = false;
+  static constexpr bool kPer16 = false, kMin = true, kUnit64 = false, kHi16 = false, kSM = true;
   static constexpr int kOff = 0, kCodeMax = 31, kSegs = 5;  // segments 0-3: qs, 4: qh
   KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) { TQ4K::rows(b, hs, hm); }
   static constexpr int kDOff = 0, kDmOff = 2;
@@ -414,7 +390,7 @@ struct TQ5K {
 };
 
 struct TQ6K {
-  static constexpr bool kPer16 = true, kMin = false, kUnit64 = false, kHi16 = false;
+  static constexpr bool kPer16 = true, kMin = false, kUnit64 = false, kHi16 = false, kSM = false;
   static constexpr int kOff = 32, kCodeMax = 63, kSegs = 6;  // segments 0-3: ql, 4-5: qh
   KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) { hs = hm = load128(b + 192); }
   static constexpr int kDOff = 208, kDmOff = -1;
@@ -439,7 +415,7 @@ struct TQ6K {
 };
 
 struct TQ3K {
-  static constexpr bool kPer16 = true, kMin = false, kUnit64 = false, kHi16 = false;
+  static constexpr bool kPer16 = true, kMin = false, kUnit64 = false, kHi16 = false, kSM = false;
   static constexpr int kOff = 4, kCodeMax = 7, kSegs = 3;  // segment 0: hmask, 1-2: qs
   KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) {
     const uint8_t* s = b + 96;
@@ -471,7 +447,7 @@ struct TQ3K {
 };
 
 struct TQ2K {
-  static constexpr bool kPer16 = true, kMin = true, kUnit64 = false, kHi16 = false;
+  static constexpr bool kPer16 = true, kMin = true, kUnit64 = false, kHi16 = false, kSM = false;
   static constexpr int kOff = 0, kCodeMax = 3, kSegs = 2;
   KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) {
     const __m128i v = load128(b);
@@ -497,7 +473,7 @@ struct TQ2K {
 // code book + 128 as unsigned bytes (offset 128); AVX2 keeps the signed values and the sign trick instead
 // (maddubs(|c|, sign(x, c)): u8 up to 241 would saturate maddubs).
 struct TIQ4XS {
-  static constexpr bool kPer16 = false, kMin = false, kUnit64 = true, kHi16 = false;
+  static constexpr bool kPer16 = false, kMin = false, kUnit64 = true, kHi16 = false, kSM = false;
   static constexpr int kOff = 128, kCodeMax = 255, kSegs = 4;
   KQ_FN static void rows(const uint8_t* b, __m128i& hs, __m128i& hm) {
     // 8 scales: low 4 bits from scales_l (nibbles), high 2 from scales_h (2 bits each), minus 32
@@ -552,13 +528,49 @@ KQ_FN inline void d_dm8(const uint8_t* const blk[8], ScalesT& st) {
     st.Dm = _mm256_mul_ps(st.D, _mm256_set1_ps(static_cast<float>(Tr::kOff)));
 }
 
+// Q4_K / Q5_K's scales of rows a and b at once (scales_k4 on the two 128-bit lanes).
+KQ_FN inline __m256i scales_k4x2(const uint8_t* a, const uint8_t* b) {
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(a + 4)), load128(b + 4), 1);
+  const __m256i lo6 = _mm256_and_si256(v, bytes(0x3F));
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi16(v, 2), bytes(0x30));
+  const __m256i t = _mm256_shuffle_epi8(v, _mm256_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11,
+                                                            8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+  const __m256i w = _mm256_blend_epi16(_mm256_and_si256(t, bytes(0x0F)), _mm256_and_si256(_mm256_srli_epi16(t, 4), bytes(0x0F)),
+                                       0x0C);
+  return _mm256_unpacklo_epi32(lo6, _mm256_or_si256(w, top));
+}
+
+// y[j] = [row j | row j + 4] (8 words each) -> out[k] = word k of rows 0 .. 7: the 8 x 8 int16 transpose with both
+// 128-bit lanes at work (rows 0-3 in the low lanes, 4-7 in the high ones), then one lane-crossing step per pair.
+KQ_FN inline void transpose_words_ymm(const __m256i y[4], __m128i out[8]) {
+  const __m256i a0 = _mm256_unpacklo_epi16(y[0], y[1]), a1 = _mm256_unpackhi_epi16(y[0], y[1]);
+  const __m256i a2 = _mm256_unpacklo_epi16(y[2], y[3]), a3 = _mm256_unpackhi_epi16(y[2], y[3]);
+  const __m256i b[4] = {_mm256_unpacklo_epi32(a0, a2), _mm256_unpackhi_epi32(a0, a2), _mm256_unpacklo_epi32(a1, a3),
+                        _mm256_unpackhi_epi32(a1, a3)};  // b[j]: words 2j, 2j + 1 of [rows 0-3 | rows 4-7]
+  for (int j = 0; j < 4; ++j) {
+    const __m256i o = _mm256_permute4x64_epi64(b[j], 0xD8);  // [word 2j: rows 0-3, 4-7 | word 2j + 1]
+    out[2 * j] = _mm256_castsi256_si128(o);
+    out[2 * j + 1] = _mm256_extracti128_si256(o, 1);
+  }
+}
+
 // The 8 rows' scale words transposed, mins, D and Dm for one super-block.
 template <class Tr>
 KQ_FN inline void scales8(const uint8_t* const blk[8], ScalesT& st) {
-  __m128i hs[8], hm[8];
-  for (int r = 0; r < 8; ++r) Tr::rows(blk[r], hs[r], hm[r]);
-  transpose_words(hs, st.xs);
-  if (Tr::kMin) transpose_words(hm, st.xm);
+  __m256i ys[4], ym[4];
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same<Tr, TQ4K>::value || std::is_same<Tr, TQ5K>::value) {
+      const __m256i sm = scales_k4x2(blk[j], blk[j + 4]);
+      ys[j] = ym[j] = _mm256_unpacklo_epi8(sm, _mm256_srli_si256(sm, 8));  // words (s_k, m_k)
+    } else {
+      __m128i s0, m0, s1, m1;
+      Tr::rows(blk[j], s0, m0), Tr::rows(blk[j + 4], s1, m1);
+      ys[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(s0), s1, 1);
+      ym[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(m0), m1, 1);
+    }
+  }
+  transpose_words_ymm(ys, st.xs);
+  if (Tr::kMin && !Tr::kSM) transpose_words_ymm(ym, st.xm);
   else for (int k = 0; k < 8; ++k) st.xm[k] = st.xs[k];
   d_dm8<Tr>(blk, st);
 }
@@ -619,32 +631,55 @@ KQ_FN inline void prefetch_share(const GMat& w, int64_t n, int64_t i, int64_t bb
 }
 
 // ------------------------------------------------------------------------------------------- ymm kernels (1, 2)
+// The reductions of 4 rows' vectors use unpacks and adds, not hadds: on this Zen 5 core a vphaddw / vphaddd costs
+// ~0.52 ns against ~0.08 ns for an add or an unpack (benchmarks/gguf_gemv.py notes), and the hadd trees were half
+// of path 1's time.
+// 4 rows' int16 vectors (per 128-bit lane: 8 words of one half) -> per lane [r0 r0 r1 r1 r2 r2 r3 r3], each word a
+// sum of 4 of the inputs' words of its row (the sums of two words per row add up to the row's half).
+KQ_FN inline __m256i reduce4_epi16(const __m256i* P) {
+  const __m256i t01 = _mm256_add_epi16(_mm256_unpacklo_epi32(P[0], P[1]), _mm256_unpackhi_epi32(P[0], P[1]));
+  const __m256i t23 = _mm256_add_epi16(_mm256_unpacklo_epi32(P[2], P[3]), _mm256_unpackhi_epi32(P[2], P[3]));
+  return _mm256_add_epi16(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+// 4 rows' int32 vectors -> per 128-bit lane [r0 r1 r2 r3] (each the sum of the row's 4 dwords of that lane).
+KQ_FN inline __m256i reduce4_epi32(const __m256i* P) {
+  const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(P[0], P[1]), _mm256_unpackhi_epi32(P[0], P[1]));
+  const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(P[2], P[3]), _mm256_unpackhi_epi32(P[2], P[3]));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+
 // One unit of 8 rows (codes c[r * V + v]) against x's unit bytes xb: adds dx * (s_A S_A + s_B S_B) into f0 (rows
 // 0-3: [half A | half B]) and f1 (rows 4-7).
-template <class Tr, int ISA, bool kSigned>
-KQ_FN inline void unit8(const __m256i* c, const int8_t* xb, const float* dxp, const __m128i& xsk, __m256& f0,
+template <class Tr, int ISA, bool kSigned, class Codes>
+KQ_FN inline void unit8(const Codes& c, const int8_t* xb, const float* dxp, const __m128i& xsk, __m256& f0,
                         __m256& f1) {
   constexpr int V = Tr::kUnit64 ? 2 : 1;
   __m256i X[V];
   for (int v = 0; v < V; ++v) X[v] = load256(xb + 32 * v);
   __m256i g0, g1;
-  if constexpr (ISA == kIsaAvx2 && !kSigned && Tr::kCodeMax <= 31 && V == 1) {
-    // int16 sums: 2 products per maddubs lane, 8 after two hadd levels (<= 8 * 31 * 127 < 2^15); the scales
-    // come in with madd: [s_A(r) x2 for rows 0-3 | s_B(r) x2]
+  if constexpr (ISA != kIsaAvx512Vnni && !kSigned && Tr::kCodeMax <= 31 && V == 1) {
+    // (measured faster than vpdpbusd + hadd32 + mullo on the AVX-VNNI path as well)
+    // int16 sums: 2 products per maddubs word, 8 after the two reduction levels (<= 8 * 31 * 127 < 2^15); the
+    // scales come in with madd: [s_A(r) x2 for rows 0-3 | s_B(r) x2]
     __m256i P[8];
-    for (int r = 0; r < 8; ++r) P[r] = _mm256_maddubs_epi16(_mm256_load_si256(c + r), X[0]);
-    const __m256i l0 = _mm256_hadd_epi16(_mm256_hadd_epi16(P[0], P[1]), _mm256_hadd_epi16(P[2], P[3]));
-    const __m256i l1 = _mm256_hadd_epi16(_mm256_hadd_epi16(P[4], P[5]), _mm256_hadd_epi16(P[6], P[7]));
-    const __m128i s0 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7));
-    const __m128i s1 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(8, 8, 10, 10, 12, 12, 14, 14, 9, 9, 11, 11, 13, 13, 15, 15));
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) P[r] = _mm256_maddubs_epi16(c(r, 0), X[0]);
+    const __m256i l0 = reduce4_epi16(P), l1 = reduce4_epi16(P + 4);
+    constexpr int b = Tr::kSM ? 0 : 1;  // the byte of half B's scale in a word ((s, m) words: s for both)
+    const __m128i s0 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, b, b, 2 + b, 2 + b, 4 + b, 4 + b,
+                                                           6 + b, 6 + b));
+    const __m128i s1 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(8, 8, 10, 10, 12, 12, 14, 14, 8 + b, 8 + b, 10 + b, 10 + b,
+                                                           12 + b, 12 + b, 14 + b, 14 + b));
     g0 = _mm256_madd_epi16(l0, _mm256_cvtepi8_epi16(s0));
     g1 = _mm256_madd_epi16(l1, _mm256_cvtepi8_epi16(s1));
   } else {
     __m256i P[8];
+#pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
       P[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
       for (int v = 0; v < V; ++v) {
-        const __m256i cv = _mm256_load_si256(c + r * V + v);
+        const __m256i cv = c(r, v);
         if constexpr (kSigned)  // |c| x sign(x, c): |products| <= 127 * 127, the pair sums fit int16
           P[r] = _mm256_add_epi32(P[r], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(cv, cv),
                                                                                _mm256_sign_epi8(X[v], cv)),
@@ -655,14 +690,17 @@ KQ_FN inline void unit8(const __m256i* c, const int8_t* xb, const float* dxp, co
           P[r] = dpbusd256<ISA>(P[r], cv, X[v]);
       }
     }
-    g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(P[0], P[1]), _mm256_hadd_epi32(P[2], P[3]));
-    g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(P[4], P[5]), _mm256_hadd_epi32(P[6], P[7]));
-    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // [A0 B0 A1 B1 ..] -> [A0 A1 A2 A3 B0 ..]
-    g0 = _mm256_mullo_epi32(g0, _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(xsk), perm));
-    g1 = _mm256_mullo_epi32(g1, _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(xsk, 8)), perm));
+    g0 = reduce4_epi32(P), g1 = reduce4_epi32(P + 4);
+    constexpr int b = Tr::kSM ? 0 : 1;
+    // [A0 B0 A1 B1 ..] -> [A0 A1 A2 A3 | B0 B1 B2 B3] (rows 0-3), and rows 4-7
+    const __m128i s = _mm_shuffle_epi8(xsk, _mm_setr_epi8(0, 2, 4, 6, b, 2 + b, 4 + b, 6 + b, 8, 10, 12, 14, 8 + b,
+                                                          10 + b, 12 + b, 14 + b));
+    g0 = _mm256_mullo_epi32(g0, _mm256_cvtepi8_epi32(s));
+    g1 = _mm256_mullo_epi32(g1, _mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)));
   }
-  const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_set1_pd(pair_of(dxp))),
-                                             _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  const __m256 dx = V == 1 ? _mm256_broadcast_ss(dxp)  // both halves: one x block
+                           : _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_set1_pd(pair_of(dxp))),
+                                                      _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), dx, f0);
   f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), dx, f1);
 }
@@ -670,6 +708,15 @@ KQ_FN inline void unit8(const __m256i* c, const int8_t* xb, const float* dxp, co
 // [rows 0-3 half A | rows 0-3 half B] and the same for rows 4-7 -> rows 0..7.
 KQ_FN inline __m256 fold_halves(__m256 f0, __m256 f1) {
   return _mm256_add_ps(_mm256_permute2f128_ps(f0, f1, 0x20), _mm256_permute2f128_ps(f0, f1, 0x31));
+}
+
+// (s, m) words: sum_k m_k sxf_k with the 8 rows' m_k as the words' high bytes (rows 0..7 in the lanes).
+KQ_FN inline __m256 min_term8_sm(const __m128i* xw, const float* sxp) {
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < 8; ++k)
+    m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_cvtepi16_epi32(xw[k]), 8)),
+                        _mm256_broadcast_ss(sxp + 2 * k), m);
+  return m;
 }
 
 // sum_k m_k * sxf_k over the super-block's pairs: m as [A0 B0 A1 B1 ..] per row, sxf (A, B) -> rows 0..7.
@@ -683,6 +730,25 @@ KQ_FN inline __m256 min_term8(const __m128i* xm, const float* sxp, int pairs) {
   // [r0A r0B r1A r1B r2A r2B r3A r3B], rows 4-7 -> hadd: [r0 r1 r4 r5 | r2 r3 r6 r7]
   return _mm256_permutevar8x32_ps(_mm256_hadd_ps(m0, m1), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
+
+// Row r's codes (vector v) of unit u: straight from the block (M = 1; the compiler keeps them in registers) or
+// from the super-block's buffer (M > 1).
+template <class Tr, bool kSigned>
+struct YDirect {
+  const uint8_t* const* blk;
+  int u;
+  KQ_FN __m256i operator()(int r, int v) const {
+    __m256i c[2];
+    if constexpr (kSigned) Tr::template codes_t<true>(blk[r], u, c);
+    else Tr::codes(blk[r], u, c);
+    return c[v];
+  }
+};
+template <int V>
+struct YBuffered {
+  const __m256i* c;
+  KQ_FN __m256i operator()(int r, int v) const { return _mm256_load_si256(c + r * V + v); }
+};
 
 // Weight rows n0 .. n1 (tiles of 8; a ragged last tile repeats its last row and stores only the valid ones)
 // against every x row.
@@ -720,18 +786,15 @@ KQ_FN void tile8_ymm(const XSide& xs, const GMat& w, float* y, int64_t n0, int64
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) {
           if (M == 1) {
-            alignas(32) __m256i c[8 * V];
-            for (int r = 0; r < 8; ++r) {
-              if constexpr (kSigned) Tr::template codes_t<true>(blk[r], u, c + r * V);
-              else Tr::codes(blk[r], u, c + r * V);
-            }
-            unit8<Tr, ISA, kSigned>(c, xb + u * 32 * V, dxp + 2 * u, st.xs[u], f0, f1);
+            unit8<Tr, ISA, kSigned>(YDirect<Tr, kSigned>{blk, u}, xb + u * 32 * V, dxp + 2 * u, st.xs[u], f0, f1);
           } else {
-            unit8<Tr, ISA, kSigned>(cbuf + u * 8 * V, xb + u * 32 * V, dxp + 2 * u, st.xs[u], f0, f1);
+            unit8<Tr, ISA, kSigned>(YBuffered<V>{cbuf + u * 8 * V}, xb + u * 32 * V, dxp + 2 * u, st.xs[u], f0, f1);
           }
         }
         __m256 t = _mm256_fmadd_ps(st.D, fold_halves(f0, f1), _mm256_loadu_ps(acc + 8 * m));
-        if constexpr (Tr::kMin || (Tr::kOff > 0 && !kSigned))
+        if constexpr (Tr::kSM)
+          t = _mm256_fnmadd_ps(st.Dm, min_term8_sm(st.xs, xs.sxp.data() + (m * nb + i * 8) * 2), t);
+        else if constexpr (Tr::kMin || (Tr::kOff > 0 && !kSigned))
           t = _mm256_fnmadd_ps(st.Dm, min_term8(st.xm, xs.sxp.data() + (m * nb + i * 8) * 2, U), t);
         _mm256_storeu_ps(acc + 8 * m, t);
       }
@@ -741,6 +804,8 @@ KQ_FN void tile8_ymm(const XSide& xs, const GMat& w, float* y, int64_t n0, int64
 }
 
 // ------------------------------------------------------------------------------------------- zmm kernel (3)
+// The order of the 8 rows in path 3's lanes (see transpose_seg; an involution).
+constexpr int kRowOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
 // Q4_K / Q5_K's scales of 4 rows at once (scales_k4 on the four 128-bit lanes).
 KQ5_FN inline __m512i scales_k4x4(const uint8_t* const* b) {
   __m512i v = _mm512_castsi128_si512(load128(b[0] + 4));
@@ -778,9 +843,7 @@ KQ5_FN inline void scales8_zmm(const uint8_t* const blk[8], ScalesT& st) {
   if constexpr (std::is_same<Tr, TQ4K>::value || std::is_same<Tr, TQ5K>::value) {
     for (int g = 0; g < 2; ++g) {
       const __m512i sm = scales_k4x4(blk + 4 * g);
-      hs[g] = _mm512_shuffle_epi8(sm, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
-      hm[g] = _mm512_shuffle_epi8(sm, _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1,
-                                                                           14, -1, 15, -1)));
+      hs[g] = hm[g] = _mm512_unpacklo_epi8(sm, _mm512_bsrli_epi128(sm, 8));  // words (s_k, m_k)
     }
   } else {
     for (int g = 0; g < 2; ++g) {
@@ -791,15 +854,19 @@ KQ5_FN inline void scales8_zmm(const uint8_t* const blk[8], ScalesT& st) {
     }
   }
   transpose_words_zmm(hs[0], hs[1], st.xs);
-  if (Tr::kMin) transpose_words_zmm(hm[0], hm[1], st.xm);
+  if (Tr::kMin && !Tr::kSM) transpose_words_zmm(hm[0], hm[1], st.xm);
   else for (int k = 0; k < 8; ++k) st.xm[k] = st.xs[k];
   d_dm8<Tr>(blk, st);
+  if constexpr (Tr::kSM) {
+    const __m256i order = _mm256_setr_epi32(kRowOrder[0], kRowOrder[1], kRowOrder[2], kRowOrder[3], kRowOrder[4],
+                                            kRowOrder[5], kRowOrder[6], kRowOrder[7]);
+    st.D_o = _mm256_permutevar8x32_ps(st.D, order), st.Dm_o = _mm256_permutevar8x32_ps(st.Dm, order);
+  }
 }
 
 // Segment s of the 8 rows' block (32 bytes each) transposed by 8-byte words: T[q] = word q of every row, rows in
 // the lane order kRowOrder (lanes 2j, 2j + 1: row kRowOrder[j]): in-lane unpacks of [row k | row k + 4] pairs,
 // then 128-bit lane shuffles (cheaper than full two-source permutes; the order is undone when the rows are stored).
-constexpr int kRowOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
 KQ5_FN inline void transpose_seg(const uint8_t* const blk[8], int off, __m512i T[4]) {
   __m512i Z[4];
   for (int k = 0; k < 4; ++k)  // [row k | row k + 4]
@@ -817,6 +884,28 @@ KQ5_FN inline void transpose_seg(const uint8_t* const blk[8], int off, __m512i T
 KQ5_FN inline __m512i pair_ab(__m512i a, __m512i b) {
   const __m512i t1 = _mm512_mask_blend_epi32(0xAAAA, a, b), t2 = _mm512_mask_blend_epi32(0xAAAA, b, a);
   return _mm512_add_epi32(t1, _mm512_shuffle_epi32(t2, _MM_PERM_CDAB));
+}
+
+// (s, m)-word types (per-32 scale, one x block per unit): both halves summed, the row sums in the even dwords
+// multiplied by s (vpmuldq), as 8 floats (rows in kRowOrder).
+template <class Tr, class Codes>
+KQ5_FN inline __m256 zrow_sm(const Codes& codes, const int8_t* xb, const float* dxp, const ScalesT& st) {
+  __m256 f = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      int64_t xw;
+      std::memcpy(&xw, xb + Tr::xoff(u, q), 8);
+      acc = _mm512_dpbusd_epi32(acc, codes(u, q), _mm512_set1_epi64(xw));
+    }
+    acc = _mm512_add_epi32(acc, _mm512_shuffle_epi32(acc, _MM_PERM_CDAB));
+    if (Tr::kHi16 && (u & 1)) acc = _mm512_srai_epi32(acc, 4);  // Q4_K's high nibbles were 16 q
+    const __m512i s = _mm512_and_si512(_mm512_cvtepu16_epi64(st.xs[u]), _mm512_set1_epi64(0xFF));
+    f = _mm256_fmadd_ps(_mm512_cvtepi64_ps(_mm512_mul_epi32(acc, s)), _mm256_broadcast_ss(dxp + 2 * u), f);
+  }
+  return f;
 }
 
 // Sum over super-block units of one x row against the transposed codes (codes(u, q) yields a 512-bit vector):
@@ -905,10 +994,20 @@ KQ5_FN void tile8_zmm(const XSide& xs, const GMat& w, float* y, int64_t n0, int6
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xb = xs.bytes(m) + i * kQK;
         const float* dxp = xs.dxp.data() + (m * nb + i * 8) * 2;
-        const __m512 f = M == 1 ? zrow<Tr>(direct, xb, dxp, st) : zrow<Tr>(buffered, xb, dxp, st);
-        __m256 t = _mm256_fmadd_ps(st.D, fold_pairs(f), _mm256_loadu_ps(acc + 8 * m));
-        if constexpr (Tr::kMin || Tr::kOff > 0)
-          t = _mm256_fnmadd_ps(st.Dm, min_term16(st.xm, xs.sxp.data() + (m * nb + i * 8) * 2, Tr::kUnit64 ? 4 : 8), t);
+        const float* sxp = xs.sxp.data() + (m * nb + i * 8) * 2;
+        __m256 t;
+        if constexpr (Tr::kSM) {  // scale and min terms in kRowOrder, put back in row order once
+          const __m256 f = M == 1 ? zrow_sm<Tr>(direct, xb, dxp, st) : zrow_sm<Tr>(buffered, xb, dxp, st);
+          const __m256i order = _mm256_setr_epi32(kRowOrder[0], kRowOrder[1], kRowOrder[2], kRowOrder[3], kRowOrder[4],
+                                                  kRowOrder[5], kRowOrder[6], kRowOrder[7]);
+          const __m256 fr = _mm256_permutevar8x32_ps(_mm256_fnmadd_ps(st.Dm_o, min_term8_sm(st.xs, sxp), _mm256_mul_ps(st.D_o, f)), order);
+          t = _mm256_add_ps(fr, _mm256_loadu_ps(acc + 8 * m));
+        } else {
+          const __m512 f = M == 1 ? zrow<Tr>(direct, xb, dxp, st) : zrow<Tr>(buffered, xb, dxp, st);
+          t = _mm256_fmadd_ps(st.D, fold_pairs(f), _mm256_loadu_ps(acc + 8 * m));
+          if constexpr (Tr::kMin || Tr::kOff > 0)
+            t = _mm256_fnmadd_ps(st.Dm, min_term16(st.xm, sxp, Tr::kUnit64 ? 4 : 8), t);
+        }
         _mm256_storeu_ps(acc + 8 * m, t);
       }
     }
