@@ -272,7 +272,9 @@ def test_fused_step_equals_python_path(gguf_file):
         for batch in (1, 70):
             got, want, ops, cache, ref_cache = _fused_and_python_decode(model, batch)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-            torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)
+            # K rows reach ~20 here: float32 rounding of the inputs moves them by ~1e-5 of that (1.3e-5 measured
+            # without SIMD), so the tolerance is relative to the cache's largest value
+            torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5 * float(ref_cache.k.abs().max()), rtol=1e-5)
             assert torch.equal(got, ops)
     finally:
         qkernels.float_activations(previous)
