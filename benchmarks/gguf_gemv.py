@@ -14,8 +14,9 @@ Sections:
   of each (60 at 30 layers: 14-41 MiB per shape, so the weights stream from memory as in decode; 4 matrices at
   more than 64 rows, where the work is compute-bound), against GGUF Q4_1 through quant_linear's 8-row kernels /
   panels (quant_gemm.h paths 6-9, the fastest 4-bit format before) on the same shapes, and a streaming read
-  (torch.sum over 256 MiB). Paths: 6 / 7 the 8-row in-register kernels (AVX512-VNNI / AVX2), 8 / 9 the panels,
-  100 gguf_gemm.h's dequantize-to-float32 + fp32 GEMM (its prefill default).
+  (torch.sum over 256 MiB). Paths: 6 the in-register kernel on AVX512-VNNI (16 weight rows per tile, 512-bit), 7
+  the AVX2 one (8 rows, maddubs), 8 / 9 the panels (tiles unpacked once per call: 16 / 8 rows), 100 gguf_gemm.h's
+  dequantize-to-float32 + fp32 GEMM. Quant_gemm.h's Q4_1 paths: 6 / 7 its 8-row kernels, 8 / 9 its panels.
 - kquants (csrc/gguf_kquants.h): Q4_K, Q6_K, Q5_K, Q3_K, Q2_K, IQ4_XS on two model shapes whose rows are multiples
   of 256 weights (llama.cpp stores other rows in other types): `135m` = SmolLM2-135M's ffn_down (576 x 1536), one
   random matrix per layer (`--layers`; 30: 10-19 MiB, L3-sized here); `1b` = a TinyLlama-1.1B-like feed-forward

@@ -23,8 +23,9 @@
 //   8  AVX512-VNNI panels: each 16-row tile unpacked once per call into L1, then every x row (512-bit registers)
 //   9  AVX2 panels of 8-row tiles
 // Default (-1; measured with benchmarks/gguf_gemv.py, one Zen 4 core, interleaved; results 2026-12-02): the
-// in-register kernel (6, or 7 without VNNI) for 1 row of x, the panels (8, or 9) from 2 rows on, prefill included
-// (where they run 2-3x the dequantize + fp32 GEMM path of gguf_gemm.h, which chooses above 64 rows); 0 without AVX2.
+// in-register kernel (6, or 7 without VNNI) for 1 row of x (with VNNI, 6 and 8 are within noise of each other there:
+// 0.9-1.07x in direct interleaved reruns), the panels (8, or 9) from 2 rows on, prefill included (where they run
+// 2-5x the dequantize + fp32 GEMM path, which gguf_gemm.h used to take above 64 rows); 0 without AVX2.
 // A forced path the CPU lacks resolves to one it has (6 -> 7, 8 -> 9, 6 .. 9 -> 0 without AVX2); any other number
 // is an error.
 //
