@@ -17,20 +17,21 @@ Sections:
   (torch.sum over 256 MiB). Paths: 6 the in-register kernel on AVX512-VNNI (16 weight rows per tile, 512-bit), 7
   the AVX2 one (8 rows, maddubs), 8 / 9 the panels (tiles unpacked once per call: 16 / 8 rows), 100 gguf_gemm.h's
   dequantize-to-float32 + fp32 GEMM. Quant_gemm.h's Q4_1 paths: 6 / 7 its 8-row kernels, 8 / 9 its panels.
-- kquants (csrc/gguf_kquants.h): Q4_K, Q6_K, Q5_K, Q3_K, Q2_K, IQ4_XS on two model shapes whose rows are multiples
-  of 256 weights (llama.cpp stores other rows in other types): `135m` = SmolLM2-135M's ffn_down (576 x 1536), one
-  random matrix per layer (`--layers`; 30: 10-19 MiB, L3-sized here); `1b` = a TinyLlama-1.1B-like feed-forward
-  (gate / up 5632 x 2048, down 2048 x 5632), 4 layers (12 matrices, 78-114 MiB: from DRAM, as a 1B model's decode
-  step reads them; 3 matrices at 32 rows and more). Random valid blocks (random bytes, finite fp16 scales: the
-  kernels' speed does not depend on the values). Contenders: `default` (gguf_linear path -1: what the engine runs),
-  paths 1 / 2 / 3 (AVX2 maddubs, AVX-VNNI, AVX512-VNNI kernels, x rounded to int8 per 32-block) and 100
-  (dequantize + fp32 GEMM) forced; llama.cpp's own kernels through a small C shim linked against the column's
-  llama.cpp build (.peers/llama-server-build: native; .peers/llama-avx2-build: the AVX2 column): `llama.cpp` = its
-  vec_dot for the type per (weight row, x row) after its from_float (Q8_K) of x, what it runs for a type it does not
-  repack; `llama.cpp repack` (Q4_K, 1 row) = the 8-row interleaved copy llama.cpp makes of Q4_K at load on AVX2 CPUs
-  (N % 8 == 0; the shim repacks as its make_block_q4_Kx8 does, untimed) and its ggml_gemv_q4_K_8x8_q8_K; `stream` =
-  a streaming read of the same bytes (AVX2 loads; torch.sum above reads ~2x slower than the memory system here).
-  The table's last column: llama.cpp's best time / this contender's (above 1: faster than llama.cpp).
+- kquants (csrc/gguf_kquants.h): Q4_K, Q6_K, Q5_K, Q3_K, Q2_K, IQ4_XS on two model shapes whose rows are multiples of
+  256 weights (llama.cpp stores other rows in other types): `135m` = SmolLM2-135M's ffn_down (576 x 1536), one random
+  matrix per layer (`--layers`; 30: 10-19 MiB, L3-sized here); `1b` = a TinyLlama-1.1B-like feed-forward (gate / up
+  5632 x 2048, down 2048 x 5632), 4 layers (12 matrices, 78-114 MiB: from DRAM, as a 1B model's decode step reads
+  them; 3 matrices at 32 rows and more). Random valid blocks (random bytes, finite fp16 scales: the kernels' speed
+  does not depend on the values). Contenders: `default` (gguf_linear path -1: what the engine runs), paths 1 / 2 / 3
+  (AVX2 maddubs, AVX-VNNI, AVX512-VNNI kernels, x rounded to int8 per 32-block; at every M, the prefill sizes
+  included) and 100 (dequantize + fp32 GEMM, from 8 rows) forced; llama.cpp's own kernels through a small C shim
+  linked against the column's llama.cpp build (.peers/llama-server-build: native; .peers/llama-avx2-build: the AVX2
+  column): `llama.cpp` = its vec_dot for the type per (weight row, x row) after its from_float (Q8_K) of x, what it
+  runs for a type it does not repack; `llama.cpp repack` (Q4_K, 1 row) = the 8-row interleaved copy llama.cpp makes of
+  Q4_K at load on AVX2 CPUs (N % 8 == 0; the shim repacks as its make_block_q4_Kx8 does, untimed) and its
+  ggml_gemv_q4_K_8x8_q8_K; `stream` = a streaming read of the same bytes (AVX2 loads; torch.sum above reads ~2x slower
+  than the memory system here). The table's last column: llama.cpp's best time / this contender's (above 1: faster
+  than llama.cpp).
 """
 
 from __future__ import annotations
@@ -348,11 +349,10 @@ def section_kquants(ctx: Context) -> None:
                 nbytes = sum(w.nbytes for w in wn)
                 xs = {k: torch.randn(m, k, generator=torch.Generator().manual_seed(k)) for _, k in shp}
                 ys = [np.zeros((m, n), np.float32) for n, _ in shp]
-                xq = np.zeros(m * 6000, np.uint8)
+                xq = np.zeros(m * (max(k for _, k in shp) // 256 * 292 + 64), np.uint8)  # x as Q8_K rows
 
                 cont = {"default": _kq_ours(eng, xs, wt, shp, tid, -1)}
-                if m <= 64:
-                    cont.update({f"path {p}": _kq_ours(eng, xs, wt, shp, tid, p) for p in paths})
+                cont.update({f"path {p}": _kq_ours(eng, xs, wt, shp, tid, p) for p in paths})  # at M > 64 too
                 if m >= 8:
                     cont[f"path {dequant}"] = _kq_ours(eng, xs, wt, shp, tid, dequant)
                 if has_llama:
@@ -369,7 +369,7 @@ def section_kquants(ctx: Context) -> None:
                 for key, t in best.items():
                     table.append([ctx.isa, tname, f"{shape} ({len(sel)} x {shp[0][0]} x {shp[0][1]}..)", str(m), key,
                                   f"{1e3 * t:.2f}", f"{nbytes / t / 1e9:.1f}", f"{100 * best['stream'] / t:.0f} %",
-                                  f"{lla / t:.2f}x" if lla and not key.startswith("llama") else "-"])
+                                  f"{lla / t:.2f}x" if lla and not key.startswith(("llama", "stream")) else "-"])
                 print(f"[{ctx.isa}] {tname} {shape} M={m}: " + ", ".join(
                     f"{k} {nbytes / t / 1e9:.1f}" for k, t in best.items()) + " GB/s", file=sys.stderr, flush=True)
 

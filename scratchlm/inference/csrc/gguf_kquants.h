@@ -22,10 +22,21 @@
 // Per 32 rather than per 256: a block holding one of SmolLM2's outlier channels then rounds only its own 31
 // neighbours coarsely, and the per-32 scale costs one float multiply per 8 rows and 32 weights here.
 //
-// Paths (gemm's `path`; resolve_path says which one runs):
+// Paths (kq_gemm's `path`; kq_resolve_path says which one runs; every path takes any M):
 //   0  portable scalar: the integer sums above, one weight row at a time (any CPU).
+//   1  AVX2 (+FMA, F16C): 8 weight rows per tile, maddubs against x in file order, the rows' vectors reduced by
+//      unpacks and adds (int16 through two levels where the codes allow), scales by madd / mullo.
+//   2  AVX-VNNI: path 1's body with vpdpbusd (VEX) where the codes do not fit the int16 route.
+//   3  AVX512-VNNI: 8 rows' block segments transposed by 8-byte words on 512-bit registers, vpdpbusd against x's
+//      8-byte words broadcast: no horizontal sums (see "SIMD paths" below).
+// -1 (the default) is the best of these the CPU has, for every M: measured on one Zen 5 core against llama.cpp's
+// own kernels (benchmarks/gguf_gemv.py, kquants section): at 1 row path 3 reads Q4_K at 1.4-1.6x llama.cpp's
+// vec_dot and its repacked 8-row gemv, path 1 at about 1.0-1.2x (near the memory system's rate for weights from
+// DRAM); at 512 rows (prefill) the integer kernels took 170-260 ms where dequantizing to float32 for oneDNN / MKL
+// took 440-490 ms on the 1B-like shapes, so they stay the choice above 64 rows as well. A forced path the CPU (or
+// $SCRATCHLM_ISA) lacks resolves to the best one it has (tests force every path).
 // Threads: at::parallel_for over tiles of 8 output rows (in chunks of >= ~64k multiply-adds).
-// K must be a multiple of 256 (llama.cpp stores tensors whose rows are not in other types).
+// K must be a multiple of 256 (llama.cpp stores tensors whose rows are not in other types): a clear error otherwise.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -285,10 +296,10 @@ inline void rows_scalar(const KAct& a, const GMat& w, float* y, int64_t n0, int6
 // multiplied by the rows' int scales (int32), converted, and multiplied by dx into 16 float lanes; D and the mins
 // once per super-block. (The idea of one dot instruction feeding 8 rows is quant_gemm.h's paths 6 / 7.)
 // Paths 1 (AVX2: maddubs) and 2 (AVX-VNNI: vpdpbusd, VEX), 256-bit: per unit each row's 32 codes in file order
-// meet x's 32 bytes, and a tree of hadds reduces the 8 rows' vectors to [rows 0-3 half A | rows 0-3 half B] and the
-// same for rows 4-7. AVX2 keeps int16 sums through two hadd levels where the codes allow it (codes <= 31: 8 products
-// of <= 31 * 127 fit int16) and multiplies the scales in with madd (llama.cpp's vec_dot_q4_K multiplies scales
-// with madd the same way); otherwise int32 sums and mullo.
+// meet x's 32 bytes, and a tree of unpacks and adds reduces the 8 rows' vectors to [rows 0-3 half A | rows 0-3
+// half B] and the same for rows 4-7. Where the codes allow it (codes <= 31: 8 products of <= 31 * 127 fit int16)
+// the sums stay int16 through two levels and the scales come in with madd (llama.cpp's vec_dot_q4_K multiplies
+// its scales with madd the same way); otherwise int32 sums and mullo.
 // Signed codes c (Q3_K, Q6_K; IQ4_XS on the VNNI paths) are read as c + o (unsigned) and o * s_g * sum(xq) is
 // subtracted in float with the mins: the "min" of such a type is its scale and Dm = o * D.
 // vpdpbusd is inline assembly ({vex}: AVX-VNNI, {evex}: AVX512-VNNI+VL on ymm) so that paths 1 / 2 share one body
@@ -631,9 +642,8 @@ KQ_FN inline void prefetch_share(const GMat& w, int64_t n, int64_t i, int64_t bb
 }
 
 // ------------------------------------------------------------------------------------------- ymm kernels (1, 2)
-// The reductions of 4 rows' vectors use unpacks and adds, not hadds: on this Zen 5 core a vphaddw / vphaddd costs
-// ~0.52 ns against ~0.08 ns for an add or an unpack (benchmarks/gguf_gemv.py notes), and the hadd trees were half
-// of path 1's time.
+// The reductions of 4 rows' vectors use unpacks and adds rather than hadds (single-uop instructions instead of
+// multi-uop ones; measured about the same speed on this Zen 5 core, where the kernel is not bound by them).
 // 4 rows' int16 vectors (per 128-bit lane: 8 words of one half) -> per lane [r0 r0 r1 r1 r2 r2 r3 r3], each word a
 // sum of 4 of the inputs' words of its row (the sums of two words per row add up to the row's half).
 KQ_FN inline __m256i reduce4_epi16(const __m256i* P) {
@@ -658,7 +668,7 @@ KQ_FN inline void unit8(const Codes& c, const int8_t* xb, const float* dxp, cons
   for (int v = 0; v < V; ++v) X[v] = load256(xb + 32 * v);
   __m256i g0, g1;
   if constexpr (ISA != kIsaAvx512Vnni && !kSigned && Tr::kCodeMax <= 31 && V == 1) {
-    // (measured faster than vpdpbusd + hadd32 + mullo on the AVX-VNNI path as well)
+    // (on the AVX-VNNI path as well: measured as fast as vpdpbusd + int32 sums + mullo, or faster)
     // int16 sums: 2 products per maddubs word, 8 after the two reduction levels (<= 8 * 31 * 127 < 2^15); the
     // scales come in with madd: [s_A(r) x2 for rows 0-3 | s_B(r) x2]
     __m256i P[8];
