@@ -50,7 +50,8 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seeds the generators of requests that give no seed"})
     quantization: str | None = field(
         default=None,
-        metadata={"help": "weight quantization: none | gguf (keep a .gguf's Q8_0/Q4_0/Q4_1 blocks packed) | "
+        metadata={"help": "weight quantization: none | gguf (keep a .gguf's quantized tensors packed, each in its "
+                          "own type: Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, K-quants, IQ4_NL/IQ4_XS) | "
                           "int8 | int4[-gN][-sym|-asym][+head4|+nohead][+rtn|+mse|+gptq] (int4 keeps the head at int8; "
                           "see docs/quantization.md)"},
     )

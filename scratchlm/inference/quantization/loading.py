@@ -3,8 +3,9 @@
     loaded = load_model_quantized(path, "int8")     # LoadedModel(model, tokenizer, config)
     engine = LLMEngine(*loaded, config)
 
-`quantization`: None (float, as `scratchlm.model.load`), ``"gguf"`` (a .gguf file with its
-Q8_0/Q4_0/Q4_1 blocks kept packed) or a scheme name (`parse_scheme`). A checkpoint written by
+`quantization`: None (float, as `scratchlm.model.load`), ``"gguf"`` (a .gguf file with every quantized
+tensor kept packed in its own type: Q4_0/Q4_1/Q8_0 as int planes, K-quants, Q5_x and IQ4 as the file's blocks;
+`gguf_packed.py`) or a scheme name (`parse_scheme`). A checkpoint written by
 `save_quantized` is recognised by its format and loaded as stored (then `quantization` must be
 None or equal to the recorded scheme).
 """

@@ -67,8 +67,9 @@ MIXES = {
                "output": "Q6_K"},
     "q2_k_q3_k": {"attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "Q3_K", "attn_output": "Q3_K", "ffn_gate": "Q2_K",
                   "ffn_up": "Q2_K", "ffn_down": "Q3_K", "token_embd": "Q2_K", "output": "Q6_K"},
+    # tied: the head computes with the raw Q5_K embedding
     "q5_k_m": {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_K",
-               "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q5_K", "output": "Q6_K"},
+               "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q5_K"},
     "iq4": {"attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS",
             "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_XS", "ffn_down": "IQ4_NL", "token_embd": "IQ4_XS",
             "output": "IQ4_NL"},
