@@ -658,6 +658,13 @@ KQ_FN inline __m256i reduce4_epi32(const __m256i* P) {
   return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
 }
 
+// Whether the ymm kernel takes an offset type's codes through int16 sums with the offset subtracted there (the
+// codes within 32 of the offset: Q3_K, Q6_K), so that no float offset term is needed.
+template <class Tr, int ISA, bool kSigned>
+constexpr bool ymm_offset_int16() {
+  return ISA != kIsaAvx512Vnni && !kSigned && !Tr::kUnit64 && Tr::kOff > 0 && Tr::kOff <= 32 && Tr::kCodeMax < 2 * Tr::kOff;
+}
+
 // One unit of 8 rows (codes c[r * V + v]) against x's unit bytes xb: adds dx * (s_A S_A + s_B S_B) into f0 (rows
 // 0-3: [half A | half B]) and f1 (rows 4-7).
 template <class Tr, int ISA, bool kSigned, class Codes>
@@ -667,7 +674,20 @@ KQ_FN inline void unit8(const Codes& c, const int8_t* xb, const float* dxp, cons
   __m256i X[V];
   for (int v = 0; v < V; ++v) X[v] = load256(xb + 32 * v);
   __m256i g0, g1;
-  if constexpr (ISA != kIsaAvx512Vnni && !kSigned && Tr::kCodeMax <= 31 && V == 1) {
+  if constexpr (ymm_offset_int16<Tr, ISA, kSigned>()) {
+    // offset codes (Q3_K, Q6_K): maddubs(c, x) - maddubs(o, x) = pair sums of (c - o) x, |.| <= 2 * 32 * 127; after
+    // two reduction levels 8 products (<= 32512, int16); the offset needs no float term then (llama.cpp's
+    // vec_dot_q6_K subtracts its 32 the same way, with one maddubs of x shared by the rows)
+    const __m256i ox = _mm256_maddubs_epi16(bytes(Tr::kOff), X[0]);
+    __m256i P[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) P[r] = _mm256_sub_epi16(_mm256_maddubs_epi16(c(r, 0), X[0]), ox);
+    const __m256i l0 = reduce4_epi16(P), l1 = reduce4_epi16(P + 4);
+    const __m128i s0 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7));
+    const __m128i s1 = _mm_shuffle_epi8(xsk, _mm_setr_epi8(8, 8, 10, 10, 12, 12, 14, 14, 9, 9, 11, 11, 13, 13, 15, 15));
+    g0 = _mm256_madd_epi16(l0, _mm256_cvtepi8_epi16(s0));
+    g1 = _mm256_madd_epi16(l1, _mm256_cvtepi8_epi16(s1));
+  } else if constexpr (ISA != kIsaAvx512Vnni && !kSigned && Tr::kCodeMax <= 31 && V == 1) {
     // (on the AVX-VNNI path as well: measured as fast as vpdpbusd + int32 sums + mullo, or faster)
     // int16 sums: 2 products per maddubs word, 8 after the two reduction levels (<= 8 * 31 * 127 < 2^15); the
     // scales come in with madd: [s_A(r) x2 for rows 0-3 | s_B(r) x2]
@@ -804,7 +824,7 @@ KQ_FN void tile8_ymm(const XSide& xs, const GMat& w, float* y, int64_t n0, int64
         __m256 t = _mm256_fmadd_ps(st.D, fold_halves(f0, f1), _mm256_loadu_ps(acc + 8 * m));
         if constexpr (Tr::kSM)
           t = _mm256_fnmadd_ps(st.Dm, min_term8_sm(st.xs, xs.sxp.data() + (m * nb + i * 8) * 2), t);
-        else if constexpr (Tr::kMin || (Tr::kOff > 0 && !kSigned))
+        else if constexpr (Tr::kMin || (Tr::kOff > 0 && !kSigned && !ymm_offset_int16<Tr, ISA, kSigned>()))
           t = _mm256_fnmadd_ps(st.Dm, min_term8(st.xm, xs.sxp.data() + (m * nb + i * 8) * 2, U), t);
         _mm256_storeu_ps(acc + 8 * m, t);
       }
