@@ -8,6 +8,7 @@ module of the chosen subcommand alone, so `scratchlm --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from dataclasses import dataclass
@@ -129,14 +130,71 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         else:
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
+        p.set_defaults(_parser=p)
     return parser
+
+
+def device_problem(name: str) -> str | None:
+    """Why the torch device `name` cannot be used here (one line), or None when it can.
+
+    The one check every subcommand's ``--device`` goes through before any model loads, so a missing backend
+    is a clear error rather than a traceback from deep inside torch. ``auto`` (train's default) passes.
+    """
+    if name == "auto":
+        return None
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"--device {name} is not a torch device (expected cpu, cuda, cuda:N, mps, ...)"
+    kind = device.type
+    if kind == "cpu":
+        return None
+    backend = getattr(torch, kind, None) if kind != "mps" else torch.backends.mps
+    if backend is None or not hasattr(backend, "is_available"):
+        return f"--device {name}: this torch has no {kind} backend; use --device cpu"
+    if not backend.is_available():
+        built = {"cuda": torch.version.cuda, "mps": torch.backends.mps.is_built()}.get(kind, True)
+        reason = (f"this torch ({torch.__version__}) was built without {kind.upper()} support" if not built
+                  else f"no {kind} device is visible to this torch ({torch.__version__})")
+        return f"--device {name}: {reason}; use --device cpu"
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        return (f"--device {name}: only {count} {kind} device{'s' if count != 1 else ''} "
+                f"visible ({kind}:0{f'..{kind}:{count - 1}' if count > 1 else ''})")
+    return None
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost parser `args` went through (`tokenizer train`'s, not `tokenizer`'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            picked = getattr(args, action.dest, None)
+            if picked in action.choices:
+                return _chosen_parser(action.choices[picked], args)
+    return parser
+
+
+def _unknown_flags_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """"unrecognized arguments: ..." with, for each mistyped flag, the closest flag of `parser` (difflib)."""
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    parts = []
+    for extra in extras:
+        flag = extra.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if flag.startswith("-") else []
+        parts.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
+    return "unrecognized arguments: " + " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     selected = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(selected if selected in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the subcommand's usage and the closest flag, not the top-level usage
+        chosen = _chosen_parser(getattr(args, "_parser", parser), args)
+        chosen.error(_unknown_flags_message(chosen, extras))
     if args.command is None:
         parser.print_help()
         return 2
@@ -147,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{SUBCOMMANDS[args.command].issue}.",
             file=sys.stderr,
         )
+        return 2
+    device = getattr(args, "device", None)
+    problem = device_problem(device) if isinstance(device, str) and not getattr(args, "url", None) else None
+    if problem is not None:
+        print(f"scratchlm {args.command}: error: {problem}", file=sys.stderr)
         return 2
     return int(run(args) or 0)
 
