@@ -27,3 +27,19 @@ def test_first_python_examples_are_greedy_or_low_temperature():
 
 def test_readme_says_why():
     assert "Why `temperature` 0" in README and "default is 1.0" in README
+
+
+def test_every_api_example_sets_max_tokens():
+    """Without max_tokens a looping 135M model streams until the context fills (issue 30, item 10)."""
+    calls = re.findall(r"\.(?:create|parse)\((.*?)\)(?::|\n)", README, re.S)
+    assert len(calls) >= 2, calls
+    for call in calls:
+        assert re.search(r"max_tokens=\d+", call), call
+    for body in re.findall(r"-d '(\{.*?\})'", README, re.S):
+        assert "max_tokens" in json.loads(body), body
+    for params in re.findall(r"SamplingParams\((.*?)\)", README, re.S):
+        assert "max_tokens=" in params, params
+
+
+def test_readme_says_what_happens_without_max_tokens():
+    assert "Why `max_tokens`" in README and "end of the context" in README and "--default-max-tokens" in README

@@ -511,8 +511,9 @@ def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | No
     if prompt_len > limit or (prompt_len == limit and requested != 0):  # max_tokens 0 only scores the prompt
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                             f"{prompt_len} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
-    if requested is None:
-        return limit - prompt_len
+    if requested is None:  # the rest of the context (vLLM's and OpenAI's default), or --default-max-tokens
+        cap = state.config.default_max_tokens
+        return limit - prompt_len if cap is None else min(cap, limit - prompt_len)
     if prompt_len + requested > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "

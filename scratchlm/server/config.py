@@ -39,6 +39,12 @@ class ServerConfig:
         metadata={"help": "sequences (prompts x n samples) allowed to wait beyond the running batch (max-num-seqs); "
                   "more get 429"},
     )
+    default_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "most tokens a completion may generate when its request sends no max_tokens; None = up to "
+                  "the end of the context (max-model-len minus the prompt), as vLLM and OpenAI do. A small model "
+                  "that loops can then stream for minutes: clients should send max_tokens"},
+    )
     max_n: int = field(default=16, metadata={"help": "largest `n` (completions per prompt) a request may ask"})
     max_prompts: int = field(default=64, metadata={"help": "largest number of prompts in one /v1/completions call "
                                                             "(inputs in one /v1/embeddings call)"})
@@ -98,6 +104,8 @@ class ServerConfig:
         for name in ("max_queue", "max_n", "max_prompts", "max_body_bytes", "retry_after_s"):
             if getattr(self, name) < (0 if name in ("max_queue", "retry_after_s") else 1):
                 problems.append(f"{name}={getattr(self, name)} (expected a positive integer)")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            problems.append(f"default_max_tokens={self.default_max_tokens} (expected a positive integer, or omit it)")
         for name in ("header_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} (expected a positive number of seconds)")

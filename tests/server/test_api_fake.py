@@ -348,3 +348,19 @@ def test_server_config_rejects_bad_values():
         ServerConfig(port=70000)
     with pytest.raises(ValueError, match="max_n=0"):
         ServerConfig(max_n=0)
+
+
+def test_default_max_tokens_caps_a_request_that_sends_none():
+    """Without max_tokens a completion runs to the end of the context (vLLM's default); --default-max-tokens caps it."""
+    body = {"model": MODEL, "prompt": "no cap given"}
+    with fake_server(server_config=ServerConfig(default_max_tokens=5)) as (srv, _):
+        capped = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()
+        assert capped["usage"]["completion_tokens"] == 5, capped
+        asked = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 9}, timeout=30).json()
+        assert asked["usage"]["completion_tokens"] == 9, asked  # a request's own max_tokens still wins
+    with fake_server() as (srv, engine):
+        uncapped = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()
+        usage = uncapped["usage"]
+        assert usage["completion_tokens"] == engine.config.max_model_len - usage["prompt_tokens"], usage
+    with pytest.raises(ValueError, match="default_max_tokens=0"):
+        ServerConfig(default_max_tokens=0)
