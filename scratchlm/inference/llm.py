@@ -1,4 +1,9 @@
-"""`LLM`: the offline, vLLM-style API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+"""`LLM`: the offline, vLLM-style API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+`LLM.close()` (or leaving ``with LLM(...) as llm:``) finishes the step trace, if any, and stops the executor's
+ranks; it is also what the engine's collection and interpreter exit do. A trace file is strict JSON after every
+step already (inference/trace.py), so it reads as JSON after `generate`, after ``del llm`` and after an exit that
+closed nothing."""
 
 from __future__ import annotations
 
@@ -45,6 +50,23 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finish the step trace (the other ranks' spans, then the file) and stop the ranks, if any (idempotent);
+        the LLM cannot generate afterwards."""
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            return
+        if engine.tracer is not None:
+            engine.tracer.close()
+        engine.shutdown()
+        self._closed = True
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -52,6 +74,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (a string, a list of token ids, or a list of either)."""
+        if getattr(self, "_closed", False):
+            raise RuntimeError("this LLM is closed (LLM.close() or the end of its `with` block): make a new one")
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):

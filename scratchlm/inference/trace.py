@@ -16,10 +16,14 @@ event stream (events.py), so the step runs as without it except for the timers, 
   ``trace`` worker command), so the ranks share one file and one clock (``time.perf_counter``, which is the
   system-wide monotonic clock on Linux).
 
-Times are microseconds since the tracer started. The file is written as it goes, one event per line in the
-JSON Array Format (``[`` + events); :meth:`StepTracer.close` (called when the engine is collected, at exit,
-and by ``LLM.generate`` after every call) adds the last events and the closing ``]``, after which it is
-strict JSON. Before that it is the same format without the closing bracket, which the trace viewers accept.
+Times are microseconds since the tracer started. The file is written as it goes, in the JSON Array Format
+(``[`` + one event per line + ``]``), and it is strict JSON after every write: each step's events are written
+over the closing ``]`` of the step before, which is then written again and the file flushed. So the file can be
+read with ``json.load`` at any time between steps, after ``LLM.generate`` returns, after ``del llm``, and after
+a process that ends without closing anything (interpreter exit, an exception, SIGTERM or SIGKILL between two
+steps; only a kill in the middle of a write can leave it cut). :meth:`StepTracer.close` (``LLM.close()``, leaving
+``with LLM(...)``, the engine's collection, interpreter exit, the end of a multiprocessing child) adds the other
+ranks' communication spans and closes the file; it is idempotent.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 STAGE_TRACKS = {"step": 1, "schedule": 2, "forward": 3, "sample": 4, "detokenize": 5}
 COMM_TRACK = 10
 DEFAULT_LAYER_GROUPS = 4
+_CLOSING = b"\n]\n"
 
 
 def layer_groups(n_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -59,8 +64,9 @@ class StepTracer:
             raise ValueError(f"trace file {self.path}: folder {self.path.parent} does not exist")
         self._engine_ref = weakref.ref(engine)
         self._lock = threading.Lock()
-        self._file = self.path.open("w", encoding="utf-8")
-        self._file.write("[\n")
+        self._file = self.path.open("wb")
+        self._file.write(b"[\n")
+        self._end = self._file.tell()  # where the next events go: the closing bracket after it is overwritten
         self._first = True
         self._closed = False
         self.t0 = time.perf_counter()
@@ -93,6 +99,7 @@ class StepTracer:
         return round((t - self.t0) * 1e6, 3)
 
     def _emit(self, events: list[dict]) -> None:
+        """Append `events` and rewrite the closing bracket after them, so the file is strict JSON again."""
         with self._lock:
             if self._closed:
                 return
@@ -100,7 +107,11 @@ class StepTracer:
             for ev in events:
                 parts.append(("" if self._first else ",\n") + json.dumps(ev, separators=(",", ":")))
                 self._first = False
-            self._file.write("".join(parts))
+            self._file.seek(self._end)
+            self._file.write("".join(parts).encode())
+            self._end = self._file.tell()
+            self._file.write(_CLOSING)
+            self._file.truncate()
             self._file.flush()
 
     def _metadata(self) -> None:
@@ -238,13 +249,12 @@ class StepTracer:
             self._comm.trace = None
         with self._lock:
             self._closed = True
-            self._file.write("\n]\n")
-            self._file.close()
+            self._file.close()  # the closing bracket is already there (_emit)
         atexit.unregister(self.close)
         log.info("trace of %d steps written to %s", self.num_steps, self.path)
 
     def flush(self) -> None:
-        """Write everything so far (the file is flushed after every step already)."""
+        """Write everything so far to the OS (done after every step already: a no-op kept for callers)."""
         with self._lock:
             if not self._closed:
                 self._file.flush()

@@ -4,7 +4,12 @@ and under TP one track per rank with its communication calls."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +116,63 @@ def test_llm_trace_option(tmp_path, data_dir):
     assert partial.startswith("[") and '"name":"schedule"' in partial  # written as it goes
     llm.engine.tracer.close()
     _check_structure(_load(path), llm.engine.events.steps)
+
+
+def _generate_traced(llm: LLM, prompts=("Once upon a time", "The cat"), n: int = 6) -> None:
+    outs = llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == n for o in outs)
+
+
+def test_trace_is_strict_json_after_generate_and_after_del(tmp_path, data_dir):
+    """Nothing closed: the file is strict JSON after every `generate` (a second one appends to it) and after
+    `del llm` (the engine, held by reference cycles, is not collected yet, so no finalizer has run)."""
+    path = tmp_path / "t.json"
+    llm = LLM(data_dir / "models/stories260K/stories260K.bin", trace=str(path), max_num_batched_tokens=32)
+    _generate_traced(llm)
+    first = llm.engine.events.steps
+    _check_structure(_load(path), first)
+    _generate_traced(llm, ["Lily"], n=3)
+    _check_structure(_load(path), llm.engine.events.steps)
+    assert llm.engine.events.steps > first
+    tracer = llm.engine.tracer
+    del llm
+    assert not tracer._closed  # what this checks: the file is valid without a close
+    assert len(_load(path)) > 0
+
+
+def test_llm_close_and_with_block_finish_the_trace(tmp_path, data_dir):
+    path = tmp_path / "w.json"
+    with LLM(data_dir / "models/stories260K/stories260K.bin", trace=str(path)) as llm:
+        _generate_traced(llm, n=3)
+    assert llm.engine.tracer._closed
+    _check_structure(_load(path), llm.engine.events.steps)
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+TRACE_CHILD = r"""
+import os, signal, sys
+from scratchlm.inference import LLM, SamplingParams
+llm = LLM(sys.argv[1], trace=sys.argv[2])
+llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+print(llm.engine.events.steps, flush=True)
+if sys.argv[3] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit, no finalizer
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_trace_is_strict_json_after_a_process_ends_without_close(tmp_path, data_dir, how):
+    """A process that generates and ends without closing anything (a normal exit; SIGKILL between steps) leaves
+    a strict-JSON trace with every step it ran."""
+    path = tmp_path / "child.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), SCRATCHLM_QUANT_NO_EXTENSION="1")
+    proc = subprocess.run([sys.executable, "-c", TRACE_CHILD, str(data_dir / "models/stories260K/stories260K.bin"),
+                           str(path), how], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), proc.stderr[-2000:]
+    steps = int(proc.stdout.split()[-1])
+    _check_structure(_load(path), steps)
 
 
 def test_bad_trace_folder_is_a_clear_error(tmp_path):
