@@ -20,6 +20,16 @@ streaming included. Routing and fault handling:
   streaming one is committed only when its first chunk has arrived, so an accepted request is not
   lost when a replica dies. A stream that breaks after its first chunk cannot be replayed without
   duplicating text: it ends with an error event. A 429 (replica queue full) is tried on the others.
+- **Streams on a replica that leaves rotation end.** A committed stream whose replica is marked unhealthy or
+  dead ends at once with an OpenAI-style error event (code ``replica_unavailable``) instead of waiting for a
+  replica that stopped answering until the request timeout. A stopped replica is detected within
+  ``health_interval_s + unhealthy_after x (health_interval_s + health_timeout_s)``.
+- **Error bodies name no internals.** What a client reads says which replica failed and how (refused, 5xx,
+  left rotation); exception texts and addresses go to the router's log only.
+- **Replicas live and die with the router.** Every replica it starts asks the kernel to be sent SIGTERM when
+  the router dies (`scratchlm.lifecycle.die_with_parent`), so a SIGKILLed router leaves none behind. On
+  SIGTERM or SIGINT the router stops serving, then reaps its replicas (SIGTERM, a wait of at most
+  ``shutdown_timeout_s``, then SIGKILL) and only then ends, by that signal.
 - **/health and /metrics** aggregate the replicas (metrics summed, KV-cache usage averaged) and add
   the router's own (`scratchlm:router_*`).
 """
@@ -29,8 +39,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +61,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 log = logging.getLogger("scratchlm.router")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RELAY_QUEUE_CHUNKS = 64  # chunks read ahead of a slow client per stream
 RETRY_STATUSES = (500, 502, 503, 504)  # a replica shutting down answers in-flight requests with 500
 # hop-by-hop and length headers are the proxy's own business
 _DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
@@ -76,13 +87,17 @@ class RouterConfig:
         default=256, metadata={"help": "cost assumed for a request that does not say its max_tokens"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for a replica's answer"})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for the replicas to load"})
+    shutdown_timeout_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM/SIGINT, how long the replicas get to exit after their SIGTERM "
+                                "before they are killed"})
     replica_urls: list[str] | None = field(
         default=None, metadata={"help": "route to these running `scratchlm serve` URLs (e.g. one per node) instead "
                                 "of starting --data-parallel-size local replicas"})
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "startup_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "startup_timeout_s",
+                     "shutdown_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"router_{name}={getattr(self, name)} (expected a positive number)")
         for name in ("unhealthy_after", "affinity_chars", "default_max_tokens"):
@@ -112,6 +127,7 @@ class Replica:
     failures_total: int = 0
     consecutive_failures: int = 0
     down: asyncio.Event | None = None       # set when it leaves rotation; replaced when it returns
+    down_reason: str | None = None          # why it last left rotation (for the log)
 
     @property
     def in_rotation(self) -> bool:
@@ -216,6 +232,7 @@ class Router:
             log.warning("replica %d (%s) out of rotation: %s; %d of %d in rotation", replica.index, replica.url,
                         reason, sum(r.in_rotation for r in self.replicas) - 1, len(self.replicas))
         replica.healthy = False
+        replica.down_reason = reason
         replica.down_event().set()
 
     def mark_up(self, replica: Replica) -> None:
@@ -286,10 +303,11 @@ class Router:
         async def send() -> tuple[Any, bytes]:
             resp = await self.client.send(request, stream=True)
             try:
-                if resp.status_code in RETRY_STATUSES:
+                if resp.status_code in RETRY_STATUSES:  # its body is logged; its status reaches the client
                     await resp.aread()
-                    raise ReplicaFailed(f"answered {resp.status_code}: {resp.text[:200]}",
-                                        take_down=resp.status_code != 500)
+                    log.warning("replica %d answered %s %s with %d: %s", replica.index, method, path,
+                                resp.status_code, resp.text[:500])
+                    raise ReplicaFailed(f"answered {resp.status_code}", take_down=resp.status_code != 500)
                 if not stream or not resp.headers.get("content-type", "").startswith("text/event-stream"):
                     data = await resp.aread()
                     await resp.aclose()
@@ -320,8 +338,10 @@ class Router:
         down.cancel()
         try:
             return task.result()
-        except httpx.TransportError as e:
-            raise ReplicaFailed(f"{type(e).__name__}: {e}") from e
+        except httpx.TransportError as e:  # the text (addresses, errno) goes to the log, not to the client
+            log.warning("replica %d (%s): %s %s failed: %s: %s", replica.index, replica.url, method, path,
+                        type(e).__name__, e)
+            raise ReplicaFailed(f"{type(e).__name__} (connection failed or broken)") from e
 
     async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Any:
         """Proxy one request; returns a Starlette response."""
@@ -395,23 +415,57 @@ class Router:
 
     async def _relay(self, replica: Replica, resp: Any, first: bytes, chunks: AsyncIterator[bytes],
                      release: Any) -> AsyncIterator[bytes]:
+        """The committed stream's bytes, relayed as they come; it ends with an error event when the replica's
+        connection breaks, or as soon as the replica leaves rotation (a stopped replica sends nothing more)."""
+        down = replica.down_event()
+        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(maxsize=RELAY_QUEUE_CHUNKS)
+
+        async def pump() -> None:  # reads the replica; the only task that touches `chunks`
+            try:
+                async for chunk in chunks:
+                    await queue.put(chunk)
+                await queue.put(None)
+            except Exception as e:  # noqa: BLE001 - handed to the relay, which tells the client
+                await queue.put(e)
+
+        async def watch() -> None:  # the replica left rotation: stop reading it and tell the relay
+            await down.wait()
+            reader.cancel()
+            await queue.put(ReplicaFailed("it left rotation mid-stream"))
+
+        reader = asyncio.create_task(pump())
+        watcher = asyncio.create_task(watch())
         try:
             if first:
                 yield first
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            except Exception as e:  # noqa: BLE001 - the replica died mid-stream; tell the client
-                self.streams_broken_total += 1
-                replica.failures_total += 1
-                self.mark_down(replica, f"stream broken: {type(e).__name__}")
-                err = {"error": {"message": f"Engine replica {replica.index} failed mid-stream ({type(e).__name__}); "
-                                 "the text so far is incomplete.", "type": "service_unavailable", "param": None,
-                                 "code": None}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    yield self._stream_failed(replica, item)
+                    return
+                yield item
         finally:
+            for task in (watcher, reader):
+                task.cancel()
+            await asyncio.gather(watcher, reader, return_exceptions=True)
             release()
             await resp.aclose()
+
+    def _stream_failed(self, replica: Replica, error: BaseException) -> bytes:
+        """Count a stream cut by its replica, take the replica down, and return the client's error event (what
+        happened in words; the exception's text goes to the log)."""
+        self.streams_broken_total += 1
+        replica.failures_total += 1
+        if isinstance(error, ReplicaFailed):  # out of rotation: health checks failed or its process exited
+            log.warning("replica %d left rotation (%s) with a stream in flight; ending it with an error event",
+                        replica.index, replica.down_reason)
+            what, code = "was taken out of rotation (failed health checks or exited)", "replica_unavailable"
+        else:
+            log.warning("replica %d broke a stream: %s: %s", replica.index, type(error).__name__, error)
+            self.mark_down(replica, f"stream broken: {type(error).__name__}")
+            what, code = f"failed mid-stream ({type(error).__name__})", "replica_failed"
+        err = {"error": {"message": f"Engine replica {replica.index} {what}; the text so far is incomplete.",
+                         "type": "service_unavailable", "param": None, "code": code}}
+        return f"data: {json.dumps(err)}\n\n".encode()
 
     # ----- aggregate views ------------------------------------------------------------------------------------
 
@@ -545,11 +599,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def replica_argv(args: argparse.Namespace) -> list[str]:
     """The `scratchlm serve` flags of one replica, rebuilt from the router's parsed flags: the model, the engine
     and server options the user typed, minus the router's own (host, port, data-parallel size, router-*)."""
@@ -586,69 +635,147 @@ def _own_trace(argv: list[str], index: int) -> list[str]:
     return out
 
 
-def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str | Path | None = None) -> list[Replica]:
+def spawn_replica(cmd: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None
+                  ) -> subprocess.Popen:
+    """Start one replica process that dies with this one: between fork and exec it asks the kernel for SIGTERM when
+    this process dies, and exits at once if this process is already gone (`scratchlm.lifecycle.die_with_parent`)."""
+    from scratchlm.lifecycle import die_with_parent
+
+    return subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+
+
+def launch_replicas(argv: list[str], count: int, config: RouterConfig, cwd: str | Path | None = None,
+                    program: list[str] | None = None) -> list[Replica]:
     """Start `count` `scratchlm serve` processes on free local ports (or, with `config.replica_urls`, take those
     running servers) and wait until every one answers /health. Raises RuntimeError (after stopping the started
-    ones) when one exits or does not come up in time."""
-    import httpx
-
+    ones) when one exits or does not come up in time. `program`: the command each replica runs before `argv`
+    and its `--host/--port` (default: this Python's ``-m scratchlm serve``)."""
     replicas = [Replica(index=i, url=u.rstrip("/")) for i, u in enumerate(config.replica_urls or [])]
     env = dict(os.environ)
     ports = [] if replicas else free_ports(count)
-    for i, port in enumerate(ports):
-        cmd = [sys.executable, "-m", "scratchlm", "serve", *_own_trace(argv, i), "--host", "127.0.0.1", "--port",
-               str(port)]
-        log.info("starting replica %d: %s", i, " ".join(cmd))
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=_die_with_parent)
-        replicas.append(Replica(index=i, url=f"http://127.0.0.1:{port}", process=proc))
-    deadline = time.monotonic() + config.startup_timeout_s
-    pending = list(replicas)
+    program = program or [sys.executable, "-m", "scratchlm", "serve"]
     try:
-        while pending:
-            for r in list(pending):
-                if r.process is not None and r.process.poll() is not None:
-                    raise RuntimeError(f"replica {r.index} exited with code {r.process.returncode} during start-up "
-                                       "(its log is above)")
-                try:
-                    if httpx.get(r.url + "/health", timeout=2).status_code == 200:
-                        pending.remove(r)
-                        log.info("replica %d ready on %s", r.index, r.url)
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"replicas {[r.index for r in pending]} did not answer /health within "
-                                   f"{config.startup_timeout_s:g} s (--router-startup-timeout-s)")
-            if pending:
-                time.sleep(0.25)
+        for i, port in enumerate(ports):
+            cmd = [*program, *_own_trace(argv, i), "--host", "127.0.0.1", "--port", str(port)]
+            log.info("starting replica %d: %s", i, " ".join(cmd))
+            replicas.append(Replica(index=i, url=f"http://127.0.0.1:{port}", process=spawn_replica(cmd, env, cwd)))
+        _wait_ready(replicas, config.startup_timeout_s)
     except BaseException:
-        stop_replicas(replicas)
+        stop_replicas(replicas, config.shutdown_timeout_s)
         raise
     return replicas
 
 
+def _wait_ready(replicas: list[Replica], timeout_s: float) -> None:
+    """Poll every replica's /health until each answers 200; RuntimeError when one exits or `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(replicas)
+    while pending:
+        for r in list(pending):
+            if r.process is not None and r.process.poll() is not None:
+                raise RuntimeError(f"replica {r.index} exited with code {r.process.returncode} during start-up "
+                                   "(its log is above)")
+            try:
+                if httpx.get(r.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(r)
+                    log.info("replica %d ready on %s", r.index, r.url)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"replicas {[r.index for r in pending]} did not answer /health within "
+                               f"{timeout_s:g} s (--router-startup-timeout-s)")
+        if pending:
+            time.sleep(0.25)
+
+
 def stop_replicas(replicas: list[Replica], timeout: float = 10.0) -> None:
-    """SIGTERM every replica process, then SIGKILL the ones still alive after `timeout` seconds."""
-    procs = [r.process for r in replicas if r.process is not None and r.process.poll() is None]
-    for p in procs:
-        p.terminate()
+    """Reap the replica processes this router started: SIGTERM each, wait at most `timeout` seconds in all, then
+    SIGKILL (which also ends a stopped one) and wait for the ones still there. Returns when none is left."""
+    procs = [(r.index, r.process) for r in replicas if r.process is not None and r.process.poll() is None]
+    for _, p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
     deadline = time.monotonic() + timeout
-    for p in procs:
+    for index, p in procs:
         try:
-            p.wait(max(0.1, deadline - time.monotonic()))
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("replica %d (pid %d) still running %g s after SIGTERM: killing it", index, p.pid, timeout)
             p.kill()
             p.wait()
+    if procs:
+        log.info("stopped %d replica process(es)", len(procs))
 
 
-def serve_data_parallel(args: argparse.Namespace, data_parallel_size: int, server_config: Any,
-                        router_config: RouterConfig) -> int:
-    """`scratchlm serve --data-parallel-size D` (or `--router-replica-urls URL...`): launch D replicas (or take the
-    given ones), serve the router on the configured host/port until interrupted; returns 1 when every replica
-    process has died, 0 on a normal shutdown."""
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while the replicas were starting."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _ShutdownSignals:
+    """SIGTERM and SIGINT for the router's whole life, so that the replicas are reaped before it ends.
+
+    While the replicas start (`raising`), a signal raises `_Interrupted` (launch_replicas stops what it started).
+    While uvicorn serves, its own handlers stop it; on the way out it restores these handlers and re-raises the
+    signal it caught, which is then only remembered (`received`). `exit_by_signal` ends the process by the first
+    signal remembered, with the default action (exit status 128 + signal number), as an unwrapped server would."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.raising = True
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _ShutdownSignals:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if self.raising:
+            self.raising = False  # a second signal while unwinding is only remembered
+            raise _Interrupted(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def exit_by_signal(self) -> None:
+        if self.received:
+            sig = self.received[0]
+            log.info("router stopped by %s; replicas reaped", signal.Signals(sig).name)
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+
+
+def run_router(replicas: list[Replica], host: str, port: int, router_config: RouterConfig, log_level: str = "info",
+               signals: _ShutdownSignals | None = None) -> int:
+    """Serve the router over `replicas` on `host`:`port` until SIGTERM/SIGINT or until every replica
+    process has died; then reap the replicas (`stop_replicas`). Returns 1 when every replica died, 0 on a normal
+    stop; a stop by a signal ends the process by that signal once the replicas are reaped."""
+    with contextlib.ExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(_ShutdownSignals())
+        signals.raising = False  # uvicorn handles them from here on; the finally below reaps the replicas
+        try:
+            exit_code = _serve_router(replicas, host, port, router_config, log_level)
+        finally:
+            stop_replicas(replicas, router_config.shutdown_timeout_s)
+        signals.exit_by_signal()
+    return exit_code
+
+
+def _serve_router(replicas: list[Replica], host: str, port: int, router_config: RouterConfig, log_level: str) -> int:
+    """uvicorn around the router app until it is stopped (1 when every replica process died, else 0)."""
     import uvicorn
 
-    replicas = launch_replicas(replica_argv(args), data_parallel_size, router_config)
-    data_parallel_size = len(replicas)
     exit_code = 0
     server: uvicorn.Server | None = None
 
@@ -661,14 +788,26 @@ def serve_data_parallel(args: argparse.Namespace, data_parallel_size: int, serve
             server.should_exit = True
 
     router = Router(replicas, router_config, on_all_dead=all_dead)
-    app = create_router_app(router)
-    host = server_config.host
     log.info("data-parallel router for %d replicas on http://%s:%d (/health and /metrics aggregate them)",
-             data_parallel_size, f"[{host}]" if ":" in host else host, server_config.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=server_config.port,
-                                           log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5))
-    try:
-        server.run()
-    finally:
-        stop_replicas(replicas)
+             len(replicas), f"[{host}]" if ":" in host else host, port)
+    server = uvicorn.Server(uvicorn.Config(create_router_app(router), host=host, port=port,
+                                           log_level=log_level.lower(), timeout_graceful_shutdown=5))
+    server.run()
     return exit_code
+
+
+def serve_data_parallel(args: argparse.Namespace, data_parallel_size: int, server_config: Any,
+                        router_config: RouterConfig) -> int:
+    """`scratchlm serve --data-parallel-size D` (or `--router-replica-urls URL...`): launch D replicas (or take the
+    given ones), serve the router on the configured host/port until interrupted (`run_router`); returns 1 when
+    every replica process has died, 0 on a normal shutdown; ended by SIGTERM/SIGINT, it reaps the replicas first."""
+    with _ShutdownSignals() as signals:
+        replicas: list[Replica] = []
+        try:
+            replicas = launch_replicas(replica_argv(args), data_parallel_size, router_config)
+            return run_router(replicas, server_config.host, server_config.port, router_config,
+                              server_config.log_level, signals)
+        except _Interrupted:  # while starting: launch_replicas stopped the ones it started
+            stop_replicas(replicas, router_config.shutdown_timeout_s)
+            signals.exit_by_signal()
+            raise
