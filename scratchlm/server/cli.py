@@ -69,6 +69,20 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+GENERIC_STEMS = ("ckpt", "checkpoint", "model", "pytorch_model", "last", "best", "final")
+
+
+def served_model_name(path: Path) -> str:
+    """The model id clients see when --served-model-name is not given: a folder's name, a file's stem, or for a
+    file with a generic name (a training run's `runs/NAME/ckpt.pt`) the name of its folder, the run's name."""
+    path = Path(path)
+    if not path.is_file():
+        return path.name
+    if path.stem.lower() in GENERIC_STEMS and path.resolve().parent.name:
+        return path.resolve().parent.name
+    return path.stem
+
+
 def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = False,
               threads: int | None = None) -> object:
     """Load the model into an LLMEngine (in a child process unless `engine_process` is False) and wrap it in
@@ -87,7 +101,7 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
     log.info("loading model %s (dtype %s, device %s%s)", path, engine_config.dtype, engine_config.device,
              ", in an engine process" if engine_process else "")
     t0 = time.perf_counter()
-    name = path.stem if path.is_file() else path.name
+    name = served_model_name(path)
     if engine_process:
         from scratchlm.server.engine_process import EngineProcessLoop
 
@@ -129,8 +143,28 @@ def _torchrun_worker_rank(engine_config) -> bool:
     return os.environ.get("RANK", "0") not in ("", "0")
 
 
-def run(args: argparse.Namespace) -> int:
+def _make_server_class():
+    """uvicorn.Server that finishes the engine's step trace once the app has shut down.
+
+    On SIGTERM/SIGINT uvicorn shuts the app down and then re-raises the signal with its default action, which
+    ends the process without running exit functions: a ``--trace`` file would lose its closing ``]``. So the
+    trace is closed here, after the engine loop has stopped and before the signal is re-raised. (With
+    ``--engine-process`` the child closes its own trace when the loop's stop message ends it.)
+    """
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets=sockets)
+            state = getattr(getattr(self.config.app, "state", None), "server", None)
+            tracer = getattr(getattr(state, "engine", None), "tracer", None)
+            if tracer is not None:
+                tracer.close()
+
+    return Server
+
+
+def run(args: argparse.Namespace) -> int:
 
     from scratchlm.threads import apply_threads
 
@@ -166,11 +200,15 @@ def run(args: argparse.Namespace) -> int:
              "; API key required" if server_config.api_key else "")
     if host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    import uvicorn
+
     from scratchlm.server.http import uvicorn_options  # header timeout, 431, keep-alive (issue 16)
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                          log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5,
-                                          **uvicorn_options(server_config)))
+    _Server = _make_server_class()
+
+    server = _Server(uvicorn.Config(app, host=host, port=port,
+                                     log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5,
+                                     **uvicorn_options(server_config)))
     failed: list[str] = []
     runner = getattr(getattr(app.state.server, "engine", None), "runner", None)
     if hasattr(runner, "failure_callbacks"):  # TP/PP: a dead or hung rank stops the server, exit status 1
