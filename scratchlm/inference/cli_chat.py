@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--prompt", default=None, help="ask this one question, print the reply, and exit")
     parser.add_argument("--device", default="cpu", help="torch device of the in-process engine")
+    parser.add_argument("--quantization", default=None, metavar="KIND",
+                        help="weight quantization of the in-process engine, as `scratchlm serve --quantization`: "
+                             "gguf | int8 | int4[...] (docs/quantization.md)")
     parser.add_argument("--speculative", default=None,
                         help="speculative decoding in the in-process engine: ngram | draft:PATH | layers:K")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -121,16 +124,19 @@ class EngineBackend:
 
     @classmethod
     def load(cls, model: str | None, device: str, speculative: str | None = None, threads: int | None = None,
-             tokenizer: str | None = None) -> EngineBackend:
+             tokenizer: str | None = None, quantization: str | None = None) -> EngineBackend:
         from scratchlm.inference import EngineConfig, LLMEngine
+        from scratchlm.inference.cli_generate import warn_without_chat_template
         from scratchlm.threads import apply_threads
 
-        config = EngineConfig(device=device, max_num_seqs=1, speculative=speculative, tokenizer=tokenizer)
+        config = EngineConfig(device=device, max_num_seqs=1, speculative=speculative, tokenizer=tokenizer,
+                              quantization=quantization)
         choice = apply_threads(threads)
         print(f"loading {model or 'the default model (SmolLM2-135M-Instruct)'} with {choice} ...", file=sys.stderr)
         engine = LLMEngine.from_pretrained(model, config)
         if engine.tokenizer is None:
             raise ValueError(f"{model} has no tokenizer, so chat messages cannot be encoded: pass --tokenizer PATH")
+        warn_without_chat_template(engine, model)  # once: the engine is loaded once per session
         return cls(engine)
 
     def stream(self, messages: list[dict], opts: ChatOptions) -> Iterator[str]:
@@ -189,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
                                          args.model_name)
         else:
             backend = EngineBackend.load(args.model, args.device, getattr(args, "speculative", None),
-                                         getattr(args, "threads", None), getattr(args, "tokenizer", None))
+                                         getattr(args, "threads", None), getattr(args, "tokenizer", None),
+                                         getattr(args, "quantization", None))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"scratchlm chat: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ EPILOG = """examples:
   scratchlm generate --model runs/tiny/ckpt.pt --max-tokens 200 "Once upon a time"
   scratchlm generate --model stories260K.bin --chat "Tell me a story"   # --chat: apply the chat template
   scratchlm generate --context-parallel-size 2 --threads 1 "$(cat long.txt)"   # KV sharded over 2 ranks
+  scratchlm generate --quantization int8 --trace /tmp/gen.json "Once upon a time"   # int8 weights; step trace
 """
 
 
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights and KV cache dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--quantization", default=None, metavar="KIND",
+                        help="weight quantization, as `scratchlm serve --quantization`: gguf | int8 | int4[...] "
+                             "(docs/quantization.md)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write the engine's steps to FILE as Chrome trace-event JSON (open in ui.perfetto.dev; "
+                             "docs/inspector.md)")
     parser.add_argument("--speculative", default=None,
                         help="speculative decoding: ngram | draft:PATH | layers:K (see docs/speculative.md)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (spawned)")
@@ -52,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill chunks of at least this many tokens are split over the CP ranks")
     add_threads_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does, and the speed")
+
+
+def warn_without_chat_template(engine, model: str | None, out=None) -> bool:
+    """Say once, on stderr, that `engine`'s tokenizer has no chat template (so messages are sent as their bare
+    text joined by newlines, without roles); True when it warned. Shared by `generate --chat` and `chat`."""
+    if getattr(engine.tokenizer, "chat_template", None):
+        return False
+    print(f"warning: {model or 'the model'} has no chat template: messages are sent as their text joined by "
+          "newlines, without roles, so a base model just continues the text", file=out or sys.stderr)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
         config = EngineConfig(max_num_seqs=1, dtype=args.dtype, device=args.device,
+                              quantization=getattr(args, "quantization", None), trace=getattr(args, "trace", None),
                               speculative=getattr(args, "speculative", None), tokenizer=args.tokenizer,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               context_parallel_size=getattr(args, "context_parallel_size", 1),
@@ -89,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         prompt = args.prompt
         if args.chat:
+            warn_without_chat_template(engine, args.model)
             prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
         engine.add_request("generate", prompt, params)
     except (ValueError, FileNotFoundError) as e:
@@ -104,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown = len(text)
     sys.stdout.write("\n")
+    if engine.tracer is not None:  # strict JSON from here on (trace.py)
+        engine.tracer.close()
+        print(f"scratchlm generate: trace of {engine.tracer.num_steps} steps written to {engine.tracer.path}",
+              file=sys.stderr)
     if out is not None:
         n = len(out.outputs[0].token_ids)
         dt = time.perf_counter() - t0

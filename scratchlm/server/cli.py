@@ -83,6 +83,15 @@ def served_model_name(path: Path) -> str:
     return path.stem
 
 
+def _warn_without_chat_template(engine, path: Path) -> None:
+    """Log once, at start-up, that /v1/chat/completions has no chat template to apply."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        log.warning("%s has no chat template: /v1/chat/completions sends each conversation as its messages' text "
+                    "joined by newlines, without roles (a base model just continues it); /v1/completions is the "
+                    "natural API for it", path)
+
+
 def build_app(model: str | None, server_config: ServerConfig, engine_config, engine_process: bool = False,
               threads: int | None = None) -> object:
     """Load the model into an LLMEngine (in a child process unless `engine_process` is False) and wrap it in
@@ -107,11 +116,13 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
 
         loop = EngineProcessLoop(path, engine_config, threads=threads)
         log.info("model loaded in %.1f s", time.perf_counter() - t0)
+        _warn_without_chat_template(loop.engine, path)
         return create_app(loop.engine, server_config, model_name=name, model_root=str(path), engine_loop=loop)
     from scratchlm.inference import LLMEngine
 
     engine = LLMEngine.from_pretrained(path, engine_config)
     log.info("model loaded in %.1f s", time.perf_counter() - t0)
+    _warn_without_chat_template(engine, path)
     return create_app(engine, server_config, model_name=name, model_root=str(path))
 
 

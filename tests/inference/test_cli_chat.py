@@ -88,3 +88,13 @@ def test_ctrl_c_at_the_prompt_says_goodbye():
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert err.rstrip().endswith("bye.") and "Traceback" not in err
+
+
+def test_chat_without_a_chat_template_warns_once(data_dir):
+    """stories260K (llama2.c) has no chat template: one warning for the whole session; --quantization as serve's."""
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    res = run_chat(str(model), "--threads", "1", "--max-tokens", "4", "--quantization", "int8",
+                   stdin="hello\nagain\n")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 2, res.stdout
+    assert res.stderr.count("has no chat template") == 1, res.stderr

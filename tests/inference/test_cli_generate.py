@@ -4,6 +4,9 @@ a tokenizer folder (issue 17, item 5); its help names the checkpoint that traini
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,3 +55,24 @@ def test_generate_help_names_ckpt_pt(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "runs/tiny/ckpt.pt" in out and "checkpoint.pt" not in out
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "scratchlm", "generate", "--threads", "1", "--max-tokens", "6",
+                           *args], capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+def test_generate_trace_quantization_and_the_missing_chat_template(data_dir, tmp_path):
+    """docs/inspector.md's `generate --trace FILE` writes strict JSON; `--quantization` as serve's; `--chat` on a
+    model without a chat template says so once (issue 30, item 14)."""
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    trace = tmp_path / "gen.json"
+    res = _generate("--model", str(model), "--trace", str(trace), "--quantization", "int8", "-v", "--chat", "Once")
+    assert res.returncode == 0, res.stderr
+    events = json.loads(trace.read_text())
+    assert sum(str(e.get("name")).startswith("step ") for e in events) >= 6
+    assert "quantized model with int8" in res.stderr
+    assert res.stderr.count("has no chat template") == 1, res.stderr
+    res = _generate("--model", str(model), "--quantization", "int3", "Once")
+    assert res.returncode == 2 and "quantization='int3'" in res.stderr and "Traceback" not in res.stderr, res.stderr

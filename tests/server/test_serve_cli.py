@@ -79,3 +79,15 @@ def test_serve_trace_is_valid_json_after_sigterm(data_dir, tmp_path):
         assert r.status_code == 200
     events = json.loads(trace.read_text())  # the context manager's exit sent SIGTERM and waited for the exit
     assert any(str(e.get("name")).startswith("step ") for e in events), events[:5]
+
+
+def test_serving_a_model_without_a_chat_template_warns_at_start_up(data_dir, caplog):
+    from scratchlm.inference import EngineConfig
+    from scratchlm.server import ServerConfig
+    from scratchlm.server.cli import build_app
+
+    model = data_dir / "models" / "stories260K" / "stories260K.bin"
+    with caplog.at_level("WARNING", logger="scratchlm.server"):
+        build_app(str(model), ServerConfig(), EngineConfig(max_num_seqs=1))
+    warnings = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert len(warnings) == 1 and "/v1/chat/completions" in warnings[0], warnings
