@@ -1,10 +1,14 @@
 """The diffusion case study, measured: quality, the memory wall, and each form of parallelism side by side.
 
-    python -m benchmarks.diffusion --model runs/diffusion_mnist/pipeline --judge runs/judge.pt
+    python -m benchmarks.diffusion --model runs/diffusion_mnist/pipeline     # judge: the shipped one
     python -m benchmarks.diffusion --parts memory,speed        # no trained model needed for these
+    python -m benchmarks.diffusion --parts accuracy --models scratchlm/diffusion/pretrained/mnist,runs/x/pipeline
 
-Parts (comma-separated `--parts`, default all):
+Parts (comma-separated `--parts`, default all but accuracy):
 
+- accuracy: only the quality table's DDIM row (prompted-class accuracy and Frechet distance, with the
+  real-data references) for each folder of `--models` (e.g. the shipped fp16 pipeline against its fp32
+  original, or runs of different training budgets).
 - quality: the trained pipeline at 25 DDIM steps, guidance 3 (and DDPM / Euler): prompted-class
   accuracy by the judge, Frechet distance on the judge's features against the 2k held-out images
   (references: held-out vs the 8k train split, and a train subset of the same size); the same latents
@@ -37,8 +41,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, shared_data_dir
+from scratchlm.diffusion.judge import SHIPPED_JUDGE
 
-PARTS = ("quality", "memory", "speed", "vae_patch")
+PARTS = ("accuracy", "quality", "memory", "speed", "vae_patch")
 
 
 # ------------------------------------------------------------------------------------ quality
@@ -56,6 +61,36 @@ def _accuracy_fd(pipe, judge, heldout_feats, sampler: str, n_per_class: int, ste
     imgs = torch.cat(imgs)
     pred, feats = predict(judge, imgs)
     return imgs, labels, (pred == labels).float().mean().item(), frechet_distance(feats, heldout_feats)
+
+
+def part_accuracy(report: Report, args) -> None:
+    from scratchlm.diffusion.data import load_mnist
+    from scratchlm.diffusion.judge import frechet_distance, load_judge, predict
+    from scratchlm.diffusion.pipeline import DiffusionPipeline
+
+    torch.set_num_threads(args.threads)
+    judge = load_judge(args.judge)
+    mnist = shared_data_dir() / "images" / "mnist"
+    xt, _ = load_mnist(mnist, "train")
+    xh, yh = load_mnist(mnist, "heldout")
+    ph, fh = predict(judge, xh)
+    _, ft = predict(judge, xt)
+    n = args.n_per_class
+    sub = torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))[:10 * n]
+    rows = [["reference: held-out 2k (judge accuracy) vs train 8k (FD)", "-",
+             f"{(ph == yh).float().mean().item() * 100:.2f} %", f"{frechet_distance(fh, ft):.2f}"],
+            [f"reference: {10 * n} train images vs held-out 2k", "-", "-", f"{frechet_distance(ft[sub], fh):.2f}"]]
+    for model in (args.models or args.model).split(","):
+        pipe = DiffusionPipeline.from_pretrained(model)
+        lat = pipe.initial_latents(10 * n, seed=123)
+        t0 = time.perf_counter()
+        _, _, acc, fd = _accuracy_fd(pipe, judge, fh, "ddim", n, args.steps, args.guidance, lat)
+        size = sum(p.stat().st_size for p in Path(model).rglob("*") if p.is_file())
+        rows.append([f"{model} ({size / 2**20:.2f} MiB)", f"{time.perf_counter() - t0:.1f} s", f"{acc * 100:.2f} %",
+                     f"{fd:.2f}"])
+    report.table(["pipeline", "time", "prompted-class accuracy (judge)", "Frechet distance to held-out"], rows,
+                 caption=f"{10 * n} generated digits per pipeline ({n} per class, prompt \"a handwritten <digit>\", "
+                         f"DDIM {args.steps} steps, guidance {args.guidance}, the same latents)")
 
 
 def part_quality(report: Report, args) -> None:
@@ -431,8 +466,10 @@ def part_vae_patch(report: Report, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="runs/diffusion_mnist/pipeline", help="trained pipeline folder")
-    ap.add_argument("--judge", default="runs/judge.pt", help="judge weights (scratchlm.diffusion.judge)")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    ap.add_argument("--models", default="", help="comma-separated pipeline folders for the accuracy part "
+                                                 "(default: --model)")
+    ap.add_argument("--judge", default=str(SHIPPED_JUDGE), help="judge weights (default: the shipped judge)")
+    ap.add_argument("--parts", default=",".join(PARTS[1:]), help=f"comma-separated subset of {PARTS}")
     ap.add_argument("--threads", type=int, default=2, help="threads for the single-process parts")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--guidance", type=float, default=3.0)
@@ -463,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for part in parts:
         t0 = time.perf_counter()
-        {"quality": part_quality, "memory": part_memory, "speed": part_speed,
+        {"accuracy": part_accuracy, "quality": part_quality, "memory": part_memory, "speed": part_speed,
          "vae_patch": part_vae_patch}[part](report, args)
         report.add(f"_(part {part}: {time.perf_counter() - t0:.0f} s)_")
     report.write()

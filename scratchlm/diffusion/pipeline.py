@@ -5,10 +5,14 @@ diffusers checkpoints (AutoencoderKL, PixArtTransformer2DModel), `scheduler/sche
 a diffusers scheduler config; the text encoder (scratchlm's own) and its BPE tokenizer sit beside them:
 
     model_index.json  vae/  transformer/  scheduler/  text_encoder/  tokenizer/
+
+A trained MNIST pipeline ships inside the package (`SHIPPED_MNIST`, weights stored in fp16, computed in
+fp32): `scratchlm diffusion sample|serve` use it when no `--model` is given.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import asdict
@@ -21,6 +25,9 @@ from scratchlm.diffusion.dit import DiT
 from scratchlm.diffusion.schedulers import ScheduleConfig, cfg_combine, make_sampler
 from scratchlm.diffusion.text import PromptTokenizer, TextEncoder
 from scratchlm.diffusion.vae import AutoencoderKL
+
+# the trained MNIST pipeline shipped with the package (docs/diffusion.md: how it was trained, its accuracy)
+SHIPPED_MNIST = Path(__file__).resolve().parent / "pretrained" / "mnist"
 
 # denoiser(x (B, C, h, w), t (B,), text (B, L, d)) -> model output
 Denoiser = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -90,7 +97,15 @@ class DiffusionPipeline:
         return self.decode(z)
 
     # --- folders ------------------------------------------------------------------------------------
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the pipeline folder; `dtype` (e.g. torch.float16) stores the weights in that precision
+        (loading casts them back into the fp32 modules)."""
+        if dtype is not None:
+            stored = copy.deepcopy(self)
+            for m in (stored.vae, stored.transformer, stored.text_encoder):
+                m.to(dtype)
+            stored.save_pretrained(path)
+            return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.vae.save_pretrained(path / "vae")

@@ -9,6 +9,11 @@ Request: `prompt` (required), `n` (1..16), `size` (the model's native "WxH" only
 ("b64_json"; "url" is refused: this server stores no files), `model` (optional, must match), and the
 scratchlm extensions `steps` (1..1000, default 25), `guidance_scale` (default 3), `sampler`
 (ddim | ddpm | euler), `seed`. Response: `{"created": ..., "data": [{"b64_json": PNG, "revised_prompt": null}]}`.
+
+Also served: `/` (static/images.html: a prompt box that posts to `/v1/images/generations` and shows the
+PNGs), `/favicon.svg`, `/health`, `/v1/models` and `/metrics` (Prometheus text: requests, images,
+generation seconds), so the start-up line of `scratchlm serve` ("playground at /, metrics at /metrics")
+holds for this app too.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
-from scratchlm.server.app import GuardMiddleware, error_response
+from scratchlm.server.app import STATIC_DIR, GuardMiddleware, error_response
 from scratchlm.server.config import ServerConfig
 
 log = logging.getLogger("scratchlm.server.images")
@@ -57,6 +62,16 @@ class ImagesState:
     pool: ThreadPoolExecutor
     lock: threading.Lock
     engine: object = None  # `scratchlm serve` looks for an engine's runner; there is none here
+    requests: int = 0  # finished generation requests (counted under `lock`, read by /metrics)
+    images: int = 0
+    seconds: float = 0.0
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the counters."""
+        rows = [("scratchlm_image_requests_total", "finished image generation requests", self.requests),
+                ("scratchlm_images_generated_total", "images generated", self.images),
+                ("scratchlm_image_generation_seconds_total", "seconds spent generating", round(self.seconds, 3))]
+        return "".join(f"# HELP {n} {h}\n# TYPE {n} counter\n{n} {v}\n" for n, h, v in rows)
 
 
 def _png_b64(img) -> str:
@@ -90,6 +105,20 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         return error_response(400, f"Invalid request: {where}: {err.get('msg', 'invalid value')}", param=where)
 
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "images.html").read_text(encoding="utf-8"))
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    @app.get("/favicon.svg", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response((STATIC_DIR / "favicon.svg").read_bytes(), media_type="image/svg+xml",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -115,8 +144,12 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
 
         def work():
             with state.lock:
-                return pipe([req.prompt] * req.n, steps=req.steps, guidance=req.guidance_scale,
-                            sampler=req.sampler, seed=seed)
+                t = time.perf_counter()
+                out = pipe([req.prompt] * req.n, steps=req.steps, guidance=req.guidance_scale,
+                           sampler=req.sampler, seed=seed)
+                state.requests, state.images = state.requests + 1, state.images + req.n
+                state.seconds += time.perf_counter() - t
+                return out
 
         t0 = time.perf_counter()
         images = await asyncio.get_running_loop().run_in_executor(state.pool, work)

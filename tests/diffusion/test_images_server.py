@@ -37,3 +37,54 @@ def test_openai_images_generate(tmp_path):
             client.images.generate(prompt="a seven", response_format="url")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).images.generate(prompt="a 7")
+
+
+def test_diffusion_serve_page_and_its_fetch_targets(tmp_path):
+    """`scratchlm diffusion serve PIPELINE` in a real process: the start-up line names the playground at / and
+    metrics at /metrics; both answer, and the page's fetch targets answer the requests the page sends
+    (GET /v1/models, POST /v1/images/generations -> PNGs)."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from PIL import Image
+
+    tiny_pipeline(tmp_path / "digits")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "diffusion", "serve", str(tmp_path / "digits"),
+                             "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "scratchlm diffusion serve did not answer /health within 120 s"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        page = httpx.get(url + "/", timeout=10)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        targets = set(re.findall(r'fetch\("([^"]+)"', page.text))
+        assert targets == {"/v1/models", "/v1/images/generations"}, targets
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "digits"
+        body = {"prompt": "a handwritten seven", "n": 2, "steps": 5, "guidance_scale": 3, "seed": 1,
+                "response_format": "b64_json"}  # the fields the page sends
+        res = httpx.post(url + "/v1/images/generations", json=body, timeout=60)
+        assert res.status_code == 200, res.text
+        imgs = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in res.json()["data"]]
+        assert [im.size for im in imgs] == [(8, 8)] * 2
+        assert httpx.get(url + "/favicon.svg", timeout=10).status_code == 200
+        metrics = httpx.get(url + "/metrics", timeout=10)
+        assert metrics.status_code == 200 and "scratchlm_images_generated_total 2" in metrics.text
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert re.search(rf"serving digits on {re.escape(url)} \(playground at /, .*metrics at /metrics", out), out
