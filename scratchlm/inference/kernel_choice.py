@@ -12,11 +12,13 @@ Policy:
 - A shape class is (row bucket of M: 1, 2-4, 5-8, 9-16, 17-32, 33-64, 65-128, 129-256, 257+; K; ceil(log2 N));
   csrc/panel_gemm.h defines the buckets and holds the table that both the fused C++ step and `PanelLinear` read.
 - First use of a class (the C++ table calls back here, the GIL taken): each candidate multiplies random weights of
-  the class's K and N (N capped so that one call is ~2e8 FLOP) by the bucket's largest M rows (512 for the last),
-  after a read of 1.25x the last-level cache so that the weights come from memory as a real step's do; one warm-up,
-  then the best of ``REPEATS`` interleaved calls, timed in thread CPU time with one torch thread (wall time with
-  more). Tens of milliseconds per class. Weights under ``MIN_WEIGHT`` elements are not measured (the panel kernel;
-  nothing there is worth a measurement).
+  the class's K and N by the bucket's largest M rows (512 for the last): decode-sized rows over copies of the weight
+  read in turn (`shape_of_measurement`: ~13 MiB per candidate with a 32 MiB L3, so that the weights come from
+  memory for milliseconds, as over a real step's layers, where one cold call's ramp-up misleads), larger rows over
+  one weight of N capped so that a call is ~2e8 FLOP; one warm-up, then the best of ``REPEATS`` rounds, the
+  candidates' order rotated each round (the others' weights evict a candidate's before it runs again), timed in
+  thread CPU time with one torch thread (wall time with more). Tens of milliseconds per class. Weights under
+  ``MIN_WEIGHT`` elements are not measured (the panel kernel; nothing there is worth a measurement).
 - A kernel other than ``panel`` needs a second copy of the weights (plain or prepacked, made the first time a
   class of that weight chooses it): it is chosen only when it is ``MARGIN`` (5 %) faster than the panel kernel, in
   two measurement rounds (new weights) both.
@@ -53,8 +55,10 @@ log = logging.getLogger(__name__)
 KERNELS = ("panel", "skinny", "mkl", "onednn")  # ids as csrc/panel_gemm.h's Fp32Kernel
 FORCE_ENV = "SCRATCHLM_FP32_KERNEL"
 MARGIN = 1.05  # a kernel that needs a second copy of the weights must be this much faster than the panel kernel
-REPEATS = 3  # timed calls per candidate (best of)
-FLOP_BUDGET = 2e8  # per measured call: N is capped so that 2 * M * K * N stays under it (~2 ms at 100 GFLOP/s)
+REPEATS = 4  # timed calls per candidate (best of)
+FLOP_BUDGET = 2e8  # per measured call: N (and copies) capped so that 2 * M * K * N stays under it (~2 ms)
+STREAM_BYTES = 8 << 20  # decode-sized rows: weight copies until at least this many bytes stream per call
+DECODE_COLUMNS = 8192  # decode-sized rows: at most this many columns per copy
 MIN_WEIGHT = 1 << 16  # K * N below this: no measurement, the panel kernel
 SKINNY_MAX_ROWS = 64  # the skinny tiles are a decode kernel
 CACHE_VERSION = 1
@@ -186,13 +190,15 @@ def decide(gflops: dict[str, float]) -> str:
 
 
 def candidates(ext, x: torch.Tensor, ws: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
-    """Each kernel multiplying x (M, K) by every w (N, K)^T of `ws` in turn, the weights in the layout it reads."""
+    """Each kernel multiplying x (M, K) by every w (N, K)^T of `ws` in turn, the weights in the layout it reads, in
+    memory of its own (no candidate finds another's weights in cache)."""
     n = ws[0].shape[0]
-    panels = [ext.panel_pack(w) for w in ws]
+    panels = ext.panel_pack_groups([[w] for w in ws])  # one huge-page buffer, as the engine packs its linears
     out: dict[str, Callable[[], Any]] = {"panel": lambda: [ext.panel_linear(x, p, [n], True, 0) for p in panels]}
     if x.shape[0] <= SKINNY_MAX_ROWS:
         out["skinny"] = lambda: [ext.skinny_linear(x, w) for w in ws]
-    out["mkl"] = lambda: [torch.mm(x, w.t()) for w in ws]
+    own = [w.clone() for w in ws]  # MKL's own copies: after the skinny tiles it would find their weights in cache
+    out["mkl"] = lambda: [torch.mm(x, w.t()) for w in own]
     if ext.fp32_onednn_available():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
         out["onednn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
@@ -210,9 +216,11 @@ def clock() -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
-def time_candidates(fns: dict[str, Callable[[], Any]], repeats: int, flush: torch.Tensor) -> dict[str, float]:
-    """Best seconds of each candidate: one warm-up each, then `repeats` interleaved calls (order reversed every
-    other round), each after a read of `flush` so that the weights come from memory."""
+def time_candidates(fns: dict[str, Callable[[], Any]], repeats: int,
+                    flush: torch.Tensor | None = None) -> dict[str, float]:
+    """Best seconds of each candidate: one warm-up each, then `repeats` rounds of one call each, the order rotated
+    every round (a candidate runs again only after all the others: their weights evict its own when together they
+    exceed the last-level cache, `shape_of_measurement`); a read of `flush` before each call if given."""
     best = dict.fromkeys(fns, float("inf"))
     names = list(fns)
     now = clock()
@@ -220,8 +228,9 @@ def time_candidates(fns: dict[str, Callable[[], Any]], repeats: int, flush: torc
         for fn in fns.values():
             fn()  # warm-up: first-call set-up (oneDNN's primitive cache), page faults
         for r in range(repeats):
-            for name in names if r % 2 == 0 else names[::-1]:
-                flush.sum()
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                if flush is not None:
+                    flush.sum()
                 t0 = now()
                 fns[name]()
                 best[name] = min(best[name], now() - t0)
@@ -230,13 +239,30 @@ def time_candidates(fns: dict[str, Callable[[], Any]], repeats: int, flush: torc
 
 def measure(ext, rows: int, k: int, n: int, repeats: int = REPEATS, copies: int = 1,
             flush: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:
-    """GFLOP/s of every candidate for `rows` x `k` against `copies` different (n, k) weights in turn, read from
-    memory (`time_candidates`)."""
+    """GFLOP/s of every candidate for `rows` x `k` against `copies` different (n, k) weights in turn
+    (`time_candidates`)."""
     g = torch.Generator().manual_seed(seed)
-    ws = [torch.randn(n, k, generator=g) / k**0.5 for _ in range(copies)]
-    x = torch.randn(rows, k, generator=g)
-    best = time_candidates(candidates(ext, x, ws), repeats, flush if flush is not None else flush_buffer())
+    base = torch.empty(n, k).uniform_(-(3 / k) ** 0.5, (3 / k) ** 0.5, generator=g)  # unit-variance products
+    ws = [base] + [base.clone() for _ in range(copies - 1)]  # distinct memory, the same values
+    x = torch.empty(rows, k).uniform_(-1.0, 1.0, generator=g)
+    best = time_candidates(candidates(ext, x, ws), repeats, flush)
     return {name: 2.0 * rows * k * n * copies / t / 1e9 for name, t in best.items()}
+
+
+def shape_of_measurement(rows: int, k: int, n: int) -> tuple[int, int]:
+    """(N measured, copies of the weight) for a class. Decode-sized rows (<= SKINNY_MAX_ROWS): copies of a weight of
+    at most DECODE_COLUMNS columns, read in turn, enough that each candidate streams a third of 1.25x the
+    last-level cache (at least STREAM_BYTES): the weights stream from memory for milliseconds, as over a real
+    step's layers (one cold call's ramp-up misleads), and the other candidates' calls between two of one
+    candidate evict its weights; at most FLOP_BUDGET per call. Larger rows: one weight of N capped to FLOP_BUDGET
+    (compute-bound: the columns' rate is the same, and the weights are reused across the rows from cache anyway)."""
+    if rows <= SKINNY_MAX_ROWS:
+        n_meas = min(n, DECODE_COLUMNS)
+        per_candidate = max(STREAM_BYTES, last_level_cache_bytes() * 5 // 12)
+        copies = -(-per_candidate // (4 * k * n_meas))
+        copies = max(1, min(copies, int(FLOP_BUDGET // (2 * rows * k * n_meas))))
+        return n_meas, copies
+    return min(n, max(256, int(FLOP_BUDGET / (2 * rows * k)) // 16 * 16)), 1
 
 
 class Chooser:
@@ -265,15 +291,13 @@ class Chooser:
         return 512 if top < 0 else top
 
     def measure_class(self, bucket: int, k: int, n: int) -> Choice:
-        """Measure the candidates for the class of `bucket`, K = k and N = n (N capped by FLOP_BUDGET)."""
+        """Measure the candidates for the class of `bucket`, K = k and N = n (`shape_of_measurement`)."""
         rows = self.rows_of(bucket)
-        cap = max(256, int(FLOP_BUDGET / (2 * rows * k)) // 16 * 16)
-        n_meas = min(n, cap)
-        flush = flush_buffer()
-        rates = measure(self.ext, rows, k, n_meas, flush=flush)
+        n_meas, copies = shape_of_measurement(rows, k, n)
+        rates = measure(self.ext, rows, k, n_meas, copies=copies)
         kernel = decide(rates)
         if kernel != "panel":  # a second copy of the weights is at stake: a second round must agree
-            again = measure(self.ext, rows, k, n_meas, flush=flush, seed=1)
+            again = measure(self.ext, rows, k, n_meas, copies=copies, seed=1)
             if decide(again) != kernel:
                 kernel = "panel"
             rates = {name: max(r, again[name]) for name, r in rates.items()}
@@ -316,7 +340,8 @@ def chooser(ext) -> Chooser:
 
 def kernel_for(ext, rows: int, k: int, n: int) -> str:
     """The kernel `rows` x `k` against `n` columns run (the forced one, the table's, or measured now)."""
-    chooser(ext)
+    if id(ext) not in _CHOOSERS:
+        chooser(ext)
     return KERNELS[ext.fp32_kernel_for(rows, k, n)]
 
 

@@ -11,7 +11,7 @@ last-level cache), then:
 - quantized: for each GGUF type in ``QUANT_TYPES`` the engine's binding takes (`gguf_linear`), the GB/s of its
   blocks at 1 and 8 rows and the kernel path it runs (`gguf_resolve_path`). A new type is one more row there.
 
-Timing is kernel_choice.time_candidates' (best of --repeats interleaved calls, each after a cache-evicting read);
+Timing is kernel_choice.time_candidates' (best of --repeats rotated rounds, each call after a cache-evicting read);
 decode-sized calls run over enough copies of the weights (up to 64 MiB) that the hardware prefetchers reach their
 streaming rate, as over a real step's layers. Threads: --threads (default 1). Nothing is written to disk besides the
 choice cache.

@@ -45,9 +45,10 @@ def _check(ext, m: int, ns: list[int], k: int, seed: int) -> None:
             assert err <= 2e-6 * k**0.5 * want.abs().max().item() + 1e-6, (name, m, ns, k, err)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 12, 13, 17, 24, 31, 64, 65, 127, 600])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 12, 13, 17, 24, 31, 64, 65, 127, 600])
 def test_panel_gemm_rows(kernels, m: int) -> None:
-    """Every row remainder of the 6 x 4 / 14 x 2 / 16 x 1 AVX-512 tiles and the 6-row AVX2 tile, up to prefill."""
+    """Every row remainder of the 6 x 4 / 8 x 3 / 14 x 2 / 16 x 1 AVX-512 tiles and the AVX2 6-row tiles (row blocks
+    and k-chunks from 7 rows on), up to prefill."""
     _check(kernels, m, [40], 72, seed=m)
 
 
@@ -56,7 +57,7 @@ def test_panel_gemm_rows(kernels, m: int) -> None:
 def test_panel_gemm_ragged_and_grouped(kernels, ns: list[int], k: int) -> None:
     """Ragged N (a partial last panel, and 1..3 leftover panels beside the 4-panel groups) and K, and several
     matrices packed one after another (q/k/v, gate/up) each written to its own output."""
-    for m in (1, 9, 70):
+    for m in (1, 8, 9, 70):
         _check(kernels, m, ns, k, seed=m + k)
 
 

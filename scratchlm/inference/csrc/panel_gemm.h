@@ -12,7 +12,8 @@
 // is MR * NV FMAs for NV loads + MR broadcasts: FMA-bound, with no horizontal sums (the old skinny tiles reduced 16
 // lanes per output and re-read W's rows from L1 for every 4 rows of x). Measured (benchmarks/fp32_gemm.py, Zen 4,
 // one core, the 30 layers of SmolLM2-135M): 6 x 4 tiles (24 accumulators, 4 panels = 64 columns, each panel one
-// sequential stream) are as fast as or faster than 16 x 1 and 14 x 2 at every M from 1 to 512, so every M runs them;
+// sequential stream) are as fast as or faster than 16 x 1 and 14 x 2 at every M from 1 to 512, so every M runs them
+// but 7-8 rows, which run one 8 x 3 tile per 3 panels (two 4 x 4 tiles read each group twice: 1.1-1.25x, Zen 5);
 // W's 4-panel group (K * 256 bytes) stays in L2 while the 6-row blocks of x pass by, and is read once from memory.
 // Leftover panels (P % 4) take 14 x 2 / 16 x 1 tiles; tiles of 20+ rows x 1 panel ran at half speed (spills).
 // Decode batches (7-32 rows: 2-6 row tiles per group) are bound by memory and FMAs about equally, so the two must
@@ -204,6 +205,7 @@ constexpr std::array<Tile512, sizeof...(I)> tiles512(std::index_sequence<I...>) 
 constexpr int kSkinnyRows = 16;  // NV = 1 tiles: up to 16 accumulators (measured: 20+ rows run at half speed)
 constexpr int kWideRows = 14;    // NV = 2 tiles: 28 accumulators
 constexpr int kQuadRows = 6;     // NV = 4 tiles: 24 accumulators
+constexpr int kTriRows = 8;      // NV = 3 tiles: 24 accumulators, for 7-8 rows (one tile instead of two 4 x 4)
 
 // The rows of one NV-panel column block: M split into tiles of at most `rows` (as even as possible).
 // `next`, `next_lines`: the next group's panels (prefetched over the first tiles; nullptr: none).
@@ -212,6 +214,7 @@ PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, con
                           int rows, const float* next = nullptr, int64_t next_lines = 0) {
   static constexpr auto tab1 = tiles512<1>(std::make_index_sequence<kSkinnyRows>{});
   static constexpr auto tab2 = tiles512<2>(std::make_index_sequence<kWideRows>{});
+  static constexpr auto tab3 = tiles512<3>(std::make_index_sequence<kTriRows>{});
   static constexpr auto tab4 = tiles512<4>(std::make_index_sequence<kQuadRows>{});
   const int64_t nt = (M + rows - 1) / rows;
   const int64_t base = M / nt, extra = M % nt;  // the first `extra` tiles get one more row
@@ -224,7 +227,7 @@ PANEL512_FN void block512(const float* x, int64_t ldx, int64_t M, int64_t K, con
     const int64_t r = base + (t < extra ? 1 : 0);
     const int64_t done = t * K * per_k;
     const Prefetch ahead{reinterpret_cast<const char*>(next) + done * 64, done < next_lines ? per_k : 0};
-    (NV == 1 ? tab1[r - 1] : NV == 2 ? tab2[r - 1] : tab4[r - 1])(x, ldx, K, w, d, m, ahead);
+    (NV == 1 ? tab1[r - 1] : NV == 2 ? tab2[r - 1] : NV == 3 ? tab3[r - 1] : tab4[r - 1])(x, ldx, K, w, d, m, ahead);
     m += r;
   }
 }
@@ -450,7 +453,10 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
   const int path = panel_path(use_simd);
 #ifdef SCRATCHLM_X86
   if (path == 2) {
-    const int nv = 4;  // measured (benchmarks/fp32_gemm.py): 6 x 4 tiles at least as fast as 16 x 1 / 14 x 2 at any M
+    // measured (benchmarks/fp32_gemm.py): 6 x 4 tiles at least as fast as 16 x 1 / 14 x 2 at any M, except 7-8 rows:
+    // there one 8 x 3 tile per 3 panels (each group read once) beat two 4 x 4 tiles (the group read twice) by 1.1-1.25x
+    // on the K = 576 shapes (Zen 5, 30 cold layers), where the skinny tiles had been 1.2x faster than the panels.
+    const int nv = M >= 7 && M <= kTriRows ? 3 : 4;
     const int64_t groups = (P + nv - 1) / nv;
     const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * kLanes * nv));
     const bool hints = streaming().load(std::memory_order_relaxed);
@@ -463,7 +469,9 @@ inline void panel_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const 
         const int64_t have = std::min<int64_t>(nv, P - p);
         for (int64_t v = 0; v < have; ++v) d[v] = dest_of(outs, nouts, p + v);
         for (int64_t v = 0; v < have; ++v) d[v].stream = stream;
-        if (have == 4) {
+        if (have == 3 && nv == 3) {
+          block512<3>(x, ldx, M, K, wp, d, kTriRows);
+        } else if (have == 4) {
           const int64_t next = std::min<int64_t>(nv, P - p - nv);  // panels of the next group, if this thread runs it
           const bool ahead = hints && g + 1 < g1;
           block512<4>(x, ldx, M, K, wp, d, kQuadRows, ahead ? wp + nv * K * kLanes : nullptr, ahead ? next * K : 0);
