@@ -89,34 +89,24 @@ class _Panels(torch.nn.Module):
             raise ValueError(f"panels for a ({rows}, {cols}) {what} must be float32 {want}, "
                              f"got {tuple(panels.shape)} {panels.dtype}")
         self.register_buffer("panels", panels, persistent=False)  # counted by .buffers(), moved by .to()
-        self._alt: dict[str, Tensor] = {}  # the plain / oneDNN-prepacked copies other kernels read (made on demand)
+        self._op = None  # (panels, the C++ PanelMatmul over them: kernel choice, other kernels' copies), on first use
 
     def _plain_shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_alt"] = {}  # copies and pickles hold the panels only (an oneDNN tensor does not pickle)
+        state["_op"] = None  # copies and pickles hold the panels only (the C++ object does not pickle)
         return state
 
     def _matmul(self, ext, x: Tensor) -> Tensor:
-        """x (rows, K) @ W^T -> (rows, N) by the kernel chosen for this shape class (kernel_choice.py)."""
-        n, k = self._plain_shape()
-        kernel = kernel_choice.kernel_for(ext, x.shape[0], k, n)
-        if kernel == "onednn" and not ext.fp32_onednn_available():
-            kernel = kernel_choice.no_onednn()  # logged once; the panel kernel
-        if kernel == "panel":
-            (y,) = ext.panel_linear(x, self.panels, [n], True, 0)
-            return y
-        if "plain" not in self._alt:
-            self._alt["plain"] = self.weight
-        if kernel == "skinny":
-            return ext.skinny_linear(x, self._alt["plain"])
-        if kernel == "mkl":
-            return torch.mm(x, self._alt["plain"].t())
-        if "onednn" not in self._alt:
-            self._alt["onednn"] = torch.ops.mkldnn._reorder_linear_weight(self._alt["plain"], None)
-        return torch.ops.mkldnn._linear_pointwise(x, self._alt["onednn"], None, "none", [], "")
+        """x (rows, K) @ W^T -> (rows, N) by the kernel chosen for this shape class (kernel_choice.py, measured at
+        first use; a kernel other than the panel kernel reads a copy of the weight kept in `_op`)."""
+        if self._op is None or self._op[0] is not self.panels:  # first use, or the buffer was replaced (.to())
+            kernel_choice.chooser(ext)
+            self._op = (self.panels, ext.PanelMatmul(self.panels, [self._plain_shape()[0]]))
+        (y,) = self._op[1].forward(x, -1)
+        return y
 
     @property
     def weight(self) -> Tensor:
@@ -139,7 +129,7 @@ class _Panels(torch.nn.Module):
             return
         with torch.no_grad():
             self.panels.copy_(load_kernels().panel_pack(w.detach().to(torch.float32, copy=False).cpu()))
-        self._alt = {}
+        self._op = None  # its copies were of the old weight
 
 
 class PanelLinear(_Panels):

@@ -345,17 +345,6 @@ def kernel_for(ext, rows: int, k: int, n: int) -> str:
     return KERNELS[ext.fp32_kernel_for(rows, k, n)]
 
 
-_WARNED: set[str] = set()
-
-
-def no_onednn() -> str:
-    """The kernel that runs where oneDNN is forced but this torch has no oneDNN ("panel"), warned once."""
-    if "onednn" not in _WARNED:
-        _WARNED.add("onednn")
-        log.warning("fp32 linears: oneDNN was chosen but this torch has no mkldnn matmul ops; the panel kernel runs")
-    return "panel"
-
-
 def force(ext, kernel: str | None) -> str | None:
     """Run `kernel` for every class (None: the measured choice); returns the previous setting."""
     if kernel is not None and kernel not in KERNELS:

@@ -13,8 +13,48 @@
 
 namespace scratchlm_panel {
 
+// A packed weight as a Python object (fast_linear.PanelLinear holds one): the kernel chosen per call, the plain or
+// prepacked copies that other kernels read kept with it (made on first need), one call from Python per matmul.
+class PanelMatmul {
+ public:
+  PanelMatmul(const at::Tensor& panels, std::vector<int64_t> ns) : w_(PanelWeight::from(panels, std::move(ns),
+                                                                                          "PanelMatmul")) {}
+
+  // [x (M, K) @ W_i^T]; kernel -1: the one chosen for this shape class, else an Fp32Kernel id.
+  std::vector<at::Tensor> forward(const at::Tensor& x, int64_t kernel) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "PanelMatmul: x must be a float32 CPU tensor (M, K), got ", x.sizes());
+    TORCH_CHECK(x.size(1) == w_.K, "PanelMatmul: x has K = ", x.size(1), " but the weight has K = ", w_.K);
+    const auto xc = x.contiguous();
+    std::vector<at::Tensor> ys;
+    std::vector<at::Tensor*> ptrs;
+    for (int64_t n : w_.ns) ys.push_back(at::empty({xc.size(0), n}, xc.options()));
+    for (auto& y : ys) ptrs.push_back(&y);
+    w_.forward(xc, ptrs, true, static_cast<int>(kernel));
+    return ys;
+  }
+
+  // Which copies other kernels made so far: ["plain"] and / or ["onednn"].
+  std::vector<std::string> copies() const {
+    std::lock_guard<std::mutex> lock(w_.alt->mu);
+    std::vector<std::string> out;
+    if (w_.alt->plain.defined()) out.emplace_back("plain");
+    if (w_.alt->onednn.defined()) out.emplace_back("onednn");
+    return out;
+  }
+
+ private:
+  PanelWeight w_;
+};
+
 inline void def_fp32_choice(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<PanelMatmul>(m, "PanelMatmul", "a panel-packed float32 weight (panels (P, K, 16), widths ns) multiplied "
+                          "by the kernel chosen per shape class (panel_gemm.h), its other copies kept")
+      .def(py::init<const at::Tensor&, std::vector<int64_t>>(), py::arg("panels"), py::arg("ns"))
+      .def("forward", &PanelMatmul::forward, "[x @ W_i.T]; kernel -1: the chosen one", py::arg("x"),
+           py::arg("kernel") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("copies", &PanelMatmul::copies, "the plain / oneDNN copies made so far");
   m.def("isa_name", [] { return std::string(scratchlm_simd::isa_name()); },
         "the ISA the kernels run here (scratchlm_simd::isa_name: avx512-vnni, avx512, avx2-vnni, avx2, scalar)");
   m.def("fp32_kernel_names", [] { return std::vector<std::string>(kFp32KernelNames, kFp32KernelNames + kFp32Kernels); },
