@@ -20,12 +20,15 @@ Policy:
   thread CPU time with one torch thread (wall time with more). Tens of milliseconds per class. Weights under
   ``MIN_WEIGHT`` elements are not measured (the panel kernel; nothing there is worth a measurement).
 - A kernel other than ``panel`` needs a second copy of the weights (plain or prepacked, made the first time a
-  class of that weight chooses it): it is chosen only when it is ``MARGIN`` (5 %) faster than the panel kernel, in
-  two measurement rounds (new weights) both.
+  class of that weight chooses it): it is chosen only when it is ``MARGIN`` (10 %) faster than the panel kernel, in
+  two measurement rounds (new weights) both (a short measurement of decode sizes swings by several per cent; at 5 %
+  the skinny tiles were chosen at 4 rows under the AVX2 cap where benchmarks/fp32_gemm.py then measured them 7 %
+  slower). ``SCRATCHLM_FP32_KERNEL=panel`` keeps the one copy whatever the measurement says.
 - The choices are cached in a small JSON file per (CPU model, ISA cap of scratchlm and of torch's oneDNN / MKL /
-  ATen, the kernels' build, torch version, threads) under the kernel build directory, written atomically (a
-  temporary file renamed over it, under a lock, merged with what another process wrote meanwhile). A file that
-  cannot be read or does not have the expected shape is ignored with a warning (and replaced at the next write).
+  ATen, the kernels' build, torch version, threads, the policy's constants) under the kernel build directory,
+  written atomically (a temporary file renamed over it, under a lock, merged with what another process wrote
+  meanwhile). A file that cannot be read or does not have the expected shape is ignored with a warning (and
+  replaced at the next write).
 - Each choice is logged once per process (INFO): when it is measured, and for a cached table one line on load.
 - ``$SCRATCHLM_FP32_KERNEL`` = panel | skinny | mkl | onednn forces one kernel for every class (benchmarks, tests;
   ``auto`` or unset: the measured choice); `force()` does the same at run time.
@@ -54,7 +57,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("panel", "skinny", "mkl", "onednn")  # ids as csrc/panel_gemm.h's Fp32Kernel
 FORCE_ENV = "SCRATCHLM_FP32_KERNEL"
-MARGIN = 1.05  # a kernel that needs a second copy of the weights must be this much faster than the panel kernel
+MARGIN = 1.10  # a kernel that needs a second copy of the weights must be this much faster than the panel kernel
 REPEATS = 4  # timed calls per candidate (best of)
 FLOP_BUDGET = 2e8  # per measured call: N (and copies) capped so that 2 * M * K * N stays under it (~2 ms)
 STREAM_BYTES = 8 << 20  # decode-sized rows: weight copies until at least this many bytes stream per call
@@ -106,11 +109,12 @@ def last_level_cache_bytes() -> int:
 
 
 def cache_identity(ext) -> dict[str, Any]:
-    """What the choices depend on: CPU model, ISA caps, the kernels' build, torch, threads."""
+    """What the choices depend on: CPU model, ISA caps, the kernels' build, torch, threads, this module's policy."""
     from scratchlm.inference.cpp_extensions import ENGINE_KERNELS
 
     return {"cpu": cpu_model(), "isa": ext.isa_name(), "caps": {e: os.environ.get(e, "") for e in ISA_ENVS},
-            "build": ENGINE_KERNELS.content_hash(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "build": ENGINE_KERNELS.content_hash(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "policy": {"version": CACHE_VERSION, "margin": MARGIN, "repeats": REPEATS}}
 
 
 def cache_path(ext, root: Path | None = None) -> Path:
