@@ -19,11 +19,12 @@ Policy:
   candidates' order rotated each round (the others' weights evict a candidate's before it runs again), timed in
   thread CPU time with one torch thread (wall time with more). Tens of milliseconds per class. Weights under
   ``MIN_WEIGHT`` elements are not measured (the panel kernel; nothing there is worth a measurement).
-- A kernel other than ``panel`` needs a second copy of the weights (plain or prepacked, made the first time a
-  class of that weight chooses it): it is chosen only when it is ``MARGIN`` (10 %) faster than the panel kernel, in
-  two measurement rounds (new weights) both (a short measurement of decode sizes swings by several per cent; at 5 %
-  the skinny tiles were chosen at 4 rows under the AVX2 cap where benchmarks/fp32_gemm.py then measured them 7 %
-  slower). ``SCRATCHLM_FP32_KERNEL=panel`` keeps the one copy whatever the measurement says.
+- A kernel other than ``panel`` needs a second copy of the weights (plain or prepacked, made the first time a class
+  of that weight chooses it): it is chosen only when it is ``MARGIN`` (10 %) faster than the panel kernel, in two
+  measurement rounds (new weights; the second of ``CONFIRM_REPEATS``) both (a short measurement of decode sizes
+  swings by several per cent; at 5 % the skinny tiles were chosen at 4 rows under the AVX2 cap where
+  benchmarks/fp32_gemm.py then measured them 7 % slower). ``SCRATCHLM_FP32_KERNEL=panel`` keeps the one copy whatever
+  the measurement says.
 - The choices are cached in a small JSON file per (CPU model, ISA cap of scratchlm and of torch's oneDNN / MKL /
   ATen, the kernels' build, torch version, threads, the policy's constants) under the kernel build directory,
   written atomically (a temporary file renamed over it, under a lock, merged with what another process wrote
@@ -59,6 +60,7 @@ KERNELS = ("panel", "skinny", "mkl", "onednn")  # ids as csrc/panel_gemm.h's Fp3
 FORCE_ENV = "SCRATCHLM_FP32_KERNEL"
 MARGIN = 1.10  # a kernel that needs a second copy of the weights must be this much faster than the panel kernel
 REPEATS = 4  # timed calls per candidate (best of)
+CONFIRM_REPEATS = 12  # the second round, when a kernel other than the panel kernel won the first
 FLOP_BUDGET = 2e8  # per measured call: N (and copies) capped so that 2 * M * K * N stays under it (~2 ms)
 STREAM_BYTES = 8 << 20  # decode-sized rows: weight copies until at least this many bytes stream per call
 DECODE_COLUMNS = 8192  # decode-sized rows: at most this many columns per copy
@@ -114,7 +116,7 @@ def cache_identity(ext) -> dict[str, Any]:
 
     return {"cpu": cpu_model(), "isa": ext.isa_name(), "caps": {e: os.environ.get(e, "") for e in ISA_ENVS},
             "build": ENGINE_KERNELS.content_hash(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "policy": {"version": CACHE_VERSION, "margin": MARGIN, "repeats": REPEATS}}
+            "policy": {"version": CACHE_VERSION, "margin": MARGIN, "repeats": [REPEATS, CONFIRM_REPEATS]}}
 
 
 def cache_path(ext, root: Path | None = None) -> Path:
@@ -300,8 +302,8 @@ class Chooser:
         n_meas, copies = shape_of_measurement(rows, k, n)
         rates = measure(self.ext, rows, k, n_meas, copies=copies)
         kernel = decide(rates)
-        if kernel != "panel":  # a second copy of the weights is at stake: a second round must agree
-            again = measure(self.ext, rows, k, n_meas, copies=copies, seed=1)
+        if kernel != "panel":  # a second copy of the weights is at stake: a longer second round must agree
+            again = measure(self.ext, rows, k, n_meas, repeats=CONFIRM_REPEATS, copies=copies, seed=1)
             if decide(again) != kernel:
                 kernel = "panel"
             rates = {name: max(r, again[name]) for name, r in rates.items()}
