@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from scratchlm.inference.fast_linear import use_skinny_linears
 from scratchlm.inference.quantization import kernels as qkernels
 from scratchlm.inference.quantization import load_gguf_packed, load_quantized, save_quantized
 from scratchlm.inference.quantization.modules import EMBEDDING, HEAD, QuantLinear
@@ -76,6 +77,10 @@ MIXES = {
     "blocks32": {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "IQ4_NL",
                  "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": ("Q5_1", "Q5_0"), "token_embd": "Q5_0",
                  "output": "Q8_0"},
+    # float weights among quantized ones (an F16 attn_v, an F32 ffn_down, an F16 embedding): the fused step runs
+    # layers that mix float panels and raw GGUF weights
+    "float_mix": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "F16", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+                  "ffn_up": "Q4_K", "ffn_down": ("F32", "Q6_K"), "token_embd": "F16", "output": "Q8_0"},
     # SmolLM2-135M's Q4_K_M shape: K = 576 rows fall back to Q5_0 / Q8_0, ffn_down (K = 1536) Q6_K / Q4_K, a tied
     # Q8_0 embedding
     "k576": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": ("Q8_0", "Q5_0"), "attn_output": "Q5_0",
@@ -115,6 +120,10 @@ def write_gguf(path: Path, mix_name: str, extra: dict[str, str] | None = None, s
 
     def add(name: str, type_name: str, rows: int, cols: int, heads: int | None = None) -> None:
         type_name = (extra or {}).get(name, type_name)
+        if type_name in ("F32", "F16"):  # a float weight among the quantized ones (read as float, not packed)
+            w = (0.05 * rng.standard_normal((rows, cols))).astype(np.float32 if type_name == "F32" else np.float16)
+            writer.add_tensor(name, np.ascontiguousarray(_permute_like_llama_cpp(w, heads) if heads else w))
+            return
         blocks = random_blocks(type_name, rows, cols, rng)  # in our (rotate-half) row order
         raw_ours[name] = (type_name, blocks)
         stored = _permute_like_llama_cpp(blocks, heads) if heads else blocks
@@ -264,6 +273,7 @@ def test_fused_step_equals_python_path(gguf_file):
     if qkernels.gguf_kernel_types() is None:
         pytest.skip("no C++ kernels: there is no fused step")
     model = load_gguf_packed(path).model
+    use_skinny_linears(model)  # float linears as panels, as the engine's runner does
     for batch in (1, 3, 70):
         got, _, ops, _, _ = _fused_and_python_decode(model, batch)
         assert torch.equal(got, ops), batch
