@@ -6,13 +6,14 @@
 //
 // Policy: a raw weight's type must be one of the nine above AND handled by its header (`gguf_handles`), else the
 // caller gets an error naming the type; nothing is dequantized behind its back. Decode-sized inputs (M <= 64 rows)
-// run the kernel header's own path choice (-1: measured best for the CPU and M). Prefill chunks (M > 64), measured
-// on one Zen 4 core (shapes 576 x 1536 and 1536 x 768, 65-512 rows; benchmarks/gguf_gemv.py and the integration
-// notes): the 32-weight types run gguf_blocks32.h's integer panels (its default there: 245-275 GFLOP/s with
-// AVX512-VNNI against 80-150 for the float path below); the K-quants run kDequantPath, the weight dequantized to
-// float32 in chunks of rows (at most kDequantChunk floats, so a 7B layer never needs a full float copy) and each
-// chunk through the fp32 GEMM (oneDNN / MKL, skinny_gemm.h's large_gemm), 65-105 GFLOP/s against 43-88 for
-// gguf_kquants.h's 8-row kernels at those sizes. Any kernel path can be forced for any M (tests, benchmarks).
+// run the kernel header's own path choice (-1: measured best for the CPU and M), and so do prefill chunks (M > 64):
+// both headers' integer kernels beat kDequantPath (the weight dequantized to float32 in chunks of rows, at most
+// kDequantChunk floats so a 7B layer never needs a full float copy, each chunk through the fp32 GEMM, skinny_gemm.h's
+// large_gemm) there, measured on one Zen 4 core, thread CPU time: gguf_blocks32.h's panels 245-275 GFLOP/s against
+// 80-150 (576 x 1536, 1536 x 768; 65-512 rows), gguf_kquants.h's path 3 (AVX512-VNNI) 156-218 and path 1 (AVX2)
+// 106-140 against 78-108 (Q4_K / Q6_K, 576 x 1536 and 2048 x 5632; 128 and 512 rows). kDequantPath is what float
+// activations run (qlinear.h's gguf_path: exact up to the summation order) and can be forced for any M (tests,
+// benchmarks), as can any kernel path.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,7 +31,6 @@
 namespace scratchlm_gguf {
 
 constexpr int kDequantPath = 100;             // dequantize row chunks to float32, then the fp32 GEMM
-constexpr int64_t kDecodeRows = 64;           // above this many rows of x: the prefill default (see above)
 constexpr int64_t kDequantChunk = 1 << 21;    // floats of one dequantized chunk of rows (8 MiB)
 
 // Weights per block, bytes per block and the name of each type a raw GGUF weight may have; {0, 0, nullptr} else.
@@ -94,7 +94,7 @@ inline at::Tensor gguf_dequantize(const GMat& w) {
 // The path gguf_gemm runs for M rows when asked for `path` (-1: the default): kDequantPath, or the kernel header's.
 inline int gguf_resolve_path(const GMat& w, int64_t M, int path) {
   if (path == kDequantPath) return kDequantPath;
-  if (kq_handles(w.type)) return path < 0 && M > kDecodeRows ? kDequantPath : kq_resolve_path(w, M, path);
+  if (kq_handles(w.type)) return kq_resolve_path(w, M, path);
   if (b32_handles(w.type)) return b32_resolve_path(w, M, path);
   TORCH_CHECK(false, "gguf_resolve_path: no kernel for ggml type ", static_cast<int>(w.type));
 }

@@ -99,12 +99,12 @@ def test_gemm_paths_match_float64(eng, name):
             scale = want.abs().max().item()
             for p, got in outs.items():
                 torch.testing.assert_close(got, outs[0], rtol=2e-5, atol=2e-5 * scale, msg=f"{name} M={m} path {p}")
-            # float x: the weight dequantized, the fp32 GEMM (the default above 64 rows)
+            # float x: the weight dequantized, the fp32 GEMM (what float activations run)
             deq = eng.gguf_dequant_path()
             torch.testing.assert_close(eng.gguf_linear(x, raw, type_id, k, deq).double(), want, rtol=1e-5,
                                        atol=1e-5 * scale, msg=f"{name} M={m} path {deq}")
             default = eng.gguf_resolve_path(raw, type_id, k, m, -1)
-            assert default == (deq if m > 64 else max(paths)), (name, m, default)
+            assert default == max(paths), (name, m, default)  # the integer kernels at every M, prefill included
 
 
 def test_errors(eng):

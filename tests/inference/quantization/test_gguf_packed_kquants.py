@@ -222,8 +222,11 @@ def test_logits_equal_float_loader(gguf_file, tokens):
     """The packed model's logits against the float loader's on the same file (weights dequantized at load, torch
     matmuls): with float activations only the summation order differs (prefill 80 rows and decode-sized 1 and 5
     rows). With the default kernels, which round x to int8 per 32-block, every linear stays within the rounding's
-    error bound of float64 dequantize-then-matmul (1, 5 and 80 rows), and the logits within a quarter of their
-    spread (as the SmolLM2 check of test_models.py; measured here up to 11 % on random codes in every block)."""
+    error bound of float64 dequantize-then-matmul (1, 5 and 80 rows), and the logits' largest error at a typical
+    position (the median over positions) within a tenth of their spread (measured 3-6 % on the K-quant mixes). Not
+    the largest over all positions: these random-weight models blow some positions' hidden states up (|h| ~ 370 in
+    the q5_k_m mix at position 55), where the same rounding moves the logits by up to 0.5 (SmolLM2's real weights:
+    test_models.py)."""
     mix_name, path, _ = gguf_file
     _needs_kernels(mix_name)
     packed, ref = load_gguf_packed(path).model, load(path).model
@@ -244,7 +247,8 @@ def test_logits_equal_float_loader(gguf_file, tokens):
     for n in (80, 5, 1):
         want = ref(tokens[:, :n])
         got = packed(tokens[:, :n])
-        assert float((got - want).abs().max()) < 0.25 * float(want.std()), n
+        per_position = (got - want).abs().amax(-1)  # (1, n)
+        assert float(per_position.median()) < 0.1 * float(want.std()), n
 
 
 @torch.no_grad()
