@@ -17,6 +17,9 @@ Sections:
   (torch.sum over 256 MiB). Paths: 6 the in-register kernel on AVX512-VNNI (16 weight rows per tile, 512-bit), 7
   the AVX2 one (8 rows, maddubs), 8 / 9 the panels (tiles unpacked once per call: 16 / 8 rows), 100 gguf_gemm.h's
   dequantize-to-float32 + fp32 GEMM. Quant_gemm.h's Q4_1 paths: 6 / 7 its 8-row kernels, 8 / 9 its panels.
+  `llama.cpp` = llama.cpp's own mul_mat of the same blocks and x (a one-node ggml graph on one thread through the
+  column's libggml-cpu, .peers/llama-server-build or llama-avx2-build: x converted to Q8_0, then llamafile's
+  tinyBLAS for Q5_0 / IQ4_NL, vec_dot for Q5_1, as llama.cpp runs them); last column: its time / this path's.
 - kquants (csrc/gguf_kquants.h): Q4_K, Q6_K, Q5_K, Q3_K, Q2_K, IQ4_XS on two model shapes whose rows are multiples of
   256 weights (llama.cpp stores other rows in other types): `135m` = SmolLM2-135M's ffn_down (576 x 1536), one random
   matrix per layer (`--layers`; 30: 10-19 MiB, L3-sized here); `1b` = a TinyLlama-1.1B-like feed-forward (gate / up
@@ -54,7 +57,7 @@ from benchmarks.common import REPO_ROOT, Report, isa_cap_text, isa_env, set_thre
 ROW_MARK = "GGUF_GEMV_ROW "
 TABLE_MARK = "GGUF_GEMV_TABLE "  # rows of a section with its own table: [section, row]
 HEADERS = ["ISA", "weights", "shape N x K", "rows M", "path", "ms / pass", "GB/s", "% of streaming read",
-           "GB/s vs Q4_1's best path", "GFLOP/s"]
+           "GB/s vs Q4_1's best path", "GFLOP/s", "llama.cpp time / this"]
 
 
 @dataclass
@@ -117,6 +120,64 @@ def _b32_raw(qtype_name: str, n: int, k: int, seed: int):
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
+GG_SHIM = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include "ggml.h"
+#include "ggml-cpu.h"
+/* llama.cpp's own mul_mat of W (N, K) of ggml type `type` by x (M, K): a one-node ggml graph on 1 thread, what
+   llama.cpp runs for the matrix (x converted to its vec_dot type, then llamafile's tinyBLAS or vec_dot) */
+struct job { struct ggml_context* ctx; struct ggml_cgraph* g; struct ggml_tensor* y; };
+void* gg_make(int type, int64_t N, int64_t K, int64_t M, void* w, void* x) {
+  ggml_cpu_init();
+  struct ggml_init_params ip = {1 << 20, NULL, true};
+  struct job* j = (struct job*)calloc(1, sizeof(struct job));
+  j->ctx = ggml_init(ip);
+  struct ggml_tensor* tw = ggml_new_tensor_2d(j->ctx, (enum ggml_type)type, K, N);
+  struct ggml_tensor* tx = ggml_new_tensor_2d(j->ctx, GGML_TYPE_F32, K, M);
+  tw->data = w, tx->data = x;
+  j->y = ggml_mul_mat(j->ctx, tw, tx);
+  j->y->data = malloc(sizeof(float) * N * M);
+  j->g = ggml_new_graph(j->ctx);
+  ggml_build_forward_expand(j->g, j->y);
+  return j;
+}
+static uint8_t* work;
+static size_t work_size;
+float* gg_run(void* p) {
+  struct job* j = (struct job*)p;
+  struct ggml_cplan plan = ggml_graph_plan(j->g, 1, NULL);
+  if (plan.work_size > work_size) free(work), work = (uint8_t*)malloc(plan.work_size), work_size = plan.work_size;
+  plan.work_data = work;
+  ggml_graph_compute(j->g, &plan);
+  return (float*)j->y->data;
+}
+"""
+GGML_INCLUDE = REPO_ROOT / ".peers" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "ggml" / "include"
+
+
+def _gg_shim(isa: str):
+    """llama.cpp's mul_mat through its ggml library of this column's build (None where that build is absent)."""
+    libdir, cc = LLAMA_LIBS[isa], shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not (libdir / "libggml-cpu.so").exists() or not GGML_INCLUDE.is_dir():
+        return None
+    out = Path(tempfile.mkdtemp(prefix="gguf_gemv_gg_")) / "gg.so"
+    out.with_suffix(".c").write_text(GG_SHIM)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", str(out.with_suffix(".c")), f"-I{GGML_INCLUDE}", "-o", str(out),
+                    f"-L{libdir}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{libdir}"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.gg_make.restype, lib.gg_run.restype = ctypes.c_void_p, ctypes.c_void_p
+    lib.gg_make.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p]
+    lib.gg_run.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _gg_pass(lib, jobs: list) -> Callable[[], object]:
+    """One pass of llama.cpp's mul_mat over prepared graphs."""
+    return lambda: [lib.gg_run(j) for j in jobs]
+
+
 def _quant_pass(eng, x, mats: list, path: int) -> Callable[[], object]:
     """One pass of quant_linear (Q4_1 planes, group 32) over `mats` with x."""
     return lambda: [eng.quant_linear(x, t, 32, path) for t in mats]
@@ -136,6 +197,11 @@ def section_blocks32(ctx: Context) -> None:
     eng, args = ctx.eng, ctx.args
     vnni = eng.quant_best_path() == 2
     dequant = eng.gguf_dequant_path()
+    gg = _gg_shim(ctx.isa)
+    if gg is None:
+        print(f"[{ctx.isa}] no llama.cpp build at {LLAMA_LIBS[ctx.isa]}: blocks32 without the llama.cpp column",
+              file=sys.stderr)
+    keep = []  # arrays the llama.cpp graphs point into
     for n, k in B32_SHAPES:
         for m in args.rows:
             count = 2 * args.layers if m <= 64 else min(4, 2 * args.layers)
@@ -158,15 +224,22 @@ def section_blocks32(ctx: Context) -> None:
                 mine = (([6, 8] if vnni else []) + [7, 9]) if m <= 64 else ([8] if vnni else []) + [9, dequant]
                 for p in mine:
                     contenders[f"{name}|{p}"] = _gguf_pass(eng, x, raws, tid, p)
+                if gg is not None:
+                    xn = x.numpy().copy()
+                    keep.append(xn)
+                    jobs = [gg.gg_make(tid, n, k, m, r.numpy().ctypes.data, xn.ctypes.data) for r in raws]
+                    contenders[f"{name}|llama.cpp"] = _gg_pass(gg, jobs)
             best = ctx.measure(contenders)
             q41_best = min(best[f"Q4_1|{p}"] for p in q41_paths)
             for key, t in best.items():
                 name, p = key.split("|")
                 gbps = nbytes[name] / t / 1e9
+                peer = best.get(f"{name}|llama.cpp")
                 ctx.rows.append([ctx.isa, name, f"{n} x {k}", str(m), p, f"{1e3 * t:.2f}", f"{gbps:.1f}",
                                  f"{100 * gbps / ctx.stream_gbps:.0f} %",
                                  f"{(nbytes[name] / t) / (nbytes['Q4_1'] / q41_best):.2f}x",
-                                 f"{2 * m * n * k * count / t / 1e9:.1f}"])
+                                 f"{2 * m * n * k * count / t / 1e9:.1f}",
+                                 f"{peer / t:.2f}x" if peer and p != "llama.cpp" else "-"])
             print(f"[{ctx.isa}] {n}x{k} M={m} done", file=sys.stderr)
 
 
@@ -390,7 +463,7 @@ def worker(args: argparse.Namespace) -> int:
     ctx = Context(args, eng, args.worker)
     ctx.stream_gbps = streaming_read_gbps(args.rounds)
     ctx.rows.append([ctx.isa, "streaming read (torch.sum, 256 MiB)", "-", "-", "-", "-", f"{ctx.stream_gbps:.1f}",
-                     "100 %", "-", "-"])
+                     "100 %", "-", "-", "-"])
     for name in args.sections:
         SECTIONS[name](ctx)
     for row in ctx.rows:
