@@ -62,7 +62,9 @@ AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FM
               "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
 MODEL_STEM = "SmolLM2-135M-Instruct"
 QUANTIZED = ("Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")  # made by llama.cpp's quantizer from the default Q4_1 GGUF
-PROMPT_IDS = list(range(100, 116))
+# "Once upon a time, in a small village by the sea, there lived an" in SmolLM2's vocabulary: real text, so greedy
+# continuations are not a run of near-ties (random ids gave top-2 logits 0.02 apart)
+PROMPT_IDS = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 665, 4161, 354]
 TARGET = 1.2  # issue 29: batch-1 decode >= 1.2x llama.cpp on both ISAs
 
 
@@ -474,7 +476,8 @@ def write_report(args, runs: dict[int, dict], notes: list[str], argv: list[str])
                f"native = no cap, llama.cpp's GGML_NATIVE build; avx2 = scratchlm under SCRATCHLM_ISA=avx2 with "
                f"ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2, llama.cpp's AVX2 "
                f"build (.peers/llama-avx2-build). Ratio = median over rounds of scratchlm tok/s / llama.cpp tok/s "
-               f"in the same round; target >= {TARGET}x everywhere. The machine is shared (load average in the "
+               f"in the same round (best / best: each side's fastest round); target >= {TARGET}x everywhere. "
+               f"The machine is shared (load average in the "
                f"machine lines): a neighbour can take the pinned core for part of a measurement, so the ratio of "
                f"tokens per process CPU second (time.process_time of each worker: only the time it ran) is given "
                f"beside the wall-clock one; with 2 threads CPU time includes the workers' spin-waits.")
@@ -492,8 +495,9 @@ def write_report(args, runs: dict[int, dict], notes: list[str], argv: list[str])
                 ratio = statistics.median(e["ratios"])
                 ok = ratio >= TARGET
                 verdict.append(ok)
-                row.append(f"**{ratio:.2f}x** {'met' if ok else 'MISSED'} (CPU time: "
-                           f"{statistics.median(e['cpu_ratios']):.2f}x)")
+                best = max(e["ours"]) / max(e["theirs"])
+                row.append(f"**{ratio:.2f}x** {'met' if ok else 'MISSED'} (CPU time "
+                           f"{statistics.median(e['cpu_ratios']):.2f}x; best / best {best:.2f}x)")
         rows.append(row)
     report.table(["scratchlm format", "llama.cpp file", *(f"{isa}, {t} thread{'s' * (t > 1)}" for t, isa in cols)],
                  rows, caption=f"scratchlm / llama.cpp decode tok/s (median of per-round ratios; target >= {TARGET}x)")
