@@ -1,12 +1,15 @@
 """Fused ops: `matmul_layernorm(A, B)` = layernorm(A @ B) and `matmul_softmax(A, B)` = softmax(A @ B),
-each with a hand-derived backward.
+each with a hand-derived backward written out in torch tensor arithmetic (no ATen backward kernels).
 
 Both take exactly the two inputs (A, B), as in CSE234 PA1: `op.compute(node, [A, B])` and `op.gradient`
 returns two nodes. What fusion buys here: one forward node instead of two; the layer norm keeps its 1/std from
-the forward pass (on the output tensor; the unfused backward recomputes the variance from the matmul output);
-the backward of the normalisation is one ATen kernel (`native_layer_norm_backward`, `_softmax_backward_data`)
+the forward pass (on the output tensor; the unfused backward recomputes the variance from the matmul output), so
+its backward is r (g - mean(g) - y mean(g y)) on y and g alone, and the softmax's is y (g - sum(g y)), each
 feeding the two matmuls, instead of separate node evaluations. Second-order gradients through a fused backward
 are derived from the unfused definition (`composite_gradient`), so they stay correct.
+
+`matmul_layernorm` here checks that `normalized_shape` is the trailing dims of A @ B (scratchlm's API); PA1's
+interface (`fused_ops.matmul_layernorm`) takes a mismatch as PA1's reference does (`ops.layernorm_dims`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,19 @@ import torch
 
 from .evaluator import composite_gradient
 from .graph import Node, Op
-from .ops import _layernorm_composite, _name, matmul, matmul_grad_b, mean, mul, sub, sum_op, sum_to, transpose
-
-aten = torch.ops.aten
+from .ops import (
+    _layernorm_composite,
+    _name,
+    layernorm_dims,
+    matmul,
+    matmul_grad_b,
+    mean,
+    mul,
+    sub,
+    sum_op,
+    sum_to,
+    transpose,
+)
 
 
 def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -34,6 +47,27 @@ def _matmul_input_grads(node: Node, dz: Node) -> list[Node]:
     return [sum_to(matmul(dz, transpose(b, -1, -2)), a), matmul_grad_b(a, dz, b)]
 
 
+# ----------------------------------------------------------------------------------------------- layer norm, by hand
+def layernorm_forward(z: torch.Tensor, dims: tuple[int, ...], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, r): y = (z - mean) r over `dims`, r = 1 / sqrt(var + eps) (biased variance), r keeping `dims` as 1s."""
+    zc = z - z.mean(dims, keepdim=True)
+    rstd = torch.rsqrt((zc * zc).mean(dims, keepdim=True) + eps)
+    return zc.mul_(rstd), rstd
+
+
+def layernorm_backward(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """dL/dz = r (g - mean(g) - y mean(g y)) over `dims`, for y = layernorm(z) with 1/std r (ops.LayerNormGradOp
+    derives it: dy_i/dz_j = r (δ_ij - 1/N - y_i y_j / N))."""
+    gy_mean = (g * y).mean(dims, keepdim=True)
+    return (g - g.mean(dims, keepdim=True)).addcmul_(y, gy_mean, value=-1.0).mul_(rstd)
+
+
+def softmax_backward(g: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """dL/dz = y (g - sum(g y)) along `dim`, for y = softmax(z) (dy_i/dz_j = y_i (δ_ij - y_j))."""
+    gy = g * y
+    return gy.addcmul_(y, gy.sum(dim, keepdim=True), value=-1.0)
+
+
 # ----------------------------------------------------------------------------------------------- matmul_layernorm
 _RSTD = "_scratchlm_layernorm_rstd"  # the forward's 1/std, kept on its output tensor for the backward
 
@@ -41,11 +75,15 @@ _RSTD = "_scratchlm_layernorm_rstd"  # the forward's 1/std, kept on its output t
 class MatMulLayerNormOp(Op):
     """layernorm(A @ B) over the last len(normalized_shape) dims (no affine weight). Two inputs, as in PA1.
 
-    `compute` leaves the (..., 1) reciprocal std on the value it returns (a private tensor attribute), so the
-    backward does not recompute A @ B; a value that lacks it (fed from outside) makes the backward recompute.
+    `compute` leaves the reciprocal std (its normalised dims kept as 1s) on the value it returns (a private tensor
+    attribute), so the backward does not recompute A @ B; a value that lacks it (fed from outside) makes the
+    backward recompute. `strict_shape` as in `ops.LayerNormOp`: False for the PA1 interface's instance.
     """
 
     name = "matmul_layernorm"
+
+    def __init__(self, strict_shape: bool = True):
+        self.strict_shape = strict_shape
 
     def __call__(self, a: Node, b: Node, normalized_shape: Sequence[int] | int, eps: float = 1e-5) -> Node:
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -54,7 +92,7 @@ class MatMulLayerNormOp(Op):
     def compute(self, node, input_values):
         if len(input_values) != 2:
             raise ValueError(f"matmul_layernorm takes 2 input values (A, B), got {len(input_values)}")
-        y, _, _, rstd = _layernorm_of_matmul(*input_values, node.attrs["normalized_shape"], node.attrs["eps"])
+        y, rstd = _layernorm_of_matmul(node, *input_values)
         setattr(y, _RSTD, rstd)
         return y
 
@@ -62,21 +100,19 @@ class MatMulLayerNormOp(Op):
         return _matmul_input_grads(node, _matmul_layernorm_grad_z(node, output_grad))
 
 
-def _layernorm_of_matmul(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], eps: float):
-    """(y, z, mean, rstd) for z = a @ b, y = layernorm(z); the shapes are checked."""
+def _layernorm_of_matmul(node: Node, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of the matmul_layernorm `node` for inputs (a, b); the shapes are checked."""
     _check_matmul(a, b)
     z = torch.matmul(a, b)
-    if tuple(z.shape[z.dim() - len(shape):]) != shape:
-        raise ValueError(f"normalized_shape {shape} does not match the trailing dims of A @ B {tuple(z.shape)}")
-    y, mu, rstd = aten.native_layer_norm(z, list(shape), None, None, eps)
-    return y, z, mu, rstd
+    strict = getattr(node.op, "strict_shape", True)
+    dims = layernorm_dims(z, node.attrs["normalized_shape"], strict, f"matmul_layernorm node {node.name!r}")
+    return layernorm_forward(z, dims, node.attrs["eps"])
 
 
 class _MatMulLayerNormGradZOp(Op):
-    """dL/dz for y = layernorm(z), z = A @ B: r (g - mean(g) - y mean(g y)) (see ops.LayerNormGradOp).
+    """dL/dz for y = layernorm(z), z = A @ B: r (g - mean(g) - y mean(g y)) (`layernorm_backward`).
 
-    Inputs (A, B, y, g). With the forward's rstd r on y, this is ATen's layer-norm backward run on y itself
-    (mean 0, rstd 1 make its x-hat equal y) and scaled by r: one kernel and one multiply, A @ B not needed.
+    Inputs (A, B, y, g). With the forward's rstd r on y this needs y and g only, not A @ B.
     """
 
     name = "matmul_layernorm_grad_z"
@@ -87,15 +123,12 @@ class _MatMulLayerNormGradZOp(Op):
 
     def compute(self, node, input_values):
         a, b, y, g = input_values
-        shape = node.attrs["normalized_shape"]
-        n = len(shape)
+        n = len(node.attrs["normalized_shape"])
+        dims = tuple(range(-n, 0))
         rstd = getattr(y, _RSTD, None)
         if rstd is None or rstd.shape[: rstd.dim() - n] != y.shape[: y.dim() - n]:
-            _, z, mu, rstd = _layernorm_of_matmul(a, b, shape, node.attrs["eps"])
-            return aten.native_layer_norm_backward(g, z, list(shape), mu, rstd, None, None, [True, False, False])[0]
-        dz = aten.native_layer_norm_backward(g, y, list(shape), torch.zeros_like(rstd), torch.ones_like(rstd), None,
-                                             None, [True, False, False])[0]
-        return dz.mul_(rstd)
+            y, rstd = _layernorm_of_matmul(node.inputs[2], a, b)  # a value fed from outside: recompute
+        return layernorm_backward(g, y, rstd, dims)
 
     def gradient(self, node, output_grad):
         shape, eps = node.attrs["normalized_shape"], node.attrs["eps"]
@@ -122,15 +155,14 @@ class MatMulSoftmaxOp(Op):
             raise ValueError(f"matmul_softmax takes 2 input values (A, B), got {len(input_values)}")
         a, b = input_values
         _check_matmul(a, b)
-        z = torch.matmul(a, b)
-        return aten._softmax(z, node.attrs["dim"] % z.dim(), False)
+        return torch.softmax(torch.matmul(a, b), node.attrs["dim"])
 
     def gradient(self, node, output_grad):
         return _matmul_input_grads(node, _matmul_softmax_grad_z(node, output_grad))
 
 
 class _MatMulSoftmaxGradZOp(Op):
-    """dL/dz for y = softmax(z): y (g - sum(g y)) (see ops.SoftmaxGradOp), one ATen kernel."""
+    """dL/dz for y = softmax(z): y (g - sum(g y)) (`softmax_backward`; ops.SoftmaxGradOp derives it)."""
 
     name = "matmul_softmax_grad_z"
 
@@ -139,7 +171,7 @@ class _MatMulSoftmaxGradZOp(Op):
 
     def compute(self, node, input_values):
         y, g = input_values
-        return aten._softmax_backward_data(g, y, node.attrs["dim"] % y.dim(), y.dtype)
+        return softmax_backward(g, y, node.attrs["dim"])
 
     def gradient(self, node, output_grad):
         dim = node.attrs["dim"]

@@ -7,6 +7,7 @@ which sums the broadcast dimensions away at run time, so every gradient has its 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -571,10 +572,48 @@ class SoftmaxGradOp(Op):
         return composite_gradient(node, output_grad, lambda y, g: self.composite(y, g, dim))
 
 
+class NormalizedShapeWarning(UserWarning):
+    """A layer norm of the PA1 interface whose `normalized_shape` is not the trailing dims of its input: it
+    normalises over the last len(normalized_shape) dims anyway, as PA1's reference does."""
+
+
+PA1_MODULES = "scratchlm.autodiff.auto_diff / scratchlm.autodiff.fused_ops"
+
+
+def layernorm_dims(x: torch.Tensor, shape: tuple[int, ...], strict: bool, what: str) -> tuple[int, ...]:
+    """The dims a layer norm with `normalized_shape` = `shape` normalises: the last len(shape) of `x`.
+
+    Strict (scratchlm's own API): they must be `shape`, else a ValueError naming both. Not strict (the PA1
+    interface): their sizes may differ from `shape`; PA1's public tests pass ``normalized_shape=[3]`` for a (3, 4)
+    tensor and compare with a layer norm over the last dim, so a mismatch normalises over the last len(shape)
+    dims whatever their sizes, with a `NormalizedShapeWarning` naming the mismatch."""
+    n = len(shape)
+    if not 1 <= n <= x.dim():
+        raise ValueError(f"{what}: normalized_shape {shape} needs 1 to {x.dim()} dims for an input of shape "
+                         f"{tuple(x.shape)}")
+    trailing = tuple(x.shape[x.dim() - n:])
+    if trailing != shape:
+        if strict:
+            raise ValueError(f"{what}: normalized_shape {shape} does not match the trailing dims of {tuple(x.shape)} "
+                             f"(PA1's interface, {PA1_MODULES}, normalises over the last {n} dim(s) whatever "
+                             "their sizes)")
+        warnings.warn(f"{what}: normalized_shape {shape} does not match the trailing dims {trailing} of the input "
+                      f"{tuple(x.shape)}: normalising over the last {n} dim(s), of sizes {trailing}, as PA1's "
+                      "reference does", NormalizedShapeWarning, stacklevel=3)
+    return tuple(range(-n, 0))
+
+
 class LayerNormOp(Op):
-    """(x - mean) / sqrt(var + eps) over the last len(normalized_shape) dims (no affine weight, as in PA1)."""
+    """(x - mean) / sqrt(var + eps) over the last len(normalized_shape) dims (no affine weight, as in PA1).
+
+    `strict_shape` (scratchlm's `layernorm`): those dims must equal `normalized_shape`. The PA1 interface's
+    instance (`scratchlm.autodiff.auto_diff.layernorm`) takes any sizes there, with a warning (`layernorm_dims`).
+    """
 
     name = "layernorm"
+
+    def __init__(self, strict_shape: bool = True):
+        self.strict_shape = strict_shape
 
     def __call__(self, a: Node, normalized_shape: Sequence[int], eps: float = 1e-5) -> Node:
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -582,10 +621,8 @@ class LayerNormOp(Op):
 
     def compute(self, node, input_values):
         x = input_values[0]
-        shape = node.attrs["normalized_shape"]
-        if tuple(x.shape[x.dim() - len(shape):]) != shape:
-            raise ValueError(f"normalized_shape {shape} does not match the trailing dims of {tuple(x.shape)}")
-        return torch.nn.functional.layer_norm(x, shape, eps=node.attrs["eps"])
+        dims = layernorm_dims(x, node.attrs["normalized_shape"], self.strict_shape, f"layernorm node {node.name!r}")
+        return torch.nn.functional.layer_norm(x, x.shape[x.dim() + dims[0]:], eps=node.attrs["eps"])
 
     def gradient(self, node, output_grad):
         return [layernorm_grad(node.inputs[0], node, output_grad, len(node.attrs["normalized_shape"]),

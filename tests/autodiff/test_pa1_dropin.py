@@ -8,6 +8,8 @@ with our own cases; torch.autograd is the gradient oracle.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -116,10 +118,17 @@ def test_pa1_op_classes_exported_at_top_level(cls_name):
     assert isinstance(getattr(ad, PA1_OP_CLASSES[cls_name]), cls)
 
 
-def test_fused_ops_module_like_pa1():
+def test_fused_ops_and_auto_diff_modules_like_pa1():
+    """PA1's two module names: `auto_diff` has every name of scratchlm.autodiff, with PA1's layernorm instances."""
+    from scratchlm.autodiff import auto_diff as pa1
     from scratchlm.autodiff.fused_ops import matmul_layernorm, matmul_softmax
 
-    assert matmul_layernorm is ad.matmul_layernorm and matmul_softmax is ad.matmul_softmax
+    assert matmul_softmax is ad.matmul_softmax
+    assert matmul_layernorm is pa1.matmul_layernorm and isinstance(matmul_layernorm, ad.MatMulLayerNormOp)
+    assert not matmul_layernorm.strict_shape and ad.matmul_layernorm.strict_shape
+    assert isinstance(pa1.layernorm, ad.LayerNormOp) and not pa1.layernorm.strict_shape and ad.layernorm.strict_shape
+    assert set(ad.__all__) <= set(pa1.__all__)
+    assert all(getattr(pa1, n) is getattr(ad, n) for n in ad.__all__ if n not in ("layernorm", "matmul_layernorm"))
 
 
 # ----------------------------------------------------------------------------------------------- fused ops
@@ -177,10 +186,112 @@ def test_fused_layernorm_gradient_when_its_value_is_fed():
 def test_fused_shape_checks_stay_strict():
     x1, x2 = ad.Variable("x1"), ad.Variable("x2")
     y = ad.matmul_layernorm(x1, x2, normalized_shape=[3])  # A @ B is (3, 4): the trailing dim is 4, not 3
-    with pytest.raises(ValueError, match="normalized_shape"):
+    with pytest.raises(ValueError, match=r"normalized_shape \(3,\) does not match .*auto_diff"):
         y.op.compute(y, [rand(3, 3), rand(3, 4)])
+    with pytest.raises(ValueError, match=r"normalized_shape \(3,\) does not match"):
+        ad.layernorm.compute(ad.layernorm(x1, [3]), [rand(3, 4)])
     with pytest.raises(ValueError, match="inner dimensions"):
         y.op.compute(y, [rand(3, 2), rand(3, 3)])
+
+
+# ----------------------------------------------------------------------------------------------- PA1's mismatch
+# PA1's public fused-op tests pass normalized_shape=[3] for a (3, 3) @ (3, 4) product and compare the fused op with
+# its own unfused layernorm, both normalising over the last dim. Our cases of that kind, torch as the oracle.
+MISMATCH_CASES = [  # (A shape, B shape, normalized_shape, the trailing dims really normalised)
+    ((3, 3), (3, 4), [3], [4]),
+    ((2, 4, 3), (3, 6), [5, 7], [4, 6]),
+    ((2, 5, 3), (2, 3, 4), [-1], [4]),  # PA1's staff once tried [-1] for "the last dim"
+]
+
+
+@pytest.mark.parametrize("sa,sb,declared,real", MISMATCH_CASES)
+def test_pa1_interface_normalises_the_last_dims_with_a_warning(sa, sb, declared, real):
+    from scratchlm.autodiff import auto_diff as pa1
+    from scratchlm.autodiff.fused_ops import matmul_layernorm
+
+    x1, x2, g = pa1.Variable("x1"), pa1.Variable("x2"), pa1.Variable("g")
+    fused = matmul_layernorm(x1, x2, normalized_shape=declared)
+    separate = pa1.layernorm(pa1.matmul(x1, x2), normalized_shape=declared)
+    av, bv = rand(*sa, seed=30), rand(*sb, seed=31)
+
+    def ref(a, b):
+        return torch.nn.functional.layer_norm(a @ b, real)
+
+    want = ref(av, bv)
+    gv = rand(*want.shape, seed=32)
+    expected = torch_vjp(ref, [av, bv], gv)
+    shown = re.escape(f"normalized_shape {tuple(declared)} does not match the trailing dims {tuple(real)}")
+    for node in (fused, separate):
+        with pytest.warns(pa1.NormalizedShapeWarning, match=shown):
+            check_evaluator_output(pa1.Evaluator([node]), {x1: av, x2: bv}, [want])
+        with pytest.warns(pa1.NormalizedShapeWarning):
+            grads = pa1.gradients(pa1.sum_op(node * g), [x1, x2])
+            check_evaluator_output(pa1.Evaluator(grads), {x1: av, x2: bv, g: gv}, expected)
+    with pytest.warns(pa1.NormalizedShapeWarning):
+        check_compute_output(fused, [av, bv], want)
+        check_evaluator_output(pa1.Evaluator(fused.op.gradient(fused, g)), {x1: av, x2: bv, g: gv}, expected)
+
+
+def test_pa1_interface_still_refuses_what_no_layernorm_means():
+    from scratchlm.autodiff import auto_diff as pa1
+
+    x = pa1.Variable("x")
+    with pytest.raises(ValueError, match=r"normalized_shape \(3, 3, 3\) needs 1 to 2 dims"):
+        pa1.Evaluator([pa1.layernorm(x, [3, 3, 3])]).run({x: rand(3, 3)})
+
+
+# ----------------------------------------------------------------------------------------------- fused backward
+def _fused_as_torch_function(make):
+    """A torch.autograd.Function whose forward and backward are the ad graph's (so torch.autograd.gradcheck can
+    compare our backward with finite differences)."""
+    x1, x2, g = ad.Variable("x1"), ad.Variable("x2"), ad.Variable("g")
+    y = make(x1, x2)
+    ga, gb = y.op.gradient(y, g)
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return ad.Evaluator([y]).run({x1: a, x2: b})[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return tuple(ad.Evaluator([ga, gb]).run({x1: a, x2: b, g: grad}))
+
+    return Fused.apply
+
+
+@pytest.mark.parametrize("name,fused,ref,sa,sb", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_backward_by_hand_passes_gradcheck(name, fused, ref, sa, sb):
+    """float64, torch.autograd.gradcheck's finite differences (its default tolerances) against our backward."""
+    a = rand(*sa, seed=40).requires_grad_(True)
+    b = rand(*sb, seed=41).requires_grad_(True)
+    assert torch.autograd.gradcheck(_fused_as_torch_function(fused), (a, b))
+
+
+@pytest.mark.parametrize("name,fused,ref,sa,sb", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_ops_run_no_aten_backward_kernel(name, fused, ref, sa, sb):
+    """The backward is written out by hand: no native_layer_norm(_backward), _softmax(_backward_data) runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x1, x2, g = ad.Variable("x1"), ad.Variable("x2"), ad.Variable("g")
+    y = fused(x1, x2)
+    av, bv = rand(*sa, seed=42), rand(*sb, seed=43)
+    with Record() as rec:
+        yv = ad.Evaluator([y]).run({x1: av, x2: bv})[0]
+        ad.Evaluator(y.op.gradient(y, g)).run({x1: av, x2: bv, g: torch.ones_like(yv)})
+    assert "mm" in rec.ops or "bmm" in rec.ops  # the recorder sees the graph's ops
+    assert not rec.ops & {"native_layer_norm", "native_layer_norm_backward", "_softmax_backward_data"}, rec.ops
 
 
 # ----------------------------------------------------------------------------------------------- gradient lists
