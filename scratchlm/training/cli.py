@@ -70,10 +70,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"scratchlm train: error: {e}", file=sys.stderr)
         return 2
     result = trainer.train()
-    if trainer.ctx.is_main and result.evals:
-        step, ev = result.evals[-1]
-        bpb = f", bits/byte {ev.bits_per_byte:.4f}" if ev.bits_per_byte is not None else ""
-        print(f"step {step}: val loss {ev.loss:.4f}, perplexity {ev.perplexity:.2f}{bpb}")
     if trainer.ctx.is_main and result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint}")
     from scratchlm.training.distributed import shutdown_distributed

@@ -8,6 +8,7 @@ which budget it is counting against; a time-budgeted run ends at 100 %, not at 2
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 
@@ -56,6 +57,14 @@ class ProgressBar:
         self.start_step = start_step
         self.bar = tqdm(total=self.RESOLUTION, disable=disable, desc="train", dynamic_ncols=True,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+        self.val_loss: float | None = None  # the latest validation loss, kept in the bar's text
+
+    def write(self, line: str) -> None:
+        """Print `line` to stdout above the bar (the bar is redrawn below it, not overwritten by it)."""
+        if self.bar.disable:
+            print(line, flush=True)
+        else:
+            self.bar.write(line, file=sys.stdout)
 
     def update(self, step: int, elapsed_s: float, run_s: float, **stats: str) -> Progress:
         """`elapsed_s` counts resumed time (the budget's clock); `run_s` is this process's time (the rate's)."""
@@ -65,6 +74,8 @@ class ProgressBar:
         self.bar.n = round(p.fraction * self.RESOLUTION)
         budget = f"time budget {self.max_time_s:.0f} s" if p.limit == "time" else f"{self.last_step} steps"
         text = f"step {step}, {format_eta(p.eta_s)} left ({budget})"
+        if self.val_loss is not None:
+            stats = {**stats, "val_loss": f"{self.val_loss:.4f}"}
         if stats:
             text += ", " + ", ".join(f"{k}={v}" for k, v in stats.items())
         self.bar.set_postfix_str(text, refresh=False)

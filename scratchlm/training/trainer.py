@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from scratchlm.training.loss import cross_entropy
 from scratchlm.training.metrics import MetricsLog, measure_matmul_peak, plot_loss_curve
 from scratchlm.training.optim import AdamW, get_lr_cosine_schedule, gradient_clipping, weight_decay_groups
 from scratchlm.training.tokenizers import load_tokenizer, save_run_tokenizer, tokenizer_state
+
+if TYPE_CHECKING:
+    from scratchlm.training.progress import ProgressBar
 
 log = logging.getLogger("scratchlm.training")
 
@@ -377,7 +380,7 @@ class Trainer:
                 stopped_by_time = True
             done = self.step >= last or stopped_by_time
             if cfg.eval_every and step % cfg.eval_every == 0 and not done:
-                self._eval_and_log(result, full=False, elapsed=elapsed)
+                self._eval_and_log(result, full=False, elapsed=elapsed, bar=bar)
                 # on a shared machine the peak seen at start can be low: keep the best seen so far
                 peak = max(peak, measure_matmul_peak(self.device, peak_dtype, repeats=3))
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not done:
@@ -388,7 +391,7 @@ class Trainer:
         bar.close()
         result.final_step = self.step
         result.elapsed_s = elapsed
-        self._eval_and_log(result, full=True, elapsed=elapsed)
+        self._eval_and_log(result, full=True, elapsed=elapsed, bar=bar)
         result.checkpoint = self.save(elapsed)
         if ctx.is_main:
             if result.checkpoint is not None:
@@ -400,7 +403,8 @@ class Trainer:
             result.samples = self.sample()
         return result
 
-    def _eval_and_log(self, result: TrainResult, full: bool, elapsed: float) -> None:
+    def _eval_and_log(self, result: TrainResult, full: bool, elapsed: float, bar: ProgressBar) -> None:
+        """Evaluate, append to metrics.jsonl, and print the result on the console (stdout, above the bar)."""
         ev = self.evaluate(full=full)
         if ev is None:
             return
@@ -410,8 +414,11 @@ class Trainer:
         self.metrics.write(record)
         if self.ctx.is_main:
             bpb = f"{ev.bits_per_byte:.4f}" if ev.bits_per_byte is not None else "n/a (no byte count in sidecar)"
-            log.info("step %d: val loss %.4f, perplexity %.2f, bits/byte %s (%d tokens)", self.step, ev.loss,
-                     ev.perplexity, bpb, ev.tokens)
+            line = (f"step {self.step}: val loss {ev.loss:.4f}, perplexity {ev.perplexity:.2f}, bits/byte {bpb} "
+                    f"({ev.tokens} tokens{', final' if full else ''})")
+            bar.val_loss = ev.loss
+            bar.write(line)
+            log.debug(line)
 
     def sample(self) -> list[str]:
         """Sample continuations of the configured prompts; also written to out_dir/samples.txt."""

@@ -77,3 +77,16 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(setup, capsys, tmp_path):
     formats.save_hf_tokenizer_json(big, tok_dir / "tokenizer.json")
     assert main(["train", "--config", str(config), "--tokenizer", str(tok_dir), "--model-vocab-size", "256"]) == 2
     assert "the tokenizer has 258 ids but the model's vocab_size is 256" in capsys.readouterr().err
+
+
+def test_every_validation_loss_is_printed_on_the_console(setup, capsys):
+    """Not only in metrics.jsonl: each evaluation prints a line on stdout, the final one once (issue 30, item 14)."""
+    config, tmp_path = setup
+    assert main(["train", "--config", str(config), "--max-steps", "4", "--eval-every", "2",
+                 "--sample-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert out.count(f"step {r['step']}: val loss {r['val_loss']:.4f}") == 1, out
