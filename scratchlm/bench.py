@@ -10,8 +10,10 @@ Benchmarks live next to the package in a source checkout. ``bench all`` policy:
   run on small models that takes seconds. A benchmark that needs something a smoke run cannot have (a peer
   such as vLLM or llama.cpp, several processes, network namespaces, minutes of training) has no quick form and
   is listed as skipped, with why. Benchmarks not in ``BENCHES`` run with their defaults in a full run.
-- Results: a full run writes into benchmarks/results/ (each benchmark's dated markdown and PNGs), a quick one
-  into benchmarks/results/quick/ (never mixed with the real figures); ``--results-dir`` overrides both. The
+- Results: a full run writes into benchmarks/results/ under the current working folder (each benchmark's dated
+  markdown and PNGs; the repository's own folder when run from its root, never next to an installed package), a
+  quick one into benchmarks/results/quick/ there (never mixed with the real figures); ``--results-dir`` overrides
+  both, and a single ``scratchlm bench NAME`` writes into ./benchmarks/results/ as well. The
   run's own summary (status, seconds, files written) is ``<date>-bench_all[-quick].md`` in the same folder.
 - ``--report`` then rebuilds every figure: in each docs page, the text between ``<!-- figure: NAME -->`` and
   ``<!-- /figure -->`` is replaced by the table that ``FIGURES[NAME]`` names, copied from the newest result file
@@ -36,7 +38,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
 DOCS_DIR = REPO_ROOT / "docs"
-RESULTS_DIR = BENCH_DIR / "results"
+
+
+def default_results_dir(quick: bool = False) -> Path:
+    """./benchmarks/results (./benchmarks/results/quick for smoke runs), under the current working folder."""
+    base = Path.cwd() / "benchmarks" / "results"
+    return base / "quick" if quick else base
+
 STORIES = "../shared/data/models/stories260K/stories260K.bin"  # relative to the repository root (cwd of a run)
 
 
@@ -78,10 +86,8 @@ BENCHES: dict[str, Bench] = {
     "kv_cache": Bench(why="even its --quick prefills WikiText-2 through SmolLM2-135M for each KV dtype (the default "
                       "suite runs only small-model smoke runs)"),
     "dequant_speed": Bench(quick=("--weights", "100000", "--repeats", "1", "--files")),
-    "quant_gemv": Bench(full=("--rounds", "5"), why="210 matrices of SmolLM2's shapes per kernel and format, pinned "
-                        "(minutes)"),
-    "fp32_gemm": Bench(full=("--repeats", "5"),
-                       why="the 30 SmolLM2-shaped layers' linears at 14 row counts, 5 kernels (minutes)"),
+    "quant_gemv": Bench(full=("--rounds", "5"), quick=("--rounds", "1", "--rows", "1", "--layers", "1")),
+    "fp32_gemm": Bench(full=("--repeats", "5"), quick=("--layers", "1", "--rows", "1,8", "--repeats", "1")),
     "engine_phases": Bench(why="the 32-request workload per phase against the vLLM-CPU peer (.peers/vllm), minutes"),
     "speculative": Bench(full=("--tokens", "80", "--rounds", "2", "--prompts", "3"),
                          why="loads SmolLM2-135M into three engines and decodes 80 tokens per prompt (minutes)"),
@@ -394,7 +400,8 @@ def _all_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these benchmarks")
     p.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="do not run these benchmarks")
     p.add_argument("--results-dir", type=Path, default=None,
-                   help="where results go (default benchmarks/results, or benchmarks/results/quick with --quick)")
+                   help="where results go (default ./benchmarks/results, or ./benchmarks/results/quick with "
+                        "--quick, under the current working folder)")
     p.add_argument("--docs-dir", type=Path, default=DOCS_DIR, help="docs folder whose figures --report rebuilds")
     p.add_argument("--tracked-only", action="store_true",
                    help="figures only from result files git tracks (not from uncommitted runs in the checkout)")
@@ -408,7 +415,7 @@ def run_all_command(argv: list[str]) -> int:
     for chosen in (args.only or []) + args.skip:
         if chosen not in names:
             p.error(f"unknown benchmark {chosen!r}; expected one of: {', '.join(names)}")
-    results = args.results_dir or (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR)
+    results = (args.results_dir or default_results_dir(args.quick)).resolve()  # benchmarks run from the repo root
     docs = args.docs_dir
     if (args.report or args.report_only) and not docs.is_dir():
         p.error(f"--docs-dir {docs} is not a folder")
@@ -418,6 +425,9 @@ def run_all_command(argv: list[str]) -> int:
         selected = [n for n in (args.only or names) if n not in args.skip]
         outcomes = run_all(selected, args.quick, results)
         summary = write_summary(outcomes, args.quick, results)
+        skipped = [o for o in outcomes if o.status.startswith("skipped")]
+        print(f"[bench all] {len(outcomes) - len(skipped)} run(s), {len(skipped)} skipped"
+              + "".join(f"\n  skipped {o.name}: {o.status.removeprefix('skipped: ')}" for o in skipped))
         print(f"[bench all] summary: {summary}")
         failed = [o for o in outcomes if not (o.status == "ok" or o.status.startswith("skipped"))]
     else:
@@ -451,6 +461,10 @@ def run(args: argparse.Namespace) -> int:
     if args.name not in names:
         print(f"error: unknown benchmark {args.name!r}; expected one of: {', '.join(names)}, all", file=sys.stderr)
         return 2
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    results = Path(os.environ.get("SCRATCHLM_BENCH_RESULTS") or default_results_dir()).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    print(f"[bench] results go to {results}", file=sys.stderr)
+    env = dict(os.environ, SCRATCHLM_BENCH_RESULTS=str(results),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", f"benchmarks.{args.name}", *args.bench_args]
     return subprocess.call(cmd, cwd=REPO_ROOT, env=env)

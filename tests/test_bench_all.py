@@ -76,3 +76,24 @@ def test_bench_all_quick_report(tmp_path, data_dir):
     quick = (docs / "quick.md").read_text()
     assert "compute (fp32 GEMM)" in quick and "torch.autograd" in quick
     assert re.search(r"\]\(\.\./results/\d{4}-\d{2}-\d{2}-walls\.md\)", quick)
+
+
+def test_bench_all_quick_writes_into_the_working_folder_and_lists_the_skipped(tmp_path):
+    """Results land under the current working folder, not next to the package; skipped benchmarks are printed
+    with their reason (issue 30, item 14)."""
+    import os
+    import subprocess
+    import sys
+
+    repo_quick = REPO_ROOT / "benchmarks" / "results" / "quick"
+    before = {p.name: p.stat().st_mtime for p in repo_quick.glob("*")} if repo_quick.is_dir() else {}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("SCRATCHLM_BENCH_RESULTS", None)
+    out = subprocess.run([sys.executable, "-m", "scratchlm", "bench", "all", "--quick", "--only", "dequant_speed",
+                          "kv_cache"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = tmp_path / "benchmarks" / "results" / "quick"
+    assert list(results.glob("*-bench_all-quick.md")) and list(results.glob("*-dequant_speed*.md")), out.stdout
+    after = {p.name: p.stat().st_mtime for p in repo_quick.glob("*")} if repo_quick.is_dir() else {}
+    assert after == before, "bench all --quick wrote into the package's folder"
+    assert "1 run(s), 1 skipped" in out.stdout and "skipped kv_cache: even its --quick" in out.stdout, out.stdout

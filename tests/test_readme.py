@@ -43,3 +43,28 @@ def test_every_api_example_sets_max_tokens():
 
 def test_readme_says_what_happens_without_max_tokens():
     assert "Why `max_tokens`" in README and "end of the context" in README and "--default-max-tokens" in README
+
+
+def test_make_run_port_example_opens_the_same_port():
+    for m in re.finditer(r'ARGS="--port (\d+)"(.{0,300})', README, re.S):
+        urls = re.findall(r"http://127\.0\.0\.1:(\d+)", m.group(2))
+        assert urls and urls[0] == m.group(1), m.group(0)
+
+
+def test_readme_family_table_lists_every_registered_family():
+    """The README's model paragraph names what loads: every HF model_type and GGUF architecture in the registry."""
+    from scratchlm.model.families import families
+
+    table = "\n".join(line for line in README.splitlines() if line.startswith("| ") and "`" in line)
+    for family in families():
+        for name in (*family.hf_model_types, *family.gguf_archs):
+            assert f"`{name}`" in table, f"{family.name}: {name} missing from the README's family table"
+
+
+def test_readme_does_not_overstate_bench_all_quick():
+    from scratchlm import bench
+
+    assert "every benchmark's smoke run" not in README
+    plan = bench._plan(bench.available(), quick=True)
+    ran = [n for n, argv, _ in plan if argv is not None]
+    assert f"the smoke runs of the {len(set(ran))} benchmarks that have one" in README

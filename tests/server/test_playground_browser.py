@@ -154,3 +154,32 @@ def test_playground_stop_marks_the_reply_and_keeps_its_stats(chromium, data_dir)
     assert stats.startswith("stopped: ") and " tokens in " in stats, stats
     assert int(stats.split()[1]) > 0
     assert not failed, failed
+
+
+@pytest.mark.parametrize("width", [360, 412])
+def test_playground_fits_a_phone_screen(chromium, width, tmp_path):
+    """At phone widths the settings column stacks under the chat: nothing sticks out past the screen's right edge
+    and no horizontal scrolling (issue 30, item 14)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
+    from tests.server.conftest import fake_server
+
+    with fake_server() as (srv, _), sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 780}, device_scale_factor=2, is_mobile=True,
+                                    has_touch=True)
+            page.set_default_timeout(30_000)
+            page.goto(srv.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.startsWith('fake-echo')")
+            sticking_out = page.evaluate("""() => {
+                const w = document.documentElement.clientWidth;
+                return [...document.querySelectorAll('aside input, aside button, #prompt, #send, #stop, #log')]
+                    .map(el => [el.id || el.tagName, el.getBoundingClientRect().right])
+                    .filter(([, right]) => right > w + 0.5);
+            }""")
+            scroll = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            page.screenshot(path=str(tmp_path / f"playground-{width}.png"), full_page=True)
+        finally:
+            browser.close()
+    assert sticking_out == [], f"cut off at {width} px: {sticking_out}"
+    assert scroll[0] <= scroll[1], f"horizontal scrolling at {width} px: {scroll}"
