@@ -5,12 +5,16 @@ docs/contracts.md ("Inference engine"). Every request is validated before it rea
 every failure becomes an OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``)
 and the server keeps serving. A field the server does not implement is a 400 naming it in ``param``
 (code ``unsupported_parameter``), never silently ignored (the policy is in protocol.py).
+
+Error bodies follow one rule (`internal_error`): a request the client got wrong gets a message written for it,
+naming the field and the numbers; a failure that is not the client's (an engine exception, a dead rank, a bug)
+gets a generic message with an error id, and the exception's text (addresses, pids, source paths) goes to the
+log under that same id, never to the response, streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -30,6 +34,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scratchlm.server import tool_calls, tool_parsers
+from scratchlm.server.auth import authorization_ok
 from scratchlm.server.config import ServerConfig
 from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
 from scratchlm.server.metrics import ServerMetrics
@@ -110,12 +115,7 @@ class GuardMiddleware:
     def __init__(self, app: Any, config: ServerConfig):
         self.app = app
         self.config = config
-        self.api_key = None if config.api_key is None else config.api_key.encode("utf-8")
-
-    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
-        """`Authorization: Bearer KEY`, the scheme case-insensitive (RFC 7235), the key compared in constant time."""
-        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        self.api_key = config.api_key
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -139,7 +139,7 @@ class GuardMiddleware:
                                  "permission_error", code="host_not_allowed")(scope, receive, send)
             return
         if (self.api_key is not None and path.startswith(PROTECTED_PREFIXES) and scope["method"] != "OPTIONS"
-                and not self._key_ok(headers)):
+                and not authorization_ok(headers.get(b"authorization"), self.api_key)):
             await error_response(401, "Invalid or missing API key: send the header `Authorization: Bearer KEY`.",
                                  "authentication_error", code="invalid_api_key")(scope, receive, send)
             return
@@ -360,20 +360,36 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(RequestFailedError)
-    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
-        return error_response(500, f"The engine failed this request (the others continue): {exc}",
-                              "internal_server_error", code="engine_request_failed")
+    async def not_the_clients_fault(request: Request, exc: Exception) -> JSONResponse:
+        status, info = internal_error(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(dump(ErrorResponse(error=info)), status_code=status)
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"The engine is not available: {exc}", "service_unavailable",
-                              code="engine_unavailable")
+    for kind, *_ in _INTERNAL_ERRORS:  # Exception last: Starlette's outermost handler (which also re-raises it)
+        app.add_exception_handler(kind, not_the_clients_fault)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+# (exception class, status, type, code, what the client reads): the first class that matches wins
+_INTERNAL_ERRORS: tuple[tuple[type, int, str, str, str], ...] = (
+    (RequestFailedError, 500, "internal_server_error", "engine_request_failed",
+     "The engine failed this request (the other requests continue)"),
+    (EngineDeadError, 503, "service_unavailable", "engine_unavailable",
+     "The engine is not available (it failed or the server is stopping)"),
+    (Exception, 500, "internal_server_error", "internal_error", "Internal server error"),
+)
+
+
+def internal_error(exc: BaseException, where: str) -> tuple[int, ErrorInfo]:
+    """(status, error body) for a failure that is not the client's: a generic message per kind of failure and a
+    new error id; the exception's text (which may hold addresses, pids, paths) is logged in full with that id and
+    never returned. A failure the engine already logged (RequestFailedError, EngineDeadError) is logged on one
+    line; anything else with its traceback."""
+    status, type_, code, what = next((s, t, c, w) for k, s, t, c, w in _INTERNAL_ERRORS if isinstance(exc, k))
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    expected = isinstance(exc, RequestFailedError | EngineDeadError)
+    log.error("%s failed [error id %s]: %s: %s", where, error_id, type(exc).__name__, exc,
+              exc_info=None if expected else exc)
+    message = f"{what}. Error id {error_id}: the server log has the details."
+    return status, ErrorInfo(message=message, type=type_, code=code)
 
 
 def _body_path(loc: tuple, body: Any) -> str:
@@ -504,21 +520,35 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
                        code="invalid_token_id")
 
 
+def _context_limit(state: ServerState) -> str:
+    """"This model's maximum context length is N tokens", saying when the KV cache is what sets N: the engine lowers
+    max_model_len to what its cache holds, so a longer sequence could never run, however long it waited."""
+    text = f"This model's maximum context length is {state.max_model_len} tokens"
+    config = state.engine.config
+    asked = int(getattr(config, "max_model_len", None) or state.engine.model_config.max_seq_len)
+    if state.max_model_len < asked:
+        block = int(config.block_size) * int(getattr(config, "context_parallel_size", 1) or 1)
+        text += (f" (lowered from {asked}: the whole KV cache holds {state.max_model_len // block} blocks of {block} "
+                 f"tokens = {state.max_model_len} tokens; --kv-cache-memory sets its size)")
+    return text
+
+
 def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    """The request's max_tokens, or what is left of the context when it gives none; a 400 naming the numbers when
+    the prompt (+ max_tokens) could never fit the context (or the KV cache that bounds it)."""
     limit = state.max_model_len
     if prompt_len == 0:
         raise APIError(400, "The prompt is empty: send at least one token.", param="prompt", code="empty_prompt")
     if prompt_len > limit or (prompt_len == limit and requested != 0):  # max_tokens 0 only scores the prompt
-        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                            f"{prompt_len} tokens; shorten the prompt.", param="prompt", code="context_length_exceeded")
+        raise APIError(400, f"{_context_limit(state)}, but the prompt has {prompt_len} tokens; shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
     if requested is None:  # the rest of the context (vLLM's and OpenAI's default), or --default-max-tokens
         cap = state.config.default_max_tokens
         return limit - prompt_len if cap is None else min(cap, limit - prompt_len)
     if prompt_len + requested > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                            "completion). Reduce the prompt or max_tokens.", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(400, f"{_context_limit(state)}. However, you requested {prompt_len + requested} tokens "
+                            f"({prompt_len} in the prompt, {requested} for the completion). Reduce the prompt or "
+                            "max_tokens.", param="max_tokens", code="context_length_exceeded")
     return requested
 
 
@@ -673,8 +703,17 @@ def _tool_chunks(head: dict, index: int, calls: list, finish: str | None) -> lis
     return out
 
 
-def _admit(state: ServerState, seqs: int) -> None:
-    """Admission counts sequences (prompts x n), as the engine's running batch does."""
+def _admit(state: ServerState, prompts: int, n: int) -> None:
+    """Admission counts sequences (prompts x n), as the engine's running batch does. A request that could never be
+    admitted, even by an idle server, is a 400 saying why; one that has to wait for others to finish is a 429 with
+    Retry-After."""
+    seqs = prompts * n
+    if seqs > state.capacity:
+        limits = (f"--max-num-seqs {state.engine.config.max_num_seqs} + --max-queue {state.config.max_queue}")
+        raise APIError(400, f"This request needs {seqs} sequences ({prompts} prompt(s) x n={n}), more than this "
+                            f"server ever holds at once: {state.capacity} ({limits}). It could never be admitted: "
+                            "send fewer prompts or a smaller n.", param="prompt" if prompts > 1 else "n",
+                       code="request_too_large")
     if state.active_seqs + seqs > state.capacity:
         state.metrics.requests_rejected_queue_full += 1
         raise APIError(429, f"The server is at capacity ({state.active_seqs} sequences running or queued, this "
@@ -701,7 +740,7 @@ async def _start(state: ServerState, prompts: list[str | list[int]], params: Any
     if not state.loop.alive:
         raise EngineDeadError("the engine loop is not running; see the server log")
     n = int(getattr(params, "n", 1))
-    _admit(state, len(prompts) * n)
+    _admit(state, len(prompts), n)
 
     def done() -> None:
         state.active -= 1
@@ -719,7 +758,7 @@ async def _start(state: ServerState, prompts: list[str | list[int]], params: Any
             await t.stream.accepted
     except BaseException as e:
         _release(state, tracked, aborted=False)
-        if isinstance(e, ValueError | TypeError):
+        if isinstance(e, ValueError):  # the engine's "bad input" (anything else is not the client's: 500)
             raise APIError(400, f"The engine rejected the request: {e}", code="invalid_value") from e
         raise
     return tracked
@@ -944,11 +983,9 @@ async def _stream_events(state: ServerState, tracked: list[_Tracked],
         yield _sse("[DONE]")
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # an engine failure after the headers went out: report it in-band
-        log.exception("stream failed")
-        code = "engine_request_failed" if isinstance(e, RequestFailedError) else "engine_failed"
-        message = f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace").decode("utf-8")
-        yield _sse(dump(ErrorResponse(error=ErrorInfo(message=message, type="internal_server_error", code=code))))
+    except Exception as e:  # an engine failure after the headers went out: report it in-band, by the same rule
+        _, info = internal_error(e, f"stream {tracked[0].stream.request_id if tracked else ''}")
+        yield _sse(dump(ErrorResponse(error=info)))
         yield _sse("[DONE]")
     finally:
         if any(not t.done for t in tracked):

@@ -18,17 +18,16 @@ Policy:
   sending events (``EngineProcessLoop.inspect(on)``); the child then puts ``event.to_dict()`` on its outbox,
   and the reader thread publishes it here.
 - **Auth:** with ``--api-key``, ``/inspector/events`` and ``/inspector/snapshot`` need
-  ``Authorization: Bearer KEY``, as the API does. The page itself holds no data and is served to anyone; it
-  asks for the key (or takes it from the URL fragment, ``/inspector#key=KEY``, which browsers never send to
-  the server) and reads the stream with ``fetch`` and that header. There is no query-string token: a key
-  in a URL ends up in access logs and browser history.
+  ``Authorization: Bearer KEY`` by the API's own rule (server/auth.py: the scheme in any case). The page itself
+  holds no data and is served to anyone; it asks for the key (or takes it from the URL fragment,
+  ``/inspector#key=KEY``, which browsers never send to the server) and reads the stream with ``fetch`` and that
+  header. There is no query-string token: a key in a URL ends up in access logs and browser history.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import threading
@@ -39,6 +38,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from scratchlm.server.auth import authorization_ok
 
 log = logging.getLogger("scratchlm.server")
 
@@ -140,9 +141,8 @@ def _offer_all(clients: list[_Client], item: dict) -> None:
 
 
 def _authorized(request: Request, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}")
+    """The API's rule (server/auth.py), so a key the API accepts opens the inspector too."""
+    return api_key is None or authorization_ok(request.headers.get("authorization"), api_key)
 
 
 def _unauthorized() -> JSONResponse:
