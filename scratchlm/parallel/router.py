@@ -49,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -733,6 +734,8 @@ class _ShutdownSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _ShutdownSignals:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            return self
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

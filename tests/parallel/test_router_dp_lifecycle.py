@@ -80,8 +80,10 @@ def test_stream_error_on_stopped_replica_then_sigterm_reaps_all(model, tmp_path)
         assert events[-1]["error"]["code"] == "replica_unavailable"
         print(f"stream ended {elapsed:.2f} s after SIGSTOP (detection bound {DETECTION_BOUND_S:.2f} s)")
         # the stopped replica stays stopped: only SIGKILL can end it
+        t1 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM
+        print(f"router exited {time.monotonic() - t1:.2f} s after SIGTERM (shutdown timeout 3 s, one replica stopped)")
         left = [p for p in pids if alive(p)]
         assert not left, f"replica processes left after the router exited: {left}"
     finally:
@@ -97,7 +99,9 @@ def test_replicas_die_with_a_sigkilled_router(model, tmp_path):
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        t0 = time.monotonic()
         left = wait_gone(pids, 30.0)
+        print(f"replicas gone {time.monotonic() - t0:.2f} s after the router was SIGKILLed")
         assert not left, f"replica processes alive 30 s after the router was killed: {left}"
     finally:
         cleanup(pids)
