@@ -110,3 +110,41 @@ def test_unexpected_exception_is_a_generic_500(server, caplog):
     check(r.json()["error"], "internal_error", caplog)
     engine.fail = None  # the server goes on
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 8}).status_code == 200
+
+
+GENERIC = re.compile(r"^[A-Z][^:]*\. Error id err-[0-9a-f]{12}: the server log has the details\.$")
+
+
+@pytest.mark.distributed
+def test_killed_tensor_parallel_rank_error_event_is_generic(data_dir, caplog):
+    """The issue's case on the real engine: tensor-parallel size 2, rank 1 SIGKILLed mid-stream. The error event is
+    the generic text alone (nothing of the executor's message), and the log line with its id has the message."""
+    import os
+    import signal
+
+    import torch
+
+    from scratchlm.inference import EngineConfig, LLMEngine
+
+    caplog.set_level(logging.INFO, logger="scratchlm")
+    torch.set_num_threads(1)
+    engine = LLMEngine.from_pretrained(data_dir / "models" / "stories260K" / "stories260K.bin",
+                                       EngineConfig(tensor_parallel_size=2, parallel_timeout_s=60, max_num_seqs=4))
+    try:
+        with BackgroundServer(create_app(engine, ServerConfig(), model_name="stories260K"), start_timeout_s=60) as srv:
+            events = []
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        if len(events) == 1:
+                            os.kill(engine.runner.procs[0].pid, signal.SIGKILL)
+            error = events[-1]["error"]
+            assert GENERIC.match(error["message"]), error
+            assert error["code"] == "engine_unavailable"
+            error_id = re.search(r"err-[0-9a-f]{12}", error["message"]).group()
+            lines = [r.getMessage() for r in caplog.records if error_id in r.getMessage()]
+            assert lines and "ParallelWorkerError" in lines[0] and "rank 1" in lines[0], lines
+    finally:
+        engine.runner.shutdown()
