@@ -26,6 +26,13 @@ inference/ only knows the `Executor` interface). `MultiprocExecutor.from_pretrai
    and every other rank a worker that never returns (it exits when rank 0 stops it);
 5. rank 0's engine steps a `ParallelRunner` (or `ContextParallelRunner`), which the executor's `start`
    hands it once the KV pool is sized.
+
+Lifecycle of spawned ranks: each one calls `lifecycle.die_with_parent(rank 0's pid, SIGKILL)` first thing
+(`scratchlm.parallel.worker`), so it dies with rank 0 however rank 0 ends (SIGKILL also ends a stopped rank);
+`_watch_parent` stays as the fallback where the kernel offers no such request. Each spawned rank beats into
+rank 0's store (`runner.beat_forever`) and rank 0 watches the beats (`ParallelRunner.watch_ranks`), so the
+server's /health sees a stopped rank within its heartbeat timeout (server/health.py). Ranks joined through
+torchrun are watched by torchrun's agent instead.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ from scratchlm.parallel.layout import (
     read_model_config,
     torchrun_world,
 )
-from scratchlm.parallel.runner import ParallelRunner
+from scratchlm.parallel.runner import ParallelRunner, beat_forever
 from scratchlm.parallel.tensor import Shard, ShardedLM, check_shardable, shard_plan, take_shard
 
 log = logging.getLogger(__name__)
@@ -321,13 +328,15 @@ def spawned_worker_main(spec: dict[str, Any]) -> None:
     torch.set_num_threads(int(spec["threads"]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_watch_parent, args=(int(spec["parent_pid"]),), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(int(spec["parent_pid"]),), daemon=True).start()  # a fallback
     config = EngineConfig(**spec["config"])
     path = Path(spec["path"])
     model_config = read_model_config(path)
     stage_layers = parse_stage_layers(config.pipeline_stage_layers)
     host, port = spec["store"]
     store = dist.TCPStore(host, int(port), world, is_master=False, timeout=IDLE_TIMEOUT)
+    threading.Thread(target=beat_forever, args=(host, int(port), rank), name="scratchlm-heartbeat",
+                     daemon=True).start()
     state, _ = load_rank_shard(path, model_config, config, rank, rank, stage_layers)
     store.set(_LOADED_KEY + str(rank), "1")
     init_default_group(backend_for(_rank_device(config, rank)), rank, world, timeout_s=config.parallel_timeout_s,
@@ -393,6 +402,7 @@ class MultiprocExecutor:
             init_default_group(backend_for(_rank_device(config, 0)), 0, world, timeout_s=config.parallel_timeout_s,
                                store=store)
             runner, _ = build_rank(path, model_config, config, 0, 0, stage_layers, procs, state=state)
+            runner.watch_ranks("127.0.0.1", store.port)
         except BaseException as e:
             for p in procs:
                 p.kill()

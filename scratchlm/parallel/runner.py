@@ -8,15 +8,23 @@ receives the logits of the sampled rows. The other ranks loop in `serve_forever`
 Failures: step collectives time out after `EngineConfig.parallel_timeout_s`; a dead worker makes
 its peers' collectives fail at once. Rank 0 then raises `ParallelWorkerError` naming the dead ranks
 and exit codes, and the runner refuses further steps (the engine must be restarted).
+
+Liveness (spawned ranks): every worker adds 1 to its counter `BEAT_KEY + rank` in rank 0's store every
+`HEARTBEAT_S` from a thread (`beat_forever`); rank 0's watcher thread (`watch_ranks`) reads the counters
+as often and notes when each last moved, so `liveness()` gives each rank's seconds since its last beat
+(the server's /health judges them: server/health.py). The watcher also notices a worker that exited
+while the engine is idle and fails the runner at once (`failure_callbacks`), not at the next step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,14 +39,31 @@ from scratchlm.parallel.tensor import ShardedLM
 log = logging.getLogger(__name__)
 
 _LOGITS_TAG = 1 << 20  # p2p tags: micro-batch m's activations use tag m, its logits _LOGITS_TAG + m
+BEAT_KEY = "scratchlm/beat/"  # + rank: that worker's heartbeat counter in rank 0's store
+HEARTBEAT_S = 0.5
 
 
 class ParallelWorkerError(RuntimeError):
     """A tensor/pipeline-parallel rank died, hung past the timeout, or failed: the engine cannot continue."""
 
 
-def _shutdown(comm_ok: list[bool], procs: list, cmd_group, timeout: float = 10.0) -> None:
+def beat_forever(host: str, port: int, rank: int) -> None:
+    """A worker's heartbeat thread: add 1 to its counter in rank 0's store every `HEARTBEAT_S` (its own
+    connection), until the store is gone (rank 0 exited; this process dies with it)."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        while True:
+            store.add(BEAT_KEY + str(rank), 1)
+            time.sleep(HEARTBEAT_S)
+    except Exception:  # rank 0 is gone
+        return
+
+
+def _shutdown(comm_ok: list[bool], procs: list, cmd_group, closing: threading.Event | None = None,
+              timeout: float = 10.0) -> None:
     """Stop the workers: a stop command if the group still works, then join/terminate/kill."""
+    if closing is not None:
+        closing.set()  # the rank watcher: workers that exit from now on were stopped
     if comm_ok[0] and dist.is_initialized():
         with contextlib.suppress(Exception):  # a dead peer: fall through to terminate
             dist.broadcast_object_list([("stop", None)], src=0, group=cmd_group)
@@ -75,8 +100,11 @@ class ParallelRunner:
         self.steps = 0
         self.failure_callbacks: list = []  # called once with the error message when a step fails (the server exits)
         self._finalizer = None
+        self._closing = threading.Event()
+        self._seen: dict[int, float] = {}  # rank -> when its heartbeat counter last moved (watch_ranks)
         if self.layout.rank == 0:
-            self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs, comm.cmd_group)
+            self._finalizer = weakref.finalize(self, _shutdown, self._comm_ok, self.procs, comm.cmd_group,
+                                               self._closing)
 
     # --- set-up ----------------------------------------------------------------------------------
     def _allocate(self, num_blocks: int) -> None:
@@ -125,6 +153,43 @@ class ParallelRunner:
         """Rank 0: stop the workers and leave the process group (also run at exit)."""
         if self._finalizer is not None:
             self._finalizer()
+
+    # --- liveness ----------------------------------------------------------------------------------
+    def watch_ranks(self, host: str, port: int) -> None:
+        """Rank 0: follow the workers' heartbeat counters in the store at host:port (see the module docstring)."""
+        now = time.monotonic()
+        self._seen = {r: now for r in range(1, self.layout.world_size)}
+        threading.Thread(target=self._watch, args=(host, port), name="scratchlm-rank-watch", daemon=True).start()
+
+    def _watch(self, host: str, port: int) -> None:
+        counts: dict[int, int] = {}
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            while not self._closing.wait(HEARTBEAT_S):
+                for rank in self._seen:
+                    count = store.add(BEAT_KEY + str(rank), 0)
+                    if count != counts.get(rank):
+                        counts[rank], self._seen[rank] = count, time.monotonic()
+                if self._dead_workers() and self._error is None and not self._closing.is_set():
+                    self._fail_idle()
+        except Exception:  # the store is gone: the runner is shutting down
+            return
+
+    def _fail_idle(self) -> None:
+        """A worker exited between steps: fail the runner now (the next step would fail anyway)."""
+        with contextlib.suppress(ParallelWorkerError):
+            self._guard(lambda: None)
+
+    def liveness(self) -> dict[str, float]:
+        """Rank 0: {"rank N": seconds since rank N's last heartbeat} (empty when the ranks are not watched)."""
+        now = time.monotonic()
+        return {f"rank {rank}": now - seen for rank, seen in self._seen.items()}
+
+    def abandon(self, reason: str) -> None:
+        """Rank 0: the engine is given up (hung): refuse further steps, and stop the workers without talking to
+        them (a stopped rank would never answer the stop command)."""
+        self._error = self._error or reason
+        self._comm_ok[0] = False
 
     # --- a step ----------------------------------------------------------------------------------
     def execute(self, inp: ModelInput) -> torch.Tensor:

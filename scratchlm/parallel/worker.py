@@ -26,10 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--spawned"]:  # a rank started by MultiprocExecutor on this host (not for users)
         import json
+        import signal
 
+        from scratchlm.lifecycle import die_with_parent
+
+        spec = json.loads(argv[1])
+        die_with_parent(int(spec["parent_pid"]), signal.SIGKILL)  # first thing, before torch loads (seconds)
         from scratchlm.parallel.launch import spawned_worker_main
 
-        spawned_worker_main(json.loads(argv[1]))
+        spawned_worker_main(spec)
         return 0
     from scratchlm.config import add_dataclass_arguments, dataclass_from_args
     from scratchlm.inference import EngineConfig

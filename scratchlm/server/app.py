@@ -37,6 +37,7 @@ from scratchlm.server import tool_calls, tool_parsers
 from scratchlm.server.auth import authorization_ok
 from scratchlm.server.config import ServerConfig
 from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
+from scratchlm.server.health import HealthConfig
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
     STRUCTURED_KINDS,
@@ -234,7 +235,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, model_name: str 
     name = config.served_model_name or model_name or "scratchlm"
     state = ServerState(
         engine=engine,
-        loop=engine_loop if engine_loop is not None else EngineLoop(engine),
+        loop=engine_loop if engine_loop is not None else EngineLoop(engine, health=HealthConfig.from_server(config)),
         config=config,
         model_name=name,
         model_root=model_root,
@@ -738,7 +739,8 @@ class _Tracked:
 async def _start(state: ServerState, prompts: list[str | list[int]], params: Any, base_id: str) -> list[_Tracked]:
     """Submit one engine request per prompt and wait until the engine accepted them all."""
     if not state.loop.alive:
-        raise EngineDeadError("the engine loop is not running; see the server log")
+        raise EngineDeadError(getattr(state.loop, "failure", None)
+                              or "the engine loop is not running; see the server log")
     n = int(getattr(params, "n", 1))
     _admit(state, len(prompts), n)
 
@@ -1012,11 +1014,16 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return Response((STATIC_DIR / "favicon.svg").read_bytes(), media_type="image/svg+xml",
                         headers={"Cache-Control": "public, max-age=86400"})
 
-    @app.get("/health", summary="200 while the engine loop is alive")
+    @app.get("/health", summary="200 when a step can run now: every heartbeat fresh, no step stuck (docs/server.md)")
     async def health() -> Response:
-        if not state.loop.alive:
-            return error_response(503, "the engine loop is not running", "service_unavailable")
-        return JSONResponse({"status": "ok"})
+        look = getattr(state.loop, "health", None)  # server/health.py: heartbeats of the loop, process, ranks
+        if look is None:
+            if not state.loop.alive:
+                return error_response(503, "the engine loop is not running", "service_unavailable")
+            return JSONResponse({"status": "ok"})
+        report = look()
+        config = getattr(state.loop, "health_config", None) or HealthConfig.from_server(state.config)
+        return JSONResponse(report.body(config), status_code=200 if report.ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (vLLM-style names)")
     async def metrics() -> PlainTextResponse:

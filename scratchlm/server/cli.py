@@ -6,6 +6,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -113,8 +114,9 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
     name = served_model_name(path)
     if engine_process:
         from scratchlm.server.engine_process import EngineProcessLoop
+        from scratchlm.server.health import HealthConfig
 
-        loop = EngineProcessLoop(path, engine_config, threads=threads)
+        loop = EngineProcessLoop(path, engine_config, threads=threads, health=HealthConfig.from_server(server_config))
         log.info("model loaded in %.1f s", time.perf_counter() - t0)
         _warn_without_chat_template(loop.engine, path)
         return create_app(loop.engine, server_config, model_name=name, model_root=str(path), engine_loop=loop)
@@ -220,15 +222,18 @@ def run(args: argparse.Namespace) -> int:
     server = _Server(uvicorn.Config(app, host=host, port=port,
                                      log_level=server_config.log_level.lower(), timeout_graceful_shutdown=5,
                                      **uvicorn_options(server_config)))
-    failed: list[str] = []
-    runner = getattr(getattr(app.state.server, "engine", None), "runner", None)
-    if hasattr(runner, "failure_callbacks"):  # TP/PP: a dead or hung rank stops the server, exit status 1
+    failed: list[int] = []  # exit codes (server/health.py): a dead engine process or rank 3, a hung engine 4
+    loop = getattr(app.state.server, "loop", None)
+    if isinstance(getattr(loop, "failure_callbacks", None), list):
 
-        def on_failure(message: str) -> None:
-            failed.append(message)
-            log.critical("stopping the server: %s", message)
+        def on_failure(message: str, code: int) -> None:
+            failed.append(code)
+            log.critical("stopping the server (exit status %d): %s", code, message)
             server.should_exit = True
 
-        runner.failure_callbacks.append(on_failure)
+        loop.failure_callbacks.append(on_failure)
+    # uvicorn shuts down on SIGTERM (the children stop in the app's lifespan), then raises the signal again to
+    # end the process through the handler it found here: a no-op, so a SIGTERM stop exits with status 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run(sockets=[sock])
-    return 1 if failed else 0
+    return failed[0] if failed else 0

@@ -79,6 +79,19 @@ class ServerConfig:
                                           "mistral, <|python_tag|>/ipython: llama3_json, else generic JSON)"}
     )
     log_level: str = field(default="info", metadata={"help": "logging level: debug, info, warning, error"})
+    heartbeat_timeout_s: float = field(
+        default=5.0, metadata={"help": "/health answers 503 naming the part when the engine loop, the engine process "
+                                       "or a TP/PP rank has shown no heartbeat for this many seconds (they beat every "
+                                       "0.5 s; server/health.py)"}
+    )
+    step_timeout_s: float = field(
+        default=120.0, metadata={"help": "a step running longer than this, or a part silent that long, means the "
+                                         "engine is hung: requests in flight fail (503 / an error event) and the "
+                                         "server exits with status 4 so a supervisor restarts it"}
+    )
+    first_step_timeout_s: float = field(
+        default=600.0, metadata={"help": "the same bound for the first step (it may build kernels and warm caches)"}
+    )
 
     def host_allowed(self, host_header: str | None) -> bool:
         """The DNS-rebinding guard: whether a request's Host header (``name[:port]``) may be served."""
@@ -106,7 +119,8 @@ class ServerConfig:
                 problems.append(f"{name}={getattr(self, name)} (expected a positive integer)")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             problems.append(f"default_max_tokens={self.default_max_tokens} (expected a positive integer, or omit it)")
-        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+        for name in ("header_timeout_s", "keep_alive_timeout_s", "heartbeat_timeout_s", "step_timeout_s",
+                     "first_step_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} (expected a positive number of seconds)")
         if self.max_header_bytes < 1024:

@@ -7,6 +7,12 @@ hands each ``RequestOutput`` back to the event loop with ``loop.call_soon_thread
 
 Handlers see a request as a :class:`RequestStream`: ``await stream.accepted`` (raises what
 ``add_request`` raised: a bad prompt, a prompt too long), then ``async for out in stream``.
+
+Health (the policy is in server/health.py): the loop beats on every iteration (also while it waits for
+work), times each step, and asks the engine's runner for its ranks' heartbeats (``runner.liveness()``, when
+the runner has ranks); a watchdog thread judges them every ``interval_s``. A hung engine (a step past
+``step_timeout_s``, a rank silent that long) fails the requests in flight with :class:`EngineHungError` and
+calls ``failure_callbacks`` (the server exits); so does a runner that reports a dead rank.
 """
 
 from __future__ import annotations
@@ -21,11 +27,27 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scratchlm.server.health import (
+    EXIT_ENGINE_FAILED,
+    EXIT_ENGINE_HUNG,
+    FailureCallback,
+    HealthConfig,
+    HealthReport,
+    assess,
+    monotonic,
+    watch,
+)
+
 log = logging.getLogger("scratchlm.server")
 
 
 class EngineDeadError(RuntimeError):
     """The engine raised inside step(); the requests that were in flight are failed with this."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine made no progress within the bound (a stuck step, or a part without heartbeat): the requests in
+    flight fail with this, and the server exits with `EXIT_ENGINE_HUNG` (server/health.py)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -111,9 +133,19 @@ def _put_all(items: list[tuple[RequestStream, TimedOutput]]) -> None:
 class EngineLoop:
     """Runs `engine` in a daemon thread; every method except the thread's own is called from asyncio."""
 
-    def __init__(self, engine: Any, idle_poll_s: float = 0.05):
+    def __init__(self, engine: Any, idle_poll_s: float = 0.05, health: HealthConfig | None = None):
         self.engine = engine
         self.idle_poll_s = idle_poll_s
+        self.health_config = health or HealthConfig()
+        self.failure_callbacks: list[FailureCallback] = []  # (message, exit code) once the engine cannot go on
+        self.failure: str | None = None  # why the engine cannot go on (hung, or a rank died)
+        self.failure_status = "failed"  # "hung" when it was given up for want of progress
+        self._beat_at = monotonic()  # the loop's last iteration
+        self._step_started: float | None = None  # when the running step began (None between steps)
+        self._watchdog: threading.Thread | None = None
+        runner = getattr(engine, "runner", None)
+        if isinstance(getattr(runner, "failure_callbacks", None), list):  # TP/PP: a dead or hung rank
+            runner.failure_callbacks.append(lambda message: self._fail(message, EXIT_ENGINE_FAILED, hung=False))
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: Any | None = None
@@ -131,20 +163,64 @@ class EngineLoop:
             return
         self._stop.clear()
         self._refresh_stats()
+        self._beat_at = monotonic()
         self._thread = threading.Thread(target=self._run, name="scratchlm-engine", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="scratchlm-watchdog", daemon=True)
+        self._watchdog.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is None:
             return
         self._stop.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
+        self._thread.join(0.5 if self.failure else timeout)  # a hung step never returns: do not wait for it
         self._thread = None
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def health(self) -> HealthReport:
+        """The engine's health now (server/health.py): the loop's and the ranks' heartbeats, the step's clock."""
+        return self._assess()[0]
+
+    def _assess(self) -> tuple[HealthReport, str | None]:
+        now = monotonic()
+        started = self._step_started
+        ages: dict[str, float] = {} if started is not None else {"engine loop": now - self._beat_at}
+        liveness = getattr(getattr(self.engine, "runner", None), "liveness", None)
+        if callable(liveness):
+            try:
+                ages.update(liveness())
+            except Exception:  # informational: a runner that cannot say is judged by its steps
+                log.exception("runner.liveness() failed")
+        failure = self.failure or (None if self.alive or self._thread is None else "the engine loop stopped")
+        return assess(self.health_config, ages, None if started is None else now - started, self.steps, failure,
+                      self.failure_status)
+
+    def _watch(self) -> None:
+        """The watchdog thread: a hung engine fails its requests and calls `failure_callbacks` (server/health.py)."""
+        watch(self._stop, self.health_config.interval_s, self._assess,
+              lambda message: self._fail(message, EXIT_ENGINE_HUNG, hung=True))
+
+    def _fail(self, message: str, code: int, hung: bool) -> None:
+        """The engine cannot go on: fail every request in flight, refuse new ones, tell `failure_callbacks`."""
+        if self.failure is not None:
+            return
+        self.failure, self.failure_status = message, "hung" if hung else "failed"
+        log.critical("%s", message)
+        abandon = getattr(getattr(self.engine, "runner", None), "abandon", None)
+        if hung and callable(abandon):  # do not wait on hung ranks when stopping them
+            abandon(message)
+        error = (EngineHungError if hung else EngineDeadError)(message)
+        for stream in list(self._streams.values()):  # the engine thread may be stuck: deliver from here
+            self._deliver(stream, error)
+        for callback in list(self.failure_callbacks):
+            try:
+                callback(message, code)
+            except Exception:
+                log.exception("failure callback failed")
 
     def submit(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
         """Queue a request for the engine; the returned stream yields its outputs."""
@@ -204,12 +280,15 @@ class EngineLoop:
             stream.loop.call_soon_threadsafe(stream._accept, None)
         elif kind == "embed":
             future, token_lists, pooling, normalize = payload
+            self._step_started = monotonic()  # a forward like a step's: timed like one
             try:
                 if not hasattr(self.engine, "embed"):
                     raise NotImplementedError(f"this engine ({type(self.engine).__name__}) does not compute embeddings")
                 result, error = self.engine.embed(token_lists, pooling, normalize), None
             except Exception as e:  # a bad input must never take the loop down
                 result, error = None, e
+            finally:
+                self._step_started = None
             with contextlib.suppress(RuntimeError):
                 future.get_loop().call_soon_threadsafe(settle, future, result, error)
         elif kind == "abort":
@@ -236,7 +315,8 @@ class EngineLoop:
     def _run(self) -> None:
         log.info("engine loop started")
         was_busy = False
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.failure is None:
+            self._beat_at = monotonic()
             busy = self.engine.has_unfinished_requests()
             if not busy and was_busy:
                 self._refresh_stats()  # the idle state (empty KV pool) is visible in /metrics
@@ -245,13 +325,16 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
+            self._step_started = monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:
+                self._step_started = None
                 log.exception("engine.step() failed; failing the %d requests in flight", len(self._streams))
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._fail_all(EngineDeadError(f"the engine failed while running this request: {self.last_error}"))
                 continue
+            self._step_started = None
             now = time.monotonic()
             self.steps += 1
             self.step_seconds += time.perf_counter() - t0
@@ -265,7 +348,7 @@ class EngineLoop:
                 batch.append((stream, TimedOutput(out, now)))
             self._deliver_batch(batch)
             self._refresh_stats()
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError(self.failure or "the server is shutting down"))
         log.info("engine loop stopped")
 
     def _fail_all(self, error: BaseException) -> None:

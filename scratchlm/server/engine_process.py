@@ -22,6 +22,18 @@ stalled HTTP process costs the child a bounded amount of memory, never a blocked
 Embeddings (``/v1/embeddings``) are a request kind of their own, off the generation path: ``("embed", id,
 token_lists, pooling, normalize)`` is run by the child between two steps (``LLMEngine.embed``: one plain forward
 per distinct length, no KV cache) and answered with ``("embedded", id, (vectors, error, error_kind))``.
+
+Health and lifecycle (the policy is in server/health.py):
+
+- the child's heartbeat thread sends ``("beat", {loop_age, step_running, steps, ranks}, None)`` every
+  ``interval_s``, during steps too; the HTTP process notes when each arrived, so a stopped (SIGSTOP) child goes
+  stale within ``heartbeat_timeout_s`` and is judged hung after ``step_timeout_s``: the requests in flight fail
+  with ``EngineHungError``, the child is killed and ``failure_callbacks`` run (the server exits, code 4);
+- a child that dies (or whose TP/PP rank died: it sends ``("fatal", message)`` and exits) fails the requests in
+  flight and runs ``failure_callbacks`` (the server exits, code 3) instead of answering 503 forever;
+- the child dies with the HTTP process (``lifecycle.die_with_parent``, SIGKILL: a stopped child dies too) and
+  ignores SIGINT and SIGTERM, which a terminal or a supervisor also sends to it: the HTTP process stops it
+  (``("stop",)``, then SIGKILL after the grace time).
 """
 
 from __future__ import annotations
@@ -30,7 +42,9 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -38,7 +52,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scratchlm.server.engine_loop import EngineDeadError, RequestStream, TimedOutput, _put_all, settle
+from scratchlm.server.engine_loop import EngineDeadError, EngineHungError, RequestStream, TimedOutput, _put_all, settle
+from scratchlm.server.health import (
+    EXIT_ENGINE_FAILED,
+    EXIT_ENGINE_HUNG,
+    FailureCallback,
+    HealthConfig,
+    HealthReport,
+    assess,
+    monotonic,
+    watch,
+)
 
 log = logging.getLogger("scratchlm.server")
 
@@ -94,9 +118,42 @@ class EventOutbox:
         self.pending.clear()
 
 
+class _ChildStatus:
+    """What the child's heartbeat thread reports: written by the main loop, read by the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self.beat_at = monotonic()  # the main loop's last iteration
+        self.step_started: float | None = None  # when the running step (or embed forward) began
+        self.steps = 0
+
+
+def _heartbeat(outbox: Any, status: _ChildStatus, engine: Any, interval_s: float, stop: threading.Event) -> None:
+    """The child's heartbeat thread: one ``("beat", ...)`` every `interval_s` (ages, so no clock is shared)."""
+    liveness = getattr(getattr(engine, "runner", None), "liveness", None)
+    while not stop.wait(interval_s):
+        ranks: dict[str, float] = {}
+        if callable(liveness):
+            with contextlib.suppress(Exception):  # informational: a failed runner is judged by its steps
+                ranks = liveness()
+        now, started = monotonic(), status.step_started
+        beat = {"loop_age": now - status.beat_at, "step_running": None if started is None else now - started,
+                "steps": status.steps, "ranks": ranks}
+        try:
+            outbox.put(("beat", beat, None))
+        except (ValueError, OSError):  # the outbox is closed: the process is ending
+            return
+
+
 def _engine_main(model: str | None, engine_config: Any, threads: int | None, inbox: Any, outbox: Any,
-                 idle_poll_s: float, credits: Any = None, events_in_flight: int = EVENTS_IN_FLIGHT) -> None:
+                 idle_poll_s: float, credits: Any = None, events_in_flight: int = EVENTS_IN_FLIGHT,
+                 parent_pid: int | None = None, heartbeat_s: float = 0.5) -> None:
     """The child process: load the engine, then drain requests and step until told to stop."""
+    from scratchlm.lifecycle import die_with_parent
+
+    if parent_pid is not None:
+        die_with_parent(parent_pid, signal.SIGKILL)  # first thing: SIGKILL, so that even a stopped child dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a supervisor's SIGTERM reach the whole group:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the HTTP process stops this one (or it dies with it)
     import torch
 
     if threads is not None:
@@ -116,7 +173,19 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
     watching: list = []  # the inspector's listener while it watches (server/inspector.py)
     events = EventOutbox(outbox, credits if credits is not None else threading.Semaphore(events_in_flight),
                          events_in_flight)
+    status, beating = _ChildStatus(), threading.Event()
+    threading.Thread(target=_heartbeat, args=(outbox, status, engine, heartbeat_s, beating), name="scratchlm-heartbeat",
+                     daemon=True).start()
+    fatal: list[str] = []  # a TP/PP rank died: the runner refuses every step, so this process ends
+    runner = getattr(engine, "runner", None)
+    if isinstance(getattr(runner, "failure_callbacks", None), list):
+        runner.failure_callbacks.append(fatal.append)
     while True:
+        status.beat_at = monotonic()
+        if fatal:  # a rank died (between steps, or in the step below): the engine cannot step again
+            beating.set()
+            outbox.put(("fatal", fatal[0], None))
+            return
         events.flush()  # credits the reader gave back since the last step
         busy = engine.has_unfinished_requests()
         messages = []
@@ -128,6 +197,7 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
             pass
         for kind, *payload in messages:
             if kind == "stop":
+                beating.set()
                 for rid in list(live):
                     engine.abort_request(rid)
                 outbox.put(("stopped", None, None))
@@ -144,11 +214,14 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
                 outbox.put(("accepted", rid, None))
             elif kind == "embed":  # a plain forward between steps (LLMEngine.embed); ValueError: a bad input
                 eid, token_lists, pooling, normalize = payload
+                status.step_started = monotonic()  # a forward like a step's: timed like one
                 try:
                     outbox.put(("embedded", eid, (engine.embed(token_lists, pooling, normalize), None, None)))
                 except Exception as e:  # sent back as its kind: ValueError (a bad input), NotImplementedError, other
                     kind_ = type(e).__name__ if isinstance(e, ValueError | NotImplementedError) else None
                     outbox.put(("embedded", eid, (None, str(e) if kind_ else f"{type(e).__name__}: {e}", kind_)))
+                finally:
+                    status.step_started = None
             elif kind == "inspect":
                 _inspect(engine, events, payload[0], watching)
             elif kind == "abort" and payload[0] in live:
@@ -159,9 +232,11 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
             if busy:
                 outbox.put(("stats", engine.stats(), None))
             continue
+        status.step_started = monotonic()
         try:
             outputs = engine.step()
         except Exception as e:
+            status.step_started = None
             log.exception("engine.step() failed")
             failed = sorted(live)
             for rid in failed:
@@ -169,6 +244,8 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
             live.clear()
             outbox.put(("failed", failed, f"{type(e).__name__}: {e}"))
             continue
+        status.step_started = None
+        status.steps += 1
         outputs = [o for o in outputs if o.request_id in live]
         for o in outputs:
             if o.finished:
@@ -191,16 +268,18 @@ class EngineProcessLoop:
 
     def __init__(self, model: str | Path | None, engine_config: Any, threads: int | None = None,
                  startup_timeout_s: float = 1800.0, idle_poll_s: float = 0.05,
-                 events_in_flight: int = EVENTS_IN_FLIGHT):
+                 events_in_flight: int = EVENTS_IN_FLIGHT, health: HealthConfig | None = None):
         if events_in_flight < 1:
             raise ValueError(f"events_in_flight must be >= 1, got {events_in_flight}")
+        self.health_config = health or HealthConfig()
         ctx = mp.get_context("spawn")
         self._inbox = ctx.Queue()
         self._outbox = ctx.Queue()
         self._credits = ctx.Semaphore(events_in_flight)  # inspector events the child may have unread in the outbox
         self._proc = ctx.Process(target=_engine_main, name="scratchlm-engine",
                                  args=(None if model is None else str(model), engine_config, threads, self._inbox,
-                                       self._outbox, idle_poll_s, self._credits, events_in_flight), daemon=True)
+                                       self._outbox, idle_poll_s, self._credits, events_in_flight, os.getpid(),
+                                       self.health_config.interval_s), daemon=True)
         self._proc.start()
         kind, payload, stats = self._get_ready(startup_timeout_s)
         if kind != "ready":
@@ -218,6 +297,12 @@ class EngineProcessLoop:
         self.on_event: Any = None  # called in the reader thread with each step event (dict) while inspecting
         self.events_received = 0  # inspector events taken off the outbox
         self.events_dropped = 0  # the child's count of events it dropped for want of credits (latest seen)
+        self.failure_callbacks: list[FailureCallback] = []  # (message, exit code) once the engine cannot go on
+        self.failure: str | None = None  # why the engine cannot go on (hung, died, a rank died)
+        self.failure_status = "failed"  # "hung" when it was given up for want of progress
+        self._beat_at = monotonic()  # when the latest beat arrived (the child is ready: count from now)
+        self._beat: dict = {}  # its content
+        self._halt = threading.Event()  # stops the watchdog
 
     def _get_ready(self, timeout_s: float) -> tuple[str, Any, Any]:
         deadline = time.monotonic() + timeout_s
@@ -235,25 +320,66 @@ class EngineProcessLoop:
     def start(self) -> None:
         if self._reader is not None:
             return
+        self._beat_at = monotonic()
         self._reader = threading.Thread(target=self._read, name="scratchlm-engine-reader", daemon=True)
         self._reader.start()
+        threading.Thread(target=watch, name="scratchlm-watchdog", daemon=True,
+                         args=(self._halt, self.health_config.interval_s, self._assess,
+                               lambda message: self._fail(message, EXIT_ENGINE_HUNG, hung=True))).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._stopped:
             return
         self._stopped = True
+        self._halt.set()
         with contextlib.suppress(Exception):
             self._inbox.put(("stop",))
-        self._proc.join(timeout)
+        self._proc.join(0 if self.failure else timeout)  # a hung child cannot answer: kill it at once
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join(5.0)
         if self._reader is not None:
             self._reader.join(timeout)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError(self.failure or "the server is shutting down"))
 
     @property
     def alive(self) -> bool:
-        return self._proc.is_alive() and self._reader is not None and self._reader.is_alive()
+        return (self._proc.is_alive() and self._reader is not None and self._reader.is_alive()
+                and self.failure is None)
+
+    def health(self) -> HealthReport:
+        """The engine's health now (server/health.py): the child's heartbeat, its loop's, its ranks', its step."""
+        return self._assess()[0]
+
+    def _assess(self) -> tuple[HealthReport, str | None]:
+        since = monotonic() - self._beat_at  # how long ago the child last showed a sign of life
+        beat = self._beat
+        ages = {"engine process": since}
+        running = beat.get("step_running")
+        if running is None:  # as the child last saw them (a stopped child is the stale part, not its loop)
+            ages["engine loop"] = beat.get("loop_age", 0.0)
+        ages.update(beat.get("ranks", {}))
+        failure = self.failure
+        if failure is None and self._reader is not None and not self.alive and not self._stopped:
+            failure = f"the engine process is not running (exit code {self._proc.exitcode})"
+        return assess(self.health_config, ages, None if running is None else running + since,
+                      int(beat.get("steps", self.steps)), failure, self.failure_status)
+
+    def _fail(self, message: str, code: int, hung: bool) -> None:
+        """The engine cannot go on: fail every request in flight, refuse new ones, tell `failure_callbacks`
+        (the server then exits); a hung child is killed now (SIGKILL also ends a stopped one)."""
+        if self.failure is not None or self._stopped:
+            return
+        self.failure, self.failure_status = message, "hung" if hung else "failed"
+        log.critical("%s", message)
+        if hung:
+            self._proc.kill()
+        self._fail_all((EngineHungError if hung else EngineDeadError)(message))
+        for callback in list(self.failure_callbacks):
+            try:
+                callback(message, code)
+            except Exception:
+                log.exception("failure callback failed")
 
     def submit(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -300,14 +426,18 @@ class EngineProcessLoop:
                 kind, payload, extra = self._outbox.get(timeout=1.0)
             except queue.Empty:
                 if not self._proc.is_alive():
-                    log.error("the engine process died (exit code %s)", self._proc.exitcode)
-                    self._fail_all(EngineDeadError("the engine process died"))
+                    self._died()
                     return
                 continue
             except (EOFError, OSError):
+                self._died()
                 return
             if kind == "stopped":
                 return
+            if kind == "beat":
+                self._beat, self._beat_at = payload, monotonic()
+            elif kind == "fatal":  # a TP/PP rank of the child died: the child ends, the server must too
+                self._fail(f"the engine process cannot continue: {payload}", EXIT_ENGINE_FAILED, hung=False)
             if kind == "event":
                 self._credits.release()  # the child may send one more
                 self.events_received += 1
@@ -355,6 +485,15 @@ class EngineProcessLoop:
                 for stream in streams:
                     with contextlib.suppress(RuntimeError):
                         stream.loop.call_soon_threadsafe(stream._put, error)
+
+    def _died(self) -> None:
+        """The child is gone (or its pipe broke): unless the server stopped it, fail everything and exit."""
+        if self._stopped or self.failure is not None:
+            self._fail_all(EngineDeadError(self.failure or "the engine process died"))
+            return
+        self._proc.join(1.0)
+        self._fail(f"the engine process died (exit code {self._proc.exitcode}); the server exits so that a "
+                   "supervisor can restart it", EXIT_ENGINE_FAILED, hung=False)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
