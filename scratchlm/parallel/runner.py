@@ -61,9 +61,17 @@ def beat_forever(host: str, port: int, rank: int) -> None:
 
 def _shutdown(comm_ok: list[bool], procs: list, cmd_group, closing: threading.Event | None = None,
               timeout: float = 10.0) -> None:
-    """Stop the workers: a stop command if the group still works, then join/terminate/kill."""
+    """Stop the workers: a stop command if the group still works, then join/terminate/kill. `comm_ok`: [the group
+    works, the runner was abandoned (hung: a step may still sit in a collective, so the workers are killed at once
+    and the process group is left to the process's end: destroying it under a blocked collective aborts)]."""
     if closing is not None:
         closing.set()  # the rank watcher: workers that exit from now on were stopped
+    if comm_ok[1]:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(5.0)
+        return
     if comm_ok[0] and dist.is_initialized():
         with contextlib.suppress(Exception):  # a dead peer: fall through to terminate
             dist.broadcast_object_list([("stop", None)], src=0, group=cmd_group)
@@ -96,7 +104,7 @@ class ParallelRunner:
         self.cache: KVCache | None = None
         self.procs = list(procs)
         self._error: str | None = None
-        self._comm_ok = [True]
+        self._comm_ok = [True, False]  # [the step group works, abandoned] (see _shutdown)
         self.steps = 0
         self.failure_callbacks: list = []  # called once with the error message when a step fails (the server exits)
         self._finalizer = None
@@ -189,7 +197,7 @@ class ParallelRunner:
         """Rank 0: the engine is given up (hung): refuse further steps, and stop the workers without talking to
         them (a stopped rank would never answer the stop command)."""
         self._error = self._error or reason
-        self._comm_ok[0] = False
+        self._comm_ok[0], self._comm_ok[1] = False, True
 
     # --- a step ----------------------------------------------------------------------------------
     def execute(self, inp: ModelInput) -> torch.Tensor:

@@ -236,4 +236,15 @@ def run(args: argparse.Namespace) -> int:
     # end the process through the handler it found here: a no-op, so a SIGTERM stop exits with status 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run(sockets=[sock])
-    return failed[0] if failed else 0
+    if failed:  # children first, then exit without the interpreter's teardown: a hung step may sit in C++ forever
+        shutdown = getattr(app.state.server.engine, "shutdown", None)  # TP/PP ranks (the engine process is gone)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:
+                log.exception("stopping the engine's ranks failed")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(failed[0])
+    return 0
