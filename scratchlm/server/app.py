@@ -36,7 +36,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scratchlm.server import tool_calls, tool_parsers
 from scratchlm.server.auth import authorization_ok
 from scratchlm.server.config import ServerConfig
-from scratchlm.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream, TimedOutput
+from scratchlm.server.engine_loop import (
+    EngineDeadError,
+    EngineHungError,
+    EngineLoop,
+    RequestFailedError,
+    RequestStream,
+    TimedOutput,
+)
 from scratchlm.server.health import HealthConfig
 from scratchlm.server.metrics import ServerMetrics
 from scratchlm.server.protocol import (
@@ -373,6 +380,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 _INTERNAL_ERRORS: tuple[tuple[type, int, str, str, str], ...] = (
     (RequestFailedError, 500, "internal_server_error", "engine_request_failed",
      "The engine failed this request (the other requests continue)"),
+    (EngineHungError, 503, "service_unavailable", "engine_hung",  # server/health.py
+     "The engine is hung (no progress within the server's --step-timeout-s); the server is exiting so that a "
+     "supervisor restarts it"),
     (EngineDeadError, 503, "service_unavailable", "engine_unavailable",
      "The engine is not available (it failed or the server is stopping)"),
     (Exception, 500, "internal_server_error", "internal_error", "Internal server error"),
@@ -739,8 +749,9 @@ class _Tracked:
 async def _start(state: ServerState, prompts: list[str | list[int]], params: Any, base_id: str) -> list[_Tracked]:
     """Submit one engine request per prompt and wait until the engine accepted them all."""
     if not state.loop.alive:
-        raise EngineDeadError(getattr(state.loop, "failure", None)
-                              or "the engine loop is not running; see the server log")
+        hung = getattr(state.loop, "failure_status", None) == "hung"  # given up for want of progress (health.py)
+        raise (EngineHungError if hung else EngineDeadError)(getattr(state.loop, "failure", None)
+                                                             or "the engine loop is not running; see the server log")
     n = int(getattr(params, "n", 1))
     _admit(state, len(prompts), n)
 
