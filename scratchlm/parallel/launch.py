@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from scratchlm.inference.config import EngineConfig
+from scratchlm.inference.cpp_extensions import prepare_kernels
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading import detect_format, load
 from scratchlm.model.loading.common import CheckpointError, optional_tokenizer
@@ -370,6 +371,8 @@ class MultiprocExecutor:
         tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
         world = joined[2] if joined else tp * pp * cp
         stage_layers = check_engine_config(config, model_config, world)  # before any weight loads
+        if _rank_device(config, 0).type == "cpu":  # no rank compiles while its peers wait on a collective
+            prepare_kernels(quantized=config.quantization is not None)
         if joined:
             rank, local_rank, _ = joined
             init_default_group(backend_for(_rank_device(config, local_rank)), rank, world, None,

@@ -34,7 +34,8 @@ from scratchlm.inference.quantization.scheme import GGUF_RAW_TYPES
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_kernels.cpp"
 EXTENSION_NAME = "scratchlm_quant_kernels"
 GEMM_ROWS = 64  # the older extension's limit: above this many rows of x, dequantize once and use torch's GEMM
-_extension = cpp_extensions.CppExtension(EXTENSION_NAME, SOURCE, "quantized layers")
+EXTENSION = cpp_extensions.CppExtension(EXTENSION_NAME, SOURCE, "quantized layers", expected_s=60.0)
+_extension = EXTENSION
 _state = _extension.state  # loaded module or the failure, per process (a cache, not configuration)
 
 

@@ -76,17 +76,20 @@ def test_reference_matches_dequantize_then_matmul():
     torch.testing.assert_close(ref.reference_linear(x.float(), deq.float()).double(), x @ deq.T, rtol=1e-4, atol=1e-4)
 
 
-def test_build_failure_falls_back_with_a_warning(monkeypatch, caplog):
-    import torch.utils.cpp_extension as cpp
+def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    """A source that does not compile (a real build, in an empty cache) gives None and a warning naming the
+    compiler's error; the quantized layers then run without the older extension."""
+    from scratchlm.inference.cpp_extensions import CppExtension
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("Error building extension: compiler not found")
-
-    monkeypatch.setattr(cpp, "load", broken)
-    monkeypatch.setattr(kernels, "_state", {})
+    broken = tmp_path / "src" / "broken.cpp"
+    broken.parent.mkdir()
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setenv("SCRATCHLM_QUANT_BUILD_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
-        assert kernels.load_extension() is None
-    assert "pure-torch reference path" in caplog.text
+        assert CppExtension("scratchlm_broken_test", broken, "a broken test extension", 1.0).load() is None
+    assert "pure-torch reference path" in caplog.text and "error" in caplog.text
+    monkeypatch.setattr(kernels, "_state", {"module": None})  # the older extension as a failed build left it
+    assert kernels.load_extension() is None
     w = torch.randn(8, 64)
     q, d, m = ref.quantize_int4(w, 32)
     x = torch.randn(1, 64)
