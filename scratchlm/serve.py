@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from pathlib import Path
 
 from scratchlm.config import add_dataclass_arguments, dataclass_from_args
 from scratchlm.server import cli as server_cli
@@ -61,7 +61,7 @@ def _run_data_parallel(args: argparse.Namespace, data_parallel_size: int, router
             ranks = server_cli.engine_ranks(engine_config)
             choice = apply_threads(args.threads, world_size=data_parallel_size * ranks, logger=log)
             args.threads = choice.threads  # handed down to the replicas, which must not each take every core
-            if args.model is not None and not Path(args.model).exists():
+            if args.model is not None and not os.path.lexists(args.model):  # a symlink loop: load() says so
                 raise FileNotFoundError(f"model not found: {args.model}")
             if args.model is None:
                 default_model_path()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from pathlib import Path
 
 EPILOG = """examples:
   scratchlm generate "Once upon a time"                       # default model, greedy
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"scratchlm generate: {e}", file=sys.stderr)
         return 2
-    if args.model is not None and not Path(args.model).exists():
+    if args.model is not None and not os.path.lexists(args.model):  # a symlink loop or FIFO: load() says so
         print(f"scratchlm generate: model not found: {args.model} (expected an HF directory, a .gguf, "
               f"a llama2.c .bin or a scratchlm .pt checkpoint)", file=sys.stderr)
         return 2

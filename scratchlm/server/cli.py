@@ -101,7 +101,7 @@ def build_app(model: str | None, server_config: ServerConfig, engine_config, eng
     from scratchlm.server.app import create_app
 
     path = Path(model) if model is not None else default_model_path()
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink loop or a FIFO: the loader says what it is
         raise FileNotFoundError(f"model not found: {path} (expected an HF directory, a .gguf, a llama2.c .bin "
                                 "or a scratchlm .pt checkpoint)")
     if path.is_dir() and (path / "model_index.json").is_file():  # a diffusion pipeline: the images API

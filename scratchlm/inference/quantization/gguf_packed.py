@@ -41,6 +41,7 @@ from scratchlm.model.loading.common import CheckpointError, LoadedModel, optiona
 from scratchlm.model.loading.dequant import dequantize
 from scratchlm.model.loading.gguf_file import check_types, config_from_gguf, gguf_rules
 from scratchlm.model.loading.gguf_reader import GGUFTensor, read_gguf
+from scratchlm.model.loading.guard import check_gguf_finite, check_memory
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ def load_gguf_packed(path: str | Path, device: str | torch.device = "cpu", dtype
     check_types(tensors, path)  # every type readable at all (the float loader's check), before any work
     config, _ = config_from_gguf(meta, tensors, str(path))
     rules = gguf_rules(meta, config, tensors, str(path))
+    check_gguf_finite(tensors, path)  # NaN/Inf floats and quantized blocks' scales, before any work
+    check_memory(sum(t.data.nbytes for t in tensors.values()), str(path), dtype, device)  # packed: ~ the file
     plan = plan_tensors(rules, tensors, str(path), torch.device(device).type)
     state: dict[str, Tensor] = {}
     layout: dict[str, LayerFormat] = {}

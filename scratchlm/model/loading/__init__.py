@@ -14,6 +14,7 @@ from scratchlm.model.loading.checkpoint import load_checkpoint_model, read_check
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, build_model
 from scratchlm.model.loading.export import export_hf
 from scratchlm.model.loading.gguf_file import load_gguf
+from scratchlm.model.loading.guard import check_path
 from scratchlm.model.loading.hf import load_hf_dir
 from scratchlm.model.loading.llama2c import load_llama2c
 
@@ -23,8 +24,10 @@ FORMATS = "an HF directory (config.json + *.safetensors), a .gguf file, a llama2
 def detect_format(path: str | Path) -> str:
     """'hf', 'gguf', 'scratchlm' or 'llama2c' for `path`; raises a clear error otherwise."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model path not found: {path} (expected {FORMATS})")
+    try:
+        check_path(path, expected=f"a model file or folder ({FORMATS})")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (expected {FORMATS})") from None
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf"

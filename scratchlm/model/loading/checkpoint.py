@@ -13,6 +13,7 @@ import torch
 from scratchlm import atomic
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, build_model, log, require_file
+from scratchlm.model.loading.guard import check_state_dict
 from scratchlm.model.transformer import TransformerLM
 
 FORMAT = "scratchlm"
@@ -53,10 +54,11 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype = torch.float32,
         config = ModelConfig.from_dict(dict(ckpt["model_config"]))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: invalid model_config ({e})") from None
-    state = ((_strip(k), v) for k, v in ckpt["model"].items())
+    state = {_strip(k): v for k, v in ckpt["model"].items()}
+    check_state_dict(config, {k: tuple(v.shape) for k, v in state.items()}, str(path))  # before building
     log.info("loading scratchlm checkpoint %s: %d layers, d_model %d, vocab %d", path, config.n_layers,
              config.d_model, config.vocab_size)
-    model = build_model(config, state, str(path), dtype, device)
+    model = build_model(config, state.items(), str(path), dtype, device)
     tokenizer = _tokenizer(ckpt) if ckpt.get("tokenizer") is not None else None
     return LoadedModel(model, tokenizer, config)
 

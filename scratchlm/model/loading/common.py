@@ -36,13 +36,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]], source: str,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TransformerLM:
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                check_finite: bool = True) -> TransformerLM:
     """Build `TransformerLM(config)` on the meta device and assign `tensors` (scratchlm names) in place.
 
-    Each tensor is converted to dtype/device as it arrives, so peak memory stays near one copy of
-    the weights. Missing, unexpected or wrongly shaped tensors raise CheckpointError naming them.
+    Before the first tensor is read, the weights' bytes are checked against the memory available
+    (`guard.check_memory`); callers check a config's layer count against the files first (`guard`), since the
+    meta model has config.n_layers blocks. Each tensor is checked for NaN/Inf (unless `check_finite` is False:
+    the HF and GGUF readers check the file's own tensors, by their file names) and converted to dtype/device as
+    it arrives, so peak memory stays near one copy of the weights. Missing, unexpected or wrongly shaped
+    tensors raise CheckpointError naming them.
     """
+    from scratchlm.model.loading import guard  # guard imports this module
+
     shapes = expected_shapes(config)
+    guard.check_memory(guard.weight_bytes(shapes.values(), dtype), source, dtype, device)
     state: dict[str, Tensor] = {}
     problems: list[str] = []
     for name, t in tensors:
@@ -52,6 +60,8 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]], sour
         if tuple(t.shape) != shapes[name]:
             problems.append(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shapes[name]}")
             continue
+        if check_finite:
+            guard.check_finite(t, name, source)
         state[name] = t.to(device=device, dtype=dtype)
     missing = [n for n in shapes if n not in state and not any(n in p for p in problems)]
     if missing:
@@ -65,8 +75,11 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]], sour
 
 
 def require_file(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise FileNotFoundError(f"{what} not found: {path}")
+    """`path` if it is a regular file; FileNotFoundError or a CheckpointError saying what it is otherwise (a
+    folder, a FIFO, a device, a socket, a symlink loop: `guard.check_path`)."""
+    from scratchlm.model.loading.guard import check_path
+
+    check_path(path, what, expected="a file")
     if not path.is_file():
         raise CheckpointError(f"{what} is not a file: {path}")
     return path

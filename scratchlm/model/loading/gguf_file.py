@@ -34,6 +34,7 @@ from scratchlm.model.loading.common import (
 )
 from scratchlm.model.loading.dequant import SUPPORTED_TYPES, dequantize
 from scratchlm.model.loading.gguf_reader import GGUFTensor, read_gguf
+from scratchlm.model.loading.guard import check_gguf_finite, check_layer_count, check_shapes, gguf_field_names
 
 
 def _dequantize(t: GGUFTensor, source: str) -> Tensor:
@@ -73,8 +74,13 @@ def gguf_family(meta: dict[str, Any], source: str) -> Family:
 
 
 def config_from_gguf(meta: dict[str, Any], names: dict[str, GGUFTensor], source: str) -> tuple[ModelConfig, str]:
-    """ModelConfig from GGUF metadata (`<arch>.embedding_length`, ...) and the tensor list, and the arch."""
+    """ModelConfig from GGUF metadata (`<arch>.embedding_length`, ...) and the tensor list, and the arch.
+
+    `<arch>.block_count` is checked against the layers the tensor list holds first (`guard.check_layer_count`),
+    before the translation builds anything per layer."""
     family = gguf_family(meta, source)
+    key = f"{meta.get('general.architecture')}.block_count"
+    check_layer_count(meta.get(key), key, names, source, "it")
     try:
         return family.config_from_gguf(meta, names, source), meta["general.architecture"]
     except FamilyError as e:
@@ -82,7 +88,8 @@ def config_from_gguf(meta: dict[str, Any], names: dict[str, GGUFTensor], source:
 
 
 def gguf_rules(meta: dict[str, Any], config: ModelConfig, tensors: dict[str, GGUFTensor], source: str) -> list[Rule]:
-    """The family's tensor rules for this file; tensors the rules do not read are an error naming them."""
+    """The family's tensor rules for this file; tensors the rules do not read, and tensors whose shapes do not fit
+    the metadata's sizes (`guard.check_shapes`, naming the metadata key), are errors naming them."""
     rules = gguf_family(meta, source).gguf_rules(config)
     used = {r.theirs for r in rules}
     missing = sorted(used - set(tensors))
@@ -93,6 +100,8 @@ def gguf_rules(meta: dict[str, Any], config: ModelConfig, tensors: dict[str, GGU
     if extra:
         arch = meta.get("general.architecture")
         raise CheckpointError(f"{source}: unexpected tensors {extra[:8]} (not a weight of this {arch} model)")
+    check_shapes(config, rules, {n: t.shape for n, t in tensors.items()}, lambda _: "the file",
+                 gguf_field_names(meta), source)
     return rules
 
 
@@ -111,9 +120,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     check_types(tensors, path)
     config, arch = config_from_gguf(meta, tensors, str(path))
     rules = gguf_rules(meta, config, tensors, str(path))
+    check_gguf_finite(tensors, path)
     log.info("loading GGUF %s (%s): %d layers, d_model %d, vocab %d", path.name, arch, config.n_layers,
              config.d_model, config.vocab_size)
-    model = build_model(config, _tensors(tensors, rules, str(path)), str(path), dtype, device)
+    model = build_model(config, _tensors(tensors, rules, str(path)), str(path), dtype, device, check_finite=False)
     if "tokenizer.ggml.tokens" in meta:
         tokenizer = optional_tokenizer("formats.from_gguf", path, meta)
     else:

@@ -20,6 +20,14 @@ from scratchlm.model import families
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.families import Family, FamilyError, Rule
 from scratchlm.model.loading.common import CheckpointError, LoadedModel, build_model, log, optional_tokenizer
+from scratchlm.model.loading.guard import (
+    check_finite,
+    check_layer_count,
+    check_path,
+    check_shapes,
+    hf_field_names,
+    safetensors_shapes,
+)
 
 
 def family_of(cfg: dict[str, Any], source: str = "config.json") -> Family:
@@ -66,26 +74,35 @@ def weight_files(directory: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{index}: shard {f.name} is missing")
         return files
     if single.is_file():
-        return dict.fromkeys(_safetensors_names(single), single)
+        return dict.fromkeys(safetensors_shapes(single), single)
     others = sorted(p.name for p in directory.glob("*.safetensors"))
     if len(others) == 1:
-        return dict.fromkeys(_safetensors_names(directory / others[0]), directory / others[0])
+        return dict.fromkeys(safetensors_shapes(directory / others[0]), directory / others[0])
     bins = sorted(p.name for p in directory.glob("*.bin"))
     hint = f" (found {bins}: PyTorch .bin weights are not supported, convert them to safetensors)" if bins else ""
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
-def _safetensors_names(path: Path) -> list[str]:
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+def file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} from the safetensors headers of `files` (no tensor data is read)."""
+    headers = {path: safetensors_shapes(path) for path in set(files.values())}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, path in files.items():
+        if name not in headers[path]:
+            raise CheckpointError(f"{path}: the index lists tensor {name} in this shard, which does not hold it")
+        shapes[name] = headers[path][name]
+    return shapes
+
+
+def _weights_label(files: dict[str, Path]) -> str:
+    """'model.safetensors', or '3 safetensors shards' for a sharded checkpoint."""
+    distinct = set(files.values())
+    return next(iter(distinct)).name if len(distinct) == 1 else f"its {len(distinct)} safetensors shards"
 
 
 def _read_tensors(files: dict[str, Path], rules: list[Rule]) -> Iterator[tuple[str, Tensor]]:
     """Yield (scratchlm name, tensor) through the rules' transforms, opening each shard once (safetensors reads
-    through mmap)."""
+    through mmap); each file tensor is checked for NaN/Inf first (`guard.check_finite`)."""
     by_file: dict[Path, list[Rule]] = {}
     for rule in rules:
         by_file.setdefault(files[rule.theirs], []).append(rule)
@@ -93,21 +110,27 @@ def _read_tensors(files: dict[str, Path], rules: list[Rule]) -> Iterator[tuple[s
         try:
             with safe_open(path, framework="pt") as f:
                 for rule in group:
-                    yield from rule.to_ours(f.get_tensor(rule.theirs))
+                    t = f.get_tensor(rule.theirs)
+                    check_finite(t, rule.theirs, path)
+                    yield from rule.to_ours(t)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{path}: could not read tensors ({e})") from None
 
 
-def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig,
-                  source: str = "config.json") -> tuple[list[Rule], dict[str, Path]]:
+def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig, source: str = "config.json",
+                  files: dict[str, Path] | None = None) -> tuple[list[Rule], dict[str, Path]]:
     """The family's tensor rules for the checkpoint in `directory` and {HF tensor name: safetensors file}, after
-    checking that every rule's tensor is there and that every tensor of the checkpoint is read by a rule (a
-    feature the family file does not know would hide in one that is not). The whole-model loader and the sharded
-    loader of tensor-parallel ranks both start here."""
+    checking, from the safetensors headers alone, that the config's layer count and sizes fit the tensors
+    (`guard`: the error names the config.json field), that every rule's tensor is there and that every tensor
+    of the checkpoint is read by a rule (a feature the family file does not know would hide in one that is
+    not). The whole-model loader and the sharded loader of tensor-parallel ranks both start here."""
+    files = weight_files(directory) if files is None else files
+    shapes = file_shapes(files)
+    fields = hf_field_names(cfg)
+    check_layer_count(config.n_layers, fields.get("n_layers", "n_layers"), shapes, source, _weights_label(files))
     rules = hf_rules(cfg, config, source)
-    files = weight_files(directory)
     missing = [r.theirs for r in rules if r.theirs not in files]
     if missing:
         raise CheckpointError(f"{directory}: tensors missing from the checkpoint: {missing[:8]}")
@@ -118,13 +141,16 @@ def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig,
     if extra:
         raise CheckpointError(f"{directory}: tensors the {family_of(cfg).name} family does not use: {extra[:8]}"
                               f"{' ...' if len(extra) > 8 else ''} (a feature scratchlm does not implement?)")
+    check_shapes(config, rules, shapes, lambda name: files[name].name, fields, source)
     return rules, files
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> LoadedModel:
-    """Load an HF model directory (config.json + safetensors) and its tokenizer.json if present."""
-    directory = Path(path)
+    """Load an HF model directory (config.json + safetensors) and its tokenizer.json if present.
+
+    The config's sizes are checked against the safetensors headers before anything is built (`guard`)."""
+    directory = check_path(Path(path))
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json; an HF model directory needs config.json + safetensors")
@@ -132,13 +158,20 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+    files = weight_files(directory)
+    layers_key = hf_field_names(hf_config).get("n_layers")
+    if layers_key is not None:  # before the translation, which may build per-layer lists
+        check_layer_count(hf_config[layers_key], layers_key, file_shapes(files), str(config_path),
+                          _weights_label(files))
     config = config_from_hf(hf_config, str(config_path))
-    rules, files = checked_rules(directory, hf_config, config, str(config_path))
+    rules, files = checked_rules(directory, hf_config, config, str(config_path), files)
     features = config.features()
     log.info("loading %s model from %s: %d layers, d_model %d, vocab %d%s", hf_config.get("model_type"), directory,
              config.n_layers, config.d_model, config.vocab_size,
              f"; features: {', '.join(features)}" if features else "")
-    model = build_model(config, _read_tensors(files, rules), str(directory), dtype, device)
+    model = build_model(config, _read_tensors(files, rules), str(directory), dtype, device, check_finite=False)
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         tokenizer = optional_tokenizer("formats.load_hf_dir", directory)
