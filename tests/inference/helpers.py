@@ -51,9 +51,24 @@ def make_engine(model, cfg, num_blocks: int = 64, eos_id: int | None = None, **o
     return LLMEngine(model, CharTokenizer(cfg.vocab_size, eos_id), cfg, config)
 
 
+#: Where the engine's swapped-in modules live: `ModelRunner` swaps a model's layers for these in place (engine_ops'
+#: C++ row ops, fast_linear's packed panels), so a model an engine has run no longer computes with plain torch.
+ENGINE_SWAP_MODULES = ("scratchlm.inference.engine_ops", "scratchlm.inference.fast_linear")
+
+
+def assert_plain_oracle(model: torch.nn.Module) -> None:
+    """An oracle model must not share the code under test: refuse one whose modules an engine swapped for its own
+    kernels (give engines and oracles separate loads of the same weights)."""
+    swapped = sorted({type(m).__name__ for m in model.modules() if type(m).__module__ in ENGINE_SWAP_MODULES})
+    assert not swapped, (f"the oracle model runs the engine's kernels ({', '.join(swapped)}): an engine was built "
+                         "on it; load an independent copy for the reference")
+
+
 @torch.no_grad()
 def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Reference: recompute the whole sequence every token with plain causal attention."""
+    """Reference: recompute the whole sequence every token with plain causal attention, on a model no engine has
+    swapped (`assert_plain_oracle`)."""
+    assert_plain_oracle(model)
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))

@@ -1,6 +1,10 @@
 """LLMEngine on the real stories260K model (5 layers, GQA 8/4 heads): exact greedy against a naive
 reference under every scheduling choice, block invariants on random request streams (hypothesis),
-stops, n > 1, logprobs, aborts."""
+stops, n > 1, logprobs, aborts.
+
+The engines run MODEL, whose layers their `ModelRunner` swaps for the engine's kernels in place; the oracle is
+ORACLE, a second load of the same file that no engine touches, run by plain torch (`naive_greedy` refuses a
+swapped model)."""
 
 from __future__ import annotations
 
@@ -14,19 +18,30 @@ from hypothesis import strategies as st
 from scratchlm.inference import SamplingParams
 from scratchlm.model import load
 from tests.conftest import shared_data_path
-from tests.inference.helpers import greedy, make_engine, naive_greedy, run_all
+from tests.inference.helpers import ENGINE_SWAP_MODULES, assert_plain_oracle, greedy, make_engine, naive_greedy, run_all
 
 STORIES = shared_data_path() / "models/stories260K/stories260K.bin"
 if not STORIES.is_file():
     pytest.skip(f"stories260K not found at {STORIES}", allow_module_level=True)
-MODEL, CFG = load(STORIES)[::2]
+MODEL, CFG = load(STORIES)[::2]  # the engines' model
 MODEL.eval()
+ORACLE = load(STORIES).model.eval()  # the reference's: never given to an engine
 PREFIXES = [list(range(5, 5 + 20)), [7, 3, 9, 1, 2, 11, 13, 40, 41, 6, 0]]
 
 
 @functools.cache
 def reference(prompt: tuple[int, ...], n: int) -> list[int]:
-    return naive_greedy(MODEL, list(prompt), n)
+    return naive_greedy(ORACLE, list(prompt), n)
+
+
+def test_the_oracle_is_not_the_engines_model() -> None:
+    """An engine swaps its model's layers for its own kernels (so a reference computed through that model would
+    run the code under test); ORACLE stays plain torch, with the same weights."""
+    make_engine(MODEL, CFG)
+    assert any(type(m).__module__ in ENGINE_SWAP_MODULES for m in MODEL.modules())
+    assert_plain_oracle(ORACLE)
+    with pytest.raises(AssertionError, match="runs the engine's kernels"):
+        naive_greedy(MODEL, [1, 2, 3], 1)
 
 
 def check_blocks(engine) -> None:
@@ -234,7 +249,7 @@ def test_logprobs_match_the_model() -> None:
     ids = list(prompt)
     for tok, entry in zip(out.token_ids, out.logprobs):
         with torch.no_grad():
-            lp = torch.log_softmax(MODEL(torch.tensor([ids]))[0, -1], -1)
+            lp = torch.log_softmax(ORACLE(torch.tensor([ids]))[0, -1], -1)
         assert entry[tok] == pytest.approx(float(lp[tok]), abs=1e-4)
         assert set(lp.topk(2).indices.tolist()) <= set(entry)
         ids.append(tok)

@@ -12,13 +12,14 @@ import pytest
 from scratchlm.inference import LLM, SamplingParams
 from scratchlm.model import load
 from tests.conftest import shared_data_path
-from tests.inference.helpers import greedy, make_engine, run_all
+from tests.inference.helpers import assert_plain_oracle, greedy, make_engine, run_all
 
 STORIES = shared_data_path() / "models/stories260K/stories260K.bin"
 if not STORIES.is_file():
     pytest.skip(f"stories260K not found at {STORIES}", allow_module_level=True)
-MODEL, CFG = load(STORIES)[::2]
+MODEL, CFG = load(STORIES)[::2]  # the engines' model (their ModelRunner swaps its layers for the engine's kernels)
 MODEL.eval()
+ORACLE = load(STORIES).model.eval()  # the fake-quantized reference's: never given to an engine
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot", "List three colors:"]
 COMPACT = ["bfloat16", "float16", "int8"]
 
@@ -87,6 +88,7 @@ def test_greedy_equals_fake_quantized_reference(fp32_and_compact_outputs, kv) ->
     import torch
 
     golden, outs = fp32_and_compact_outputs
+    assert_plain_oracle(ORACLE)
     attn = _fake_quant_attention(kv)
     tok = LLM(STORIES).engine.tokenizer
     prompts = [golden["prompt_ids"]] + [tok.encode(p) for p in PROMPTS]
@@ -95,8 +97,8 @@ def test_greedy_equals_fake_quantized_reference(fp32_and_compact_outputs, kv) ->
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(n):
-                h = MODEL.hidden_states(torch.tensor([ids]), torch.arange(len(ids)), attn)[0, -1]
-                ids.append(int((MODEL.norm(h) @ MODEL.output_weight.T).argmax()))
+                h = ORACLE.hidden_states(torch.tensor([ids]), torch.arange(len(ids)), attn)[0, -1]
+                ids.append(int((ORACLE.norm(h) @ ORACLE.output_weight.T).argmax()))
         assert got[:n] == ids[len(prompt):], (kv, prompt)
 
 

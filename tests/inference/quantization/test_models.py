@@ -141,11 +141,13 @@ def greedy_ids(model, tokenizer, config, prompts, n):
     return [outs[i] for i in range(len(prompts))]
 
 
-def test_engine_greedy_int8_mostly_agrees_with_fp32(stories):
+def test_engine_greedy_int8_mostly_agrees_with_fp32(stories, data_dir):
     """Measured on stories260K (4 prompts x 48 tokens): the int8 engine's greedy tokens equal fp32's at
     ~99% of positions (first divergence, when any, comes late). Equality need not hold, so we assert >= 85%."""
     prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a boy"]
-    fp32 = greedy_ids(stories.model, stories.tokenizer, stories.config, prompts, 48)
+    # the engine swaps its model's layers for its kernels: a load of its own, so the shared fixture stays plain torch
+    fp32_model = load(data_dir / "models" / "stories260K" / "stories260K.bin").model
+    fp32 = greedy_ids(fp32_model, stories.tokenizer, stories.config, prompts, 48)
     int8 = greedy_ids(quantize_model(stories.model, "int8"), stories.tokenizer, stories.config, prompts, 48)
     same = np.mean([a == b for x, y in zip(fp32, int8) for a, b in zip(x, y)])
     assert same >= 0.85, f"int8 greedy agrees with fp32 at only {same:.0%} of positions"
