@@ -96,11 +96,14 @@ def write_gguf(out: Path, hf_dir: Path, *, block_count: int | None = None, ff: i
 
 
 def _checkpoint(path: Path, **config_fields) -> Path:
-    """A scratchlm checkpoint of a small random model whose stored model_config gets `config_fields`."""
+    """A scratchlm checkpoint of a small random model whose stored model_config gets `config_fields`: edited by
+    hand, so without the per-tensor checksums a checkpoint may carry (they would refuse the edit before the
+    guards see it; a checkpoint without them loads unverified, and the guards are what stands then)."""
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64))
     save_model(path, model)
     ckpt = torch.load(path, weights_only=True)
+    ckpt.pop("checksums", None)
     ckpt["model_config"] = ckpt["model_config"] | config_fields
     torch.save(ckpt, path)
     return path
@@ -262,7 +265,7 @@ def test_safetensors_and_checkpoint_with_an_inf_are_refused(stories_hf, tmp_path
                                               r"has 1 non-finite value \(first: inf at \[5, 7\]\)"):
         load(stories_hf)
     ckpt = _checkpoint(tmp_path / "c.pt")
-    raw = torch.load(ckpt, weights_only=True)
+    raw = torch.load(ckpt, weights_only=True)  # a NaN the training run itself saved: checksums would agree
     raw["model"]["layers.0.attn.k_proj.weight"][0, 1] = float("nan")
     torch.save(raw, ckpt)
     with pytest.raises(CheckpointError, match=r"c\.pt: tensor layers\.0\.attn\.k_proj\.weight has 1 non-finite "
