@@ -67,3 +67,39 @@ def test_killed_server_takes_its_ranks(tmp_path):
         srv.wait_exit(10)
         took = wait_for(lambda: not alive(rank), 10, "the rank gone after the server was killed")
         print(f"server killed -> rank gone after {took:.2f} s")
+
+
+@pytest.mark.distributed
+def test_stopped_pipeline_stage_unhealthy_then_server_exits(tmp_path):
+    """The issue's case: a stopped last pipeline stage gave 60 s of 200s."""
+    with served(tmp_path, "--pipeline-parallel-size", "2", "--heartbeat-timeout-s", "1", "--step-timeout-s",
+                "4") as srv:
+        (rank,) = srv.ranks()
+        os.kill(rank, signal.SIGSTOP)
+        took = wait_for(lambda: srv.health().status_code == 503, 15, "/health 503 after SIGSTOP of stage 1")
+        print(f"stage 1 stopped -> /health 503 after {took:.2f} s")
+        assert srv.wait_exit(30) == EXIT_ENGINE_HUNG, srv.output()[-3000:]
+        wait_for(lambda: not alive(rank), 10, "the stopped stage gone")
+
+
+@pytest.mark.distributed
+def test_engine_process_rank_stopped_or_killed_ends_the_server(tmp_path):
+    """Under --engine-process the ranks are the child's: their heartbeats reach /health through the child's, and a
+    dead rank ends the child and then the server."""
+    with served(tmp_path, "--tensor-parallel-size", "2", "--engine-process", "--heartbeat-timeout-s", "1",
+                "--step-timeout-s", "4") as srv:
+        child = srv.engine_process()
+        (rank,) = srv.ranks(child)
+        os.kill(rank, signal.SIGSTOP)
+        wait_for(lambda: srv.health().status_code == 503, 15, "/health 503 after SIGSTOP of rank 1")
+        assert [s["part"] for s in srv.health().json()["stale"]] == ["rank 1"]
+        assert srv.wait_exit(30) == EXIT_ENGINE_HUNG, srv.output()[-3000:]
+        wait_for(lambda: not alive(rank) and not alive(child), 10, "the engine process and its stopped rank gone")
+    with served(tmp_path, "--tensor-parallel-size", "2", "--engine-process") as srv:
+        child = srv.engine_process()
+        (rank,) = srv.ranks(child)
+        os.kill(rank, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert srv.wait_exit(30) == EXIT_ENGINE_FAILED, srv.output()[-3000:]
+        print(f"engine process's rank killed -> server exit 3 after {time.monotonic() - t0:.2f} s")
+        assert "the engine process cannot continue" in srv.output() and "rank 1" in srv.output()

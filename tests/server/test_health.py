@@ -139,3 +139,25 @@ def test_sigterm_stops_children_and_exits_zero(tmp_path):
         assert srv.wait_exit(30) == EXIT_OK, srv.output()[-3000:]
         print(f"SIGTERM -> exit 0 after {time.monotonic() - t0:.2f} s")
         wait_for(lambda: not alive(child), 10, "the engine process gone after SIGTERM")
+
+
+def test_bounds_each_part_and_the_first_step():
+    """The rules, on hand-picked looks: stale past the heartbeat timeout (503, may recover), hung past the step
+    timeout, the first step judged by its own (longer) bound."""
+    from scratchlm.server.health import HealthConfig, assess
+
+    config = HealthConfig(heartbeat_timeout_s=5, step_timeout_s=120, first_step_timeout_s=600)
+    report, hung = assess(config, {"engine loop": 0.05, "rank 1": 0.4}, None, steps=3)
+    assert (report.status, hung) == ("ok", None)
+    report, hung = assess(config, {"engine process": 6.0, "rank 1": 0.4}, None, steps=3)
+    assert report.status == "unhealthy" and report.stale == [("engine process", 6.0)] and hung is None
+    report, hung = assess(config, {"rank 1": 121.0}, None, steps=3)
+    assert report.status == "hung" and "rank 1 sent no heartbeat for 121.0 s" in hung
+    report, hung = assess(config, {}, 300.0, steps=0)  # the first step may build kernels: 300 s is fine
+    assert (report.status, hung) == ("ok", None)
+    report, hung = assess(config, {}, 601.0, steps=0)
+    assert report.status == "hung" and "--first-step-timeout-s 600" in hung
+    report, hung = assess(config, {}, 121.0, steps=1)
+    assert report.status == "hung" and "--step-timeout-s 120" in hung
+    body = assess(config, {"engine process": 6.0}, None, steps=3)[0].body(config)
+    assert body["stale"] == [{"part": "engine process", "seconds": 6.0}] and body["error"]["code"] == "engine_unhealthy"
