@@ -36,6 +36,7 @@ def test_stopped_rank_unhealthy_then_server_exits(tmp_path):
         wait_for(lambda: not alive(rank), 10, "the stopped rank gone")
 
 
+@pytest.mark.distributed
 def test_rank_killed_while_idle_ends_the_server(tmp_path):
     with served(tmp_path, "--tensor-parallel-size", "2") as srv:
         (rank,) = srv.ranks()
