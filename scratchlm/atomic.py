@@ -9,7 +9,11 @@ The policy (what survives a `kill -9` or a power cut at any instant):
    replace can bring back the old file, or on some file systems an empty one);
 4. on an error the temp file is removed; after a crash it stays behind as an *orphan*, which the
    owner removes on its next start with :func:`remove_orphan_temps` (only names of exactly the
-   pattern above, so that no user file is ever touched).
+   pattern above, so that no user file is ever touched);
+5. running out of space (``ENOSPC``, ``EDQUOT``, or ``EFBIG`` from a file-size limit) mid-write raises
+   :class:`DiskFullError`, an ``OSError`` whose message names the target, says the disk is full and how much was
+   written, and that the previous file is intact: no "unexpected pos" from a library that wrapped the error
+   (torch does), found by walking the exception's ``__cause__`` / ``__context__`` chain.
 
 Use :func:`atomic_write` (a context manager that yields the open temp file) where the caller writes
 into a file object, and :func:`replace` where a library insists on writing to a path itself.
@@ -18,6 +22,7 @@ into a file object, and :func:`replace` where a library insists on writing to a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import tempfile
@@ -26,6 +31,47 @@ from pathlib import Path
 from typing import IO
 
 TMP_SUFFIX = ".tmp"
+
+_OUT_OF_SPACE = {
+    errno.ENOSPC: "the disk is full (no space left on the device)",
+    errno.EDQUOT: "the disk is full for this user (disk quota exceeded)",
+    errno.EFBIG: "the file size limit was reached (ulimit -f / RLIMIT_FSIZE, or the file system's largest file)",
+}
+
+
+class DiskFullError(OSError):
+    """Writing a file ran out of space (``ENOSPC`` / ``EDQUOT``) or hit a file-size limit (``EFBIG``); the target's
+    previous content is intact and the partial temp file was removed. ``errno`` and ``filename`` are set."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def out_of_space(exc: BaseException) -> OSError | None:
+    """The ``ENOSPC`` / ``EDQUOT`` / ``EFBIG`` OSError behind `exc` (itself, or in its cause/context chain), if any."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _OUT_OF_SPACE:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _disk_full_error(path: Path, cause: OSError, written: int) -> DiskFullError:
+    import shutil
+
+    free = ""
+    with contextlib.suppress(OSError):
+        free = f", {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free now"
+    kept = f"The previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
+    message = (f"{path}: could not write the file: {_OUT_OF_SPACE[cause.errno]}; {written / 2**20:.1f} MiB were "
+               f"written before it failed{free}. {kept} and the partial temporary file was removed: free some "
+               "space (or raise the limit) and retry")
+    err = DiskFullError(cause.errno, message)
+    err.filename = str(path)
+    return err
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -81,8 +127,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", encoding: str | None
             os.fsync(f.fileno())
         _default_permissions(tmp)
         replace(tmp, path, sync_file=False)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         Path(tmp).unlink(missing_ok=True)
+        full = out_of_space(e)
+        if full is not None and not isinstance(e, DiskFullError):
+            raise _disk_full_error(path, full, written) from e
         raise
 
 
@@ -120,6 +170,13 @@ def remove_orphan_temps(path: str | os.PathLike) -> list[Path]:
             p.unlink()
             removed.append(p)
     return removed
+
+
+def _size(path: str | os.PathLike) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _default_permissions(tmp: str | os.PathLike) -> None:

@@ -117,5 +117,7 @@ class PromptTokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> PromptTokenizer:
-        d = torch.load(Path(path) / "tokenizer.pt", weights_only=True)
+        from scratchlm.model.loading.checkpoint import load_torch_file
+
+        d = load_torch_file(Path(path) / "tokenizer.pt", "diffusion tokenizer")  # weights-only, errors name the file
         return cls(tokenizer_from_state(d["tokenizer"]), d["max_len"])

@@ -10,7 +10,9 @@ from scratchlm.fold.pairformer import (
     PairformerBlock,
     PairformerConfig,
     chunk_size_for_budget,
+    load_boltz_checkpoint,
     load_boltz_state_dict,
 )
 
-__all__ = ["Pairformer", "PairformerBlock", "PairformerConfig", "chunk_size_for_budget", "load_boltz_state_dict"]
+__all__ = ["Pairformer", "PairformerBlock", "PairformerConfig", "chunk_size_for_budget", "load_boltz_checkpoint",
+           "load_boltz_state_dict"]

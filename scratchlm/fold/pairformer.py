@@ -13,7 +13,8 @@ A block updates the pair representation z (B, N, N, c_z) and the single represen
 The math follows Boltz-2's `PairformerLayer(v2=True)` exactly in eval mode (dropout off): the same
 LayerNorms (eps 1e-5), sigmoid gates, masks (pair mask multiplies the triangle-update inputs, and
 -1e9 / -1e6 key-mask biases in the attentions), and fp32 softmax. `load_boltz_state_dict` takes Boltz's
-state dict. Projections that read the same input are fused into one GEMM (p_in|g_in, q|k|v|g,
+state dict; `load_boltz_checkpoint` reads one from a file (weights-only: no code in a file runs).
+Projections that read the same input are fused into one GEMM (p_in|g_in, q|k|v|g,
 fc1|fc2 stay in the project's `SwiGLU`), which is where the single-rank speed over Boltz comes from.
 
 Every pair op is split into a *local* part that only needs its own rows and the piece it needs from
@@ -31,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -421,3 +423,37 @@ def load_boltz_state_dict(module: PairformerBlock | Pairformer, sd: dict[str, Te
             raise ValueError(f"Boltz state dict: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)} "
                              "(do the widths match the PairformerConfig?)")
     module.load_state_dict(mapped, strict=True)
+
+
+def load_boltz_checkpoint(module: PairformerBlock | Pairformer, path: str | Path, prefix: str | None = None) -> None:
+    """Load Pairformer weights from a Boltz checkpoint file into `module` (a stack, or one block).
+
+    `path`: a ``.safetensors`` file, or a torch file (``.ckpt`` / ``.pt``) read **weights-only**: a Lightning
+    checkpoint's ``state_dict`` entry or a plain state dict. A torch file that needs Python objects beyond tensors
+    and plain data (a pickled class, possibly code) is refused with a `CheckpointError` naming the file; nothing in
+    it runs. `prefix`: where the stack's keys start (``"pairformer_module."`` in a Boltz-2 model, ``""`` in a
+    `PairformerModule`'s own state dict); by default the one that holds the weights (the trunk's when a model has
+    several), else a `ValueError` lists the candidates."""
+    from scratchlm.model.loading.checkpoint import load_torch_file
+
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(path))
+    else:
+        obj = load_torch_file(path, "Boltz checkpoint")
+        sd = obj.get("state_dict", obj) if isinstance(obj, dict) else None
+        if not isinstance(sd, dict):
+            raise ValueError(f"{path}: expected a state dict or a Lightning checkpoint with 'state_dict', "
+                             f"found {type(obj).__name__}")
+    marker = "tri_mul_out.p_in.weight" if isinstance(module, PairformerBlock) else "layers.0.tri_mul_out.p_in.weight"
+    if prefix is None:
+        found = sorted({k[: -len(marker)] for k in sd if k.endswith(marker)})
+        prefix = ("" if "" in found else "pairformer_module." if "pairformer_module." in found
+                  else found[0] if len(found) == 1 else None)
+        if prefix is None:
+            raise ValueError(f"{path}: cannot tell which Pairformer to load: weights found under {found[:8] or 'none'}"
+                             " (pass prefix=...)")
+    sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    load_boltz_state_dict(module, sub)

@@ -242,10 +242,9 @@ def read_model_config(path: str | Path) -> ModelConfig:
         from scratchlm.model.loading.llama2c import read_header
 
         return read_header(path)[0]
-    import torch
+    from scratchlm.model.loading.checkpoint import read_checkpoint_config
 
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    return ModelConfig(**ckpt["model_config"])
+    return read_checkpoint_config(path)  # weights-only: no code in the file runs (docs/training.md)
 
 
 def torchrun_world() -> tuple[int, int, int] | None:

@@ -1,15 +1,28 @@
-"""Checkpoints: atomic writes, clear errors on corrupt files, CS336 `save_checkpoint`/`load_checkpoint`.
+"""Checkpoints: atomic writes with per-tensor checksums, clear errors on corrupt files, CS336
+`save_checkpoint`/`load_checkpoint`.
 
 A training checkpoint is one ``torch.save`` dict in the scratchlm checkpoint format of
 docs/contracts.md, so that ``scratchlm.model.load(path)`` and ``scratchlm generate --model PATH`` read
 it directly::
 
-    {"format": "scratchlm", "version": 1,
+    {"format": "scratchlm", "version": 2,
      "model_config": dict, "model": state_dict, "tokenizer": dict | None,     # what the model loader reads
      "optimizer": state_dict, "step": int, "rng": {...}, "data": {...},       # what resume reads
-     "train_config": dict}
+     "train_config": dict,
+     "checksums": {"algorithm": "crc32", "tensors": {path: crc}, "structure": crc}}
 
-It is loaded with ``weights_only=True`` (no arbitrary code runs when a checkpoint is opened).
+What is guaranteed (the policy lives in `scratchlm.model.loading.checkpoint`; docs/training.md):
+
+- **no code runs** when a checkpoint is opened: it is read ``weights_only=True``, and a file that needs any Python
+  object beyond tensors and plain data is refused naming the file;
+- **a corrupt checkpoint is refused on resume**: every tensor (model, optimizer state, RNG states) is checked
+  against the crc32 written with it, and everything else (step, data position, keys, shapes) against one more,
+  so a flipped bit or a NaN written into a tensor fails naming the tensor and the file; a checkpoint from before
+  checksums (version 1) resumes with a warning that it is unverified;
+- **a write never destroys the previous checkpoint**: a crash, a ``kill -9`` or a full disk mid-write leaves the
+  old file intact (temp file + rename, `scratchlm.atomic`); a full disk raises
+  :class:`scratchlm.atomic.DiskFullError` naming the file and saying the disk is full, and the temp file is
+  removed (after a ``kill -9`` the trainer removes it on its next start).
 """
 
 from __future__ import annotations
@@ -22,21 +35,30 @@ from typing import IO, Any
 
 import torch
 
-from scratchlm.atomic import atomic_write
+from scratchlm.model.loading.checkpoint import (
+    FORMAT,
+    VERSION,
+    compute_checksums,
+    load_torch_file,
+    save_torch_checkpoint,
+    verify_checksums,
+)
+from scratchlm.model.loading.common import CheckpointError
 
-FORMAT = "scratchlm"
-VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, corrupt, or not what the caller expects."""
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "atomic_torch_save", "capture_rng_state", "load_checkpoint",
+           "read_checkpoint", "restore_rng_state", "save_checkpoint"]
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     """``torch.save`` to a temp file in the same folder, fsync, ``os.replace``, fsync the folder
     (`scratchlm.atomic`): a reader never sees a half-written checkpoint, even if the process dies
     mid-write; an interrupted write leaves only ``<name>.<random>.tmp``, which the trainer removes
-    on its next start."""
+    on its next start. A dict gets its ``"checksums"`` entry (and ``version`` 2). A full disk raises
+    :class:`scratchlm.atomic.DiskFullError` naming `path`; the previous file stays and the temp file is removed."""
+    if isinstance(obj, dict):
+        return save_torch_checkpoint(obj, path)
+    from scratchlm.atomic import atomic_write
+
     path = Path(path)
     with atomic_write(path, "wb") as f:
         torch.save(obj, f)
@@ -45,7 +67,8 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
 
 def read_checkpoint(src: str | Path | IO[bytes], map_location: str | torch.device = "cpu",
                     require: tuple[str, ...] = ("model",)) -> dict[str, Any]:
-    """Load a checkpoint dict safely; raise :class:`CheckpointError` naming the file and the problem."""
+    """Load a checkpoint dict safely (weights-only) and verify its checksums; raise :class:`CheckpointError`
+    naming the file and the problem (a refused object, a corrupt file, a tensor that fails its checksum)."""
     name = str(src) if isinstance(src, str | Path) else getattr(src, "name", "<file object>")
     if isinstance(src, str | Path):
         path = Path(src)
@@ -53,17 +76,13 @@ def read_checkpoint(src: str | Path | IO[bytes], map_location: str | torch.devic
             raise CheckpointError(f"checkpoint not found: {path}")
         if path.stat().st_size == 0:
             raise CheckpointError(f"{path}: the checkpoint file is empty (an interrupted write?)")
-    try:
-        obj = torch.load(src, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... on corrupt files
-        raise CheckpointError(
-            f"{name}: not a readable checkpoint (corrupt or truncated file?): {type(e).__name__}: {e}"
-        ) from e
+    obj = load_torch_file(src, "checkpoint", map_location=map_location)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{name}: expected a checkpoint dict, found a {type(obj).__name__}")
     missing = [k for k in require if k not in obj]
     if missing:
         raise CheckpointError(f"{name}: checkpoint lacks {missing}; it has keys {sorted(obj)}")
+    verify_checksums(obj, name)
     return obj
 
 
@@ -99,7 +118,7 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, it
     if isinstance(out, str | os.PathLike):
         atomic_torch_save(obj, out)
     else:
-        torch.save(obj, out)
+        torch.save({**obj, "checksums": compute_checksums(obj)}, out)
 
 
 def load_checkpoint(src: str | os.PathLike | IO[bytes], model: torch.nn.Module,

@@ -69,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, CheckpointError, TokenFileError) as e:
         print(f"scratchlm train: error: {e}", file=sys.stderr)
         return 2
-    result = trainer.train()
+    from scratchlm.atomic import DiskFullError
+
+    try:
+        result = trainer.train()
+    except DiskFullError as e:  # the message names the file, says the disk is full, and that the last one is intact
+        print(f"scratchlm train: error: {e}", file=sys.stderr)
+        return 1
     if trainer.ctx.is_main and result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint}")
     from scratchlm.training.distributed import shutdown_distributed

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from scratchlm.model import CheckpointError, ModelConfig, TransformerLM, export_hf, load, save_model
 from scratchlm.model.generate import generate
 from scratchlm.model.loading import detect_format
+from scratchlm.model.loading.checkpoint import save_torch_checkpoint
 from scratchlm.model.loading.dequant import dequantize
 from tests.model.helpers import hf_logits, tiny_llama, tiny_qwen2
 
@@ -248,7 +249,7 @@ def test_scratchlm_checkpoint_round_trip(tmp_path):
     # compiled / DDP prefixes in the state dict are understood
     ckpt = torch.load(path, weights_only=True)
     ckpt["model"] = {"_orig_mod." + k: v for k, v in ckpt["model"].items()}
-    torch.save(ckpt, tmp_path / "compiled.pt")
+    save_torch_checkpoint(ckpt, tmp_path / "compiled.pt")  # an edited checkpoint: re-saved with new checksums
     with torch.no_grad():
         torch.testing.assert_close(load(tmp_path / "compiled.pt").model(tokens), model(tokens))
 

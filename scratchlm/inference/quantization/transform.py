@@ -27,6 +27,7 @@ from scratchlm.inference.quantization.modules import (
 )
 from scratchlm.inference.quantization.scheme import LayerFormat, QuantScheme, parse_scheme
 from scratchlm.model.config import ModelConfig
+from scratchlm.model.loading.checkpoint import load_torch_file
 from scratchlm.model.loading.common import CheckpointError, LoadedModel
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,7 @@ def load_quantized(path: str | Path, device: str | torch.device = "cpu", dtype: 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"quantized checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {e})") from None
+    ckpt = load_torch_file(path, "torch checkpoint")  # weights-only: a file that would run code is refused
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a quantized scratchlm checkpoint (expected format {FORMAT!r}, "
