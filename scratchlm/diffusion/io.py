@@ -1,6 +1,7 @@
 """diffusers-format directories: `config.json` (with `_class_name`) + `diffusion_pytorch_model.safetensors`.
 
-Writes are atomic (temporary file, then rename), so a crash never leaves half a checkpoint.
+Writes are atomic (`scratchlm.atomic`: temporary file, fsync, rename), so a crash or a full disk never leaves half
+a checkpoint, and a full disk is reported as such. Weights are safetensors: reading them runs no code.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from scratchlm import atomic
 
@@ -26,19 +27,14 @@ def load_diffusers_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     return json.loads(cfg_path.read_text()), load_file(str(w_path))
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    atomic.replace(tmp, path)
-
-
 def save_diffusers_dir(path: str | Path, class_name: str, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"_class_name": class_name, "_diffusers_version": _diffusers_version(), **config}
     sd = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    _atomic_write(path / WEIGHTS, lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
-    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
+    # serialised in memory, then written through scratchlm.atomic: a full disk is a DiskFullError naming the file
+    atomic.write_bytes(path / WEIGHTS, save(sd, metadata={"format": "pt"}))
+    atomic.write_text(path / "config.json", json.dumps(cfg, indent=2))
 
 
 def _diffusers_version() -> str:
