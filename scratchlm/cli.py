@@ -3,6 +3,11 @@
 Each subcommand lives next to the code it drives, in a module that exposes
 ``add_arguments(parser)`` and ``run(args) -> int``. This file only dispatches, and imports the
 module of the chosen subcommand alone, so `scratchlm --help` stays fast.
+
+Two checks are shared by every subcommand, before it runs: an unknown flag is reported with the subcommand's
+usage and the closest flag it has (``--temprature (did you mean --temperature?)``), never by the top-level usage;
+and a ``--device`` this torch cannot use (no CUDA build, ``cuda:3`` with one GPU, ``mps`` off a Mac) is one line
+on stderr and exit status 2, never a traceback from inside the model loader.
 """
 
 from __future__ import annotations
