@@ -207,8 +207,10 @@ def _engine_main(model: str | None, engine_config: Any, threads: int | None, inb
                 try:
                     engine.add_request(rid, prompt, params)
                 except Exception as e:
-                    outbox.put(("accepted", rid, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError)
-                                else str(e)))
+                    # (text, kind): only a ValueError is the request's fault (a 400); the parent raises anything
+                    # else as a RuntimeError, which the server answers with its generic internal error
+                    outbox.put(("accepted", rid, (str(e), "ValueError") if isinstance(e, ValueError)
+                                else (f"{type(e).__name__}: {e}", None)))
                     continue
                 live.add(rid)
                 outbox.put(("accepted", rid, None))
@@ -450,7 +452,8 @@ class EngineProcessLoop:
                 with self._lock:
                     stream = self._streams.get(payload) if extra is None else self._streams.pop(payload, None)
                 if stream is not None:
-                    error = None if extra is None else ValueError(extra)
+                    error = None if extra is None else (ValueError if extra[1] == "ValueError" else RuntimeError)(
+                        extra[0])
                     with contextlib.suppress(RuntimeError):
                         stream.loop.call_soon_threadsafe(stream._accept, error)
             elif kind == "embedded":

@@ -72,6 +72,25 @@ def test_process_engine_rejection_and_disconnect(process_server):
     assert free == total
 
 
+def test_process_engine_rejection_kinds(process_server):
+    """Only the engine's ValueError comes back as a ValueError (the server's 400, its text shown); any other
+    failure of add_request comes back as a RuntimeError, which the server answers with its generic error."""
+    _, loop, _ = process_server
+
+    async def accept(request_id, prompt, params):
+        stream = loop.submit(request_id, prompt, params)
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(stream.accepted, 60)
+        return info.value
+
+    bad_value = asyncio.run(accept("too-long", [1] * 600, inference.SamplingParams(max_tokens=1)))
+    assert type(bad_value) is ValueError and "max_model_len" in str(bad_value)
+    broken = inference.SamplingParams(max_tokens=1)
+    object.__setattr__(broken, "temperature", "hot")  # past the server's validation: a bug, not the client's fault
+    internal = asyncio.run(accept("internal", "Once", broken))
+    assert type(internal) is RuntimeError and "TypeError" in str(internal)
+
+
 def test_dead_engine_process_gives_503(process_server):
     srv, loop, _ = process_server
     loop._proc.kill()
