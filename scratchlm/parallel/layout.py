@@ -15,7 +15,6 @@ number of rows, which an all-gather needs).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,11 +226,10 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
     path = Path(path)
     kind = detect_format(path)
-    if kind == "hf":
-        from scratchlm.model.loading.hf import config_from_hf
+    if kind == "hf":  # every declared size checked against the safetensors headers (model/loading/guard.py)
+        from scratchlm.model.loading.hf import checked_config
 
-        cfg_path = path / "config.json"
-        return config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+        return checked_config(path).config
     if kind == "gguf":
         from scratchlm.model.loading.gguf_file import config_from_gguf
         from scratchlm.model.loading.gguf_reader import read_gguf

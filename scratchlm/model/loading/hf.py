@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -145,11 +145,21 @@ def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig, sou
     return rules, files
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> LoadedModel:
-    """Load an HF model directory (config.json + safetensors) and its tokenizer.json if present.
+class CheckedHF(NamedTuple):
+    """An HF directory's config.json, its ModelConfig, the family's tensor rules and {HF tensor name: file}, all
+    checked against the safetensors headers (`checked_config`)."""
 
-    The config's sizes are checked against the safetensors headers before anything is built (`guard`)."""
+    hf_config: dict[str, Any]
+    config: ModelConfig
+    rules: list[Rule]
+    files: dict[str, Path]
+
+
+def checked_config(path: str | Path) -> CheckedHF:
+    """Read an HF directory's config.json and check every size it declares against the safetensors headers
+    (`guard`): the layer count before the translation (which may build per-layer lists), then every tensor's
+    shape. No tensor data is read; what fails names the config.json field and the file. The whole-model loader
+    and the tensor-parallel launcher's `read_model_config` both start here."""
     directory = check_path(Path(path))
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -162,11 +172,21 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
     files = weight_files(directory)
     layers_key = hf_field_names(hf_config).get("n_layers")
-    if layers_key is not None:  # before the translation, which may build per-layer lists
+    if layers_key is not None:
         check_layer_count(hf_config[layers_key], layers_key, file_shapes(files), str(config_path),
                           _weights_label(files))
     config = config_from_hf(hf_config, str(config_path))
     rules, files = checked_rules(directory, hf_config, config, str(config_path), files)
+    return CheckedHF(hf_config, config, rules, files)
+
+
+def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> LoadedModel:
+    """Load an HF model directory (config.json + safetensors) and its tokenizer.json if present.
+
+    The config's sizes are checked against the safetensors headers before anything is built (`checked_config`)."""
+    directory = Path(path)
+    hf_config, config, rules, files = checked_config(directory)
     features = config.features()
     log.info("loading %s model from %s: %d layers, d_model %d, vocab %d%s", hf_config.get("model_type"), directory,
              config.n_layers, config.d_model, config.vocab_size,

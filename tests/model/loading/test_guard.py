@@ -137,21 +137,23 @@ def _sparse_big_hf(folder: Path, hf_dir: Path, vocab: int) -> Path:
 _CHILD = """
 import json, signal, sys, time
 from scratchlm.model import load
+from scratchlm.parallel.layout import read_model_config  # what the TP/PP/CP launcher reads before any rank starts
 bound = float(sys.argv[1])
 def _late(*_):
-    raise TimeoutError(f"load still running after {bound} s")
+    raise TimeoutError(f"still running after {bound} s")
 signal.signal(signal.SIGALRM, _late)
-for path in sys.argv[2:]:
+for job in sys.argv[2:]:
+    how, path = job.split(":", 1)
     start = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, bound)
     try:
-        load(path)
+        (load if how == "load" else read_model_config)(path)
         error = None
     except BaseException as e:  # MemoryError and the timer's TimeoutError are results too
         error = f"{type(e).__name__}: {e}"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    print(json.dumps({"path": path, "error": error, "seconds": time.monotonic() - start}), flush=True)
+    print(json.dumps({"job": job, "error": error, "seconds": time.monotonic() - start}), flush=True)
 """
 
 
@@ -166,29 +168,33 @@ def _capped() -> None:
 def test_absurd_sizes_are_refused_in_seconds_under_a_memory_cap(stories_hf, tmp_path):
     """One child under RLIMIT_AS (3 GiB) loads: an HF config declaring 1,000,000 layers over a file with 5, a
     GGUF declaring block_count 1,000,000, a scratchlm checkpoint whose model_config says 1,000,000 layers, and
-    a consistent HF model whose 4 GiB of weights (a sparse file) cannot fit. Each is refused within the bound,
-    naming the field and the file (before: each grew to the cap, ~50 s to a MemoryError for the first)."""
+    a consistent HF model whose 4 GiB of weights (a sparse file) cannot fit; and reads the first two as the
+    tensor-parallel launcher does (`read_model_config`, before any rank starts). Each is refused within the
+    bound, naming the field and the file (before: the loads grew to the cap, ~50 s to a MemoryError for the
+    first; the launcher's stage planner, quadratic in the layer count, ran for good)."""
     gguf_path = write_gguf(tmp_path / "layers.gguf", stories_hf, block_count=1_000_000)
     ckpt = _checkpoint(tmp_path / "layers.pt", n_layers=1_000_000)
     big = _sparse_big_hf(tmp_path / "big", stories_hf, vocab=1 << 24)  # 2^24 x 64 float32 = 4 GiB
     hf = _edit_config(stories_hf, num_hidden_layers=1_000_000)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), SCRATCHLM_QUANT_NO_EXTENSION="1")
     env.pop("SCRATCHLM_SKIP_MEMORY_CHECK", None)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(LOAD_BOUND_S), str(hf), str(gguf_path), str(ckpt),
-                           str(big)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,
-                          preexec_fn=_capped, cwd=tmp_path)
-    results = {r["path"]: r for r in map(json.loads, proc.stdout.splitlines())}
-    assert len(results) == 4, proc.stdout + proc.stderr[-3000:]
-    want = {
-        hf: f"{hf / 'config.json'} declares num_hidden_layers=1000000 but model.safetensors has tensors for 5 layers",
-        gguf_path: f"{gguf_path} declares llama.block_count=1000000 but it has tensors for 5 layers",
-        ckpt: f"{ckpt} declares model_config.n_layers=1000000 but its state dict has tensors for 2 layers",
-        big: f"{big}: the weights need 4.00 GiB as float32",
-    }
-    for path, message in want.items():
-        error = results[str(path)]["error"]
-        assert error is not None and error.startswith("CheckpointError") and message in error, (path, error)
-    assert "available (address space left under RLIMIT_AS)" in results[str(big)]["error"]
+    jobs = {f"load:{hf}": f"{hf / 'config.json'} declares num_hidden_layers=1000000 but model.safetensors has "
+                          "tensors for 5 layers",
+            f"config:{hf}": f"{hf / 'config.json'} declares num_hidden_layers=1000000 but model.safetensors has "
+                            "tensors for 5 layers",
+            f"load:{gguf_path}": f"{gguf_path} declares llama.block_count=1000000 but it has tensors for 5 layers",
+            f"config:{gguf_path}": f"{gguf_path} declares llama.block_count=1000000 but it has tensors for 5 layers",
+            f"load:{ckpt}": f"{ckpt} declares model_config.n_layers=1000000 but its state dict has tensors for 2 "
+                            "layers",
+            f"load:{big}": f"{big}: the weights need 4.00 GiB as float32"}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(LOAD_BOUND_S), *jobs], capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S, env=env, preexec_fn=_capped, cwd=tmp_path)
+    results = {r["job"]: r["error"] for r in map(json.loads, proc.stdout.splitlines())}
+    assert len(results) == len(jobs), proc.stdout + proc.stderr[-3000:]
+    for job, message in jobs.items():
+        error = results[job]
+        assert error is not None and error.startswith("CheckpointError") and message in error, (job, error)
+    assert "available (address space left under RLIMIT_AS)" in results[f"load:{big}"]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
