@@ -61,6 +61,7 @@ from scratchlm.inference.cpp_extensions import prepare_kernels
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.loading import detect_format, load
 from scratchlm.model.loading.common import CheckpointError, optional_tokenizer
+from scratchlm.model.loading.guard import check_finite
 from scratchlm.model.loading.hf import checked_rules
 from scratchlm.parallel.comm import (
     IDLE_TIMEOUT,
@@ -159,8 +160,12 @@ def _read_hf_shard(path: Path, model_config: ModelConfig, plan: dict[str, Shard]
             dim, start, stop = plan[name]
             sl = handles[f].get_slice(rule.theirs)
             state[name] = sl[:] if dim is None else sl[start:stop] if dim == 0 else sl[:, start:stop]
+            part = "" if dim is None else f"[{start}:{stop}]" if dim == 0 else f"[:, {start}:{stop}]"
+            check_finite(state[name], rule.theirs + part, f)  # each rank its slice: NaN/Inf refused by name
         else:
-            for name, t in rule.to_ours(handles[f].get_tensor(rule.theirs)):
+            whole = handles[f].get_tensor(rule.theirs)
+            check_finite(whole, rule.theirs, f)
+            for name, t in rule.to_ours(whole):
                 if name in plan:
                     state[name] = take_shard(t, plan[name]).contiguous()
     handles.clear()

@@ -398,3 +398,18 @@ def test_the_cli_names_a_symlink_loop_and_a_fifo(tmp_path, capsys):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
             pytest.fail(f"scratchlm generate --model {path} still running after {WAIT_S * 6} s")
         assert box == [2] and words in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_ranks_refuse_an_inf_in_their_slice(stories_hf, capfd):
+    """Each rank reads only its slice of an HF tensor (parallel/launch.py) and checks it: the rank holding the Inf
+    fails its start-up naming the tensor, its rows and the file."""
+    from scratchlm.inference import LLM
+
+    state = load_file(stories_hf / "model.safetensors")
+    state["model.layers.2.mlp.up_proj.weight"][100, 3] = float("inf")  # rows 86:172 are rank 1's
+    save_file(state, stories_hf / "model.safetensors")
+    with pytest.raises(Exception, match="start-up failed"):
+        LLM(str(stories_hf), tensor_parallel_size=2)
+    assert ("tensor model.layers.2.mlp.up_proj.weight[86:172] has 1 non-finite value (first: inf at [14, 3])"
+            in capfd.readouterr().err)
