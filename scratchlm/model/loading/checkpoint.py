@@ -225,7 +225,10 @@ def read_checkpoint_config(path: str | Path) -> ModelConfig:
     ckpt = load_torch_file(path, "torch checkpoint", mmap=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model_config" not in ckpt:
         raise CheckpointError(f"{path}: not a scratchlm checkpoint with a 'model_config' entry")
-    return _config(ckpt, path)
+    config = _config(ckpt, path)
+    if isinstance(ckpt.get("model"), dict):  # its sizes against the state dict's shapes (model/loading/guard.py)
+        check_state_dict(config, {_strip(k): tuple(v.shape) for k, v in ckpt["model"].items()}, str(path))
+    return config
 
 
 def _config(ckpt: dict[str, Any], path: Path) -> ModelConfig:

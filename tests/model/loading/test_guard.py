@@ -168,7 +168,7 @@ def _capped() -> None:
 def test_absurd_sizes_are_refused_in_seconds_under_a_memory_cap(stories_hf, tmp_path):
     """One child under RLIMIT_AS (3 GiB) loads: an HF config declaring 1,000,000 layers over a file with 5, a
     GGUF declaring block_count 1,000,000, a scratchlm checkpoint whose model_config says 1,000,000 layers, and
-    a consistent HF model whose 4 GiB of weights (a sparse file) cannot fit; and reads the first two as the
+    a consistent HF model whose 4 GiB of weights (a sparse file) cannot fit; and reads the first three as the
     tensor-parallel launcher does (`read_model_config`, before any rank starts). Each is refused within the
     bound, naming the field and the file (before: the loads grew to the cap, ~50 s to a MemoryError for the
     first; the launcher's stage planner, quadratic in the layer count, ran for good)."""
@@ -186,6 +186,8 @@ def test_absurd_sizes_are_refused_in_seconds_under_a_memory_cap(stories_hf, tmp_
             f"config:{gguf_path}": f"{gguf_path} declares llama.block_count=1000000 but it has tensors for 5 layers",
             f"load:{ckpt}": f"{ckpt} declares model_config.n_layers=1000000 but its state dict has tensors for 2 "
                             "layers",
+            f"config:{ckpt}": f"{ckpt} declares model_config.n_layers=1000000 but its state dict has tensors for 2 "
+                              "layers",
             f"load:{big}": f"{big}: the weights need 4.00 GiB as float32"}
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(LOAD_BOUND_S), *jobs], capture_output=True, text=True,
                           timeout=CHILD_TIMEOUT_S, env=env, preexec_fn=_capped, cwd=tmp_path)
