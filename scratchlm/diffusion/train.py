@@ -48,6 +48,9 @@ class DiffusionTrainConfig:
     vae_kl: float = field(default=1e-6, metadata={"help": "KL weight"})
     vae_time_s: float = field(default=300, metadata={"help": "VAE wall-clock budget"})
     vae_max_steps: int = field(default=3000, metadata={"help": "VAE step cap"})
+    vae_from: str = field(default="", metadata={
+        "help": "a trained VAE folder (e.g. runs/x/vae_stage) to reuse instead of training one; the DiT then "
+                "gets the whole max_wall_s"})
     # text encoder
     vocab_size: int = field(default=300, metadata={"help": "BPE vocabulary (256 bytes + pad + merges)"})
     max_len: int = field(default=8, metadata={"help": "prompt tokens"})
@@ -208,9 +211,13 @@ def run_training(cfg: DiffusionTrainConfig, log_fn=print) -> DiffusionPipeline:
     t0, c0 = time.perf_counter(), time.process_time()
     x, y = load_mnist(cfg.data_dir, "train")
     # the wall cap: the VAE may use its share of it, the DiT whatever is left (minus a minute to save)
-    share = cfg.vae_time_s / (cfg.vae_time_s + cfg.dit_time_s)
-    vae = train_vae(cfg, x, log, wall_left=cfg.max_wall_s * share)
-    vae.save_pretrained(out / "vae_stage")
+    if cfg.vae_from:
+        vae = AutoencoderKL.from_pretrained(cfg.vae_from)
+        log({"stage": "vae", "reused": cfg.vae_from, "scaling_factor": vae.config.scaling_factor})
+    else:
+        share = cfg.vae_time_s / (cfg.vae_time_s + cfg.dit_time_s)
+        vae = train_vae(cfg, x, log, wall_left=cfg.max_wall_s * share)
+        vae.save_pretrained(out / "vae_stage")
     left = max(60.0, cfg.max_wall_s - (time.perf_counter() - t0) - 60) if cfg.max_wall_s else 0
     pipe = train_dit(cfg, vae, x, y, log, wall_left=left)
     pipe.save_pretrained(out / "pipeline")

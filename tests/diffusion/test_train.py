@@ -26,3 +26,20 @@ def test_recipe_runs_and_saves_a_loadable_pipeline(tmp_path, data_dir):
 def test_budget_clock_is_validated():
     with pytest.raises(ValueError, match="budget_clock"):
         DiffusionTrainConfig(budget_clock="gpu")
+
+
+@pytest.mark.slow
+def test_vae_from_reuses_a_trained_vae(tmp_path, data_dir):
+    import torch
+
+    cfg = load_config(DiffusionTrainConfig, REPO_ROOT / "recipes" / "diffusion_mnist.toml")
+    cfg = dataclasses.replace(cfg, data_dir=str(data_dir / "images" / "mnist"), out_dir=str(tmp_path / "a"),
+                              vae_max_steps=3, dit_max_steps=1, log_every=1)
+    first = run_training(cfg, log_fn=lambda s: None)
+    logs: list[str] = []
+    cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "b"), vae_from=str(tmp_path / "a" / "vae_stage"))
+    second = run_training(cfg, log_fn=logs.append)
+    assert "reused" in logs[0] and not (tmp_path / "b" / "vae_stage").exists()
+    for k, v in first.vae.state_dict().items():
+        assert torch.equal(v, second.vae.state_dict()[k]), k
+    assert second.vae.config.scaling_factor == first.vae.config.scaling_factor
