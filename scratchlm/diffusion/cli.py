@@ -20,10 +20,15 @@ from pathlib import Path
 from scratchlm.config import add_dataclass_arguments, dataclass_from_args, load_config
 from scratchlm.threads import add_threads_argument, apply_threads
 
-TRAIN_EPILOG = """what a budget gives (this recipe; quality follows the optimiser steps; measured, docs/diffusion.md;
-accuracy = the share of 300 samples a judge CNN reads as the prompted digit, 25 DDIM steps, guidance 3):
-  VAE 1,215 + DiT 5,493 steps   26 min 52 s wall, 2 quiet cores (--budget-clock wall)   98.5 %
-  VAE 566 + DiT 9,958 steps     2,183 CPU-s, 54 min wall on a shared machine           100 %
+TRAIN_EPILOG = """what a budget gives: quality follows the optimiser steps (chiefly the DiT's), measured with the
+judge CNN on 300 samples (200 in the 98.5 % row), 25 DDIM steps, guidance 3 (docs/diffusion.md):
+  VAE + DiT steps   took                                                accuracy  Frechet  digits
+  700 + 1,900       348 CPU-s at 1 thread (~10 min wall on 2 quiet cores)  88.7 %    72.0     blotchy
+  915 + 5,390       852 CPU-s at 1 thread (the shipped pipeline)           99.7 %    39.7     clean
+  1,215 + 5,493     26 min 52 s wall on 2 quiet cores, 2 threads           98.5 %    32.9     clean
+  566 + 9,958       2,183 CPU-s at 2 threads                               100 %     31.3     clean
+On a busy machine two threads mostly wait for each other (a VAE step cost ~1 CPU-s, 0.07 with one):
+pass --threads 1, --dit-max-steps 5000 and a --dit-time-s large enough not to end the run first.
 Without --model, `diffusion sample` and `diffusion serve` use the trained pipeline shipped with scratchlm.
 """
 
