@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
@@ -343,16 +344,23 @@ def spawned_worker_main(spec: dict[str, Any]) -> None:
     store = dist.TCPStore(host, int(port), world, is_master=False, timeout=IDLE_TIMEOUT)
     threading.Thread(target=beat_forever, args=(host, int(port), rank), name="scratchlm-heartbeat",
                      daemon=True).start()
-    state, _ = load_rank_shard(path, model_config, config, rank, rank, stage_layers)
-    store.set(_LOADED_KEY + str(rank), "1")
-    init_default_group(backend_for(_rank_device(config, rank)), rank, world, timeout_s=config.parallel_timeout_s,
-                       store=store)
-    runner, _ = build_rank(path, model_config, config, rank, rank, stage_layers, state=state)
-    runner.serve_forever()
-    dist.destroy_process_group()
+    code = 0
+    try:
+        state, _ = load_rank_shard(path, model_config, config, rank, rank, stage_layers)
+        store.set(_LOADED_KEY + str(rank), "1")
+        init_default_group(backend_for(_rank_device(config, rank)), rank, world,
+                           timeout_s=config.parallel_timeout_s, store=store)
+        runner, _ = build_rank(path, model_config, config, rank, rank, stage_layers, state=state)
+        runner.serve_forever()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 -- reported to rank 0 through this output and the exit status
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded); nothing is left to flush
+    # skip the interpreter's teardown (seconds with torch loaded; and with the heartbeat thread inside a
+    # TCPStore call, tearing down aborts the process: "terminate called without an active exception")
+    os._exit(code)
 
 
 # --- the executor ------------------------------------------------------------------------------------------
