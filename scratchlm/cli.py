@@ -72,9 +72,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "diffusion": Subcommand(
         "scratchlm.diffusion.cli",
-        "train or sample the latent-diffusion case study (VAE + text encoder + DiT)",
-        "`diffusion train --config recipes/diffusion_mnist.toml` trains the text-to-image pipeline; "
-        "`diffusion sample --prompt \"a handwritten seven\" --out grid.png` writes a PNG grid.",
+        "sample, serve or train the latent-diffusion case study (VAE + text encoder + DiT)",
+        "`diffusion sample --prompt \"a seven\"` writes a PNG grid from the shipped MNIST pipeline; "
+        "`diffusion serve` serves it with a page at /; "
+        "`diffusion train --config recipes/diffusion_mnist.toml` trains your own.",
         "the diffusion case study issue",
     ),
     "plan": Subcommand(
