@@ -16,7 +16,8 @@ diffusion and fold files), through :func:`load_torch_file`:
    numbers and strings, tensor dtypes and shapes). :func:`verify_checksums` recomputes them on load: a flipped
    bit or an edited value (a NaN written into a tensor) is refused naming the tensor and the file. A checkpoint
    without checksums (written before they existed, ``version`` 1, or edited by hand with the entry removed)
-   loads with a warning that it is unverified. crc32 (zlib) runs at 2-4 GB/s on one core (0.44 s for a 135M model's 1.6 GB training checkpoint).
+   loads with a warning that it is unverified. crc32 (zlib) runs at 2-4 GB/s on one core (0.44 s for a 135M
+   model's 1.6 GB training checkpoint).
 3. **Writes are atomic** (`scratchlm.atomic`): the previous file survives a crash or a full disk, and a full disk
    is reported as such (:class:`scratchlm.atomic.DiskFullError`) rather than as torch's "unexpected pos".
 """
