@@ -445,10 +445,10 @@ class Router:
                     return
                 yield item
         finally:
+            release()  # first: the client may have stopped reading at `[DONE]` and counts on the slot being free
             for task in (watcher, reader):
                 task.cancel()
             await asyncio.gather(watcher, reader, return_exceptions=True)
-            release()
             await resp.aclose()
 
     def _stream_failed(self, replica: Replica, error: BaseException) -> bytes:
