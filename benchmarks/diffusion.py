@@ -63,20 +63,29 @@ def _accuracy_fd(pipe, judge, heldout_feats, sampler: str, n_per_class: int, ste
     return imgs, labels, (pred == labels).float().mean().item(), frechet_distance(feats, heldout_feats)
 
 
-def part_accuracy(report: Report, args) -> None:
+def _judged_mnist(args):
+    """The judge and what the reference rows need: its held-out predictions, labels and features, the train
+    features, and a seeded subset of 10 x n_per_class train images (the same N as the generated digits)."""
     from scratchlm.diffusion.data import load_mnist
-    from scratchlm.diffusion.judge import frechet_distance, load_judge, predict
-    from scratchlm.diffusion.pipeline import DiffusionPipeline
+    from scratchlm.diffusion.judge import load_judge, predict
 
-    torch.set_num_threads(args.threads)
     judge = load_judge(args.judge)
     mnist = shared_data_dir() / "images" / "mnist"
     xt, _ = load_mnist(mnist, "train")
     xh, yh = load_mnist(mnist, "heldout")
     ph, fh = predict(judge, xh)
     _, ft = predict(judge, xt)
+    sub = torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))[:10 * args.n_per_class]
+    return judge, ph, yh, fh, ft, sub
+
+
+def part_accuracy(report: Report, args) -> None:
+    from scratchlm.diffusion.judge import frechet_distance
+    from scratchlm.diffusion.pipeline import DiffusionPipeline
+
+    torch.set_num_threads(args.threads)
+    judge, ph, yh, fh, ft, sub = _judged_mnist(args)
     n = args.n_per_class
-    sub = torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))[:10 * n]
     rows = [["reference: held-out 2k (judge accuracy) vs train 8k (FD)", "-",
              f"{(ph == yh).float().mean().item() * 100:.2f} %", f"{frechet_distance(fh, ft):.2f}"],
             [f"reference: {10 * n} train images vs held-out 2k", "-", "-", f"{frechet_distance(ft[sub], fh):.2f}"]]
@@ -95,20 +104,14 @@ def part_accuracy(report: Report, args) -> None:
 
 def part_quality(report: Report, args) -> None:
     from scratchlm.diffusion import parallel as pp
-    from scratchlm.diffusion.data import canonical_prompt, load_mnist
-    from scratchlm.diffusion.judge import frechet_distance, load_judge, predict
+    from scratchlm.diffusion.data import canonical_prompt
+    from scratchlm.diffusion.judge import frechet_distance, predict
     from scratchlm.diffusion.pipeline import DiffusionPipeline, save_png
 
     torch.set_num_threads(args.threads)
     pipe = DiffusionPipeline.from_pretrained(args.model)
-    judge = load_judge(args.judge)
-    mnist = shared_data_dir() / "images" / "mnist"
-    xt, yt = load_mnist(mnist, "train")
-    xh, yh = load_mnist(mnist, "heldout")
-    ph, fh = predict(judge, xh)
-    _, ft = predict(judge, xt)
+    judge, ph, yh, fh, ft, sub = _judged_mnist(args)
     n = args.n_per_class
-    sub = torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))[:10 * n]
     ref_rows = [["held-out 2k vs train 8k (reference)", "-", f"{(ph == yh).float().mean().item() * 100:.2f} %",
                  f"{frechet_distance(fh, ft):.2f}"],
                 [f"train subset of {10 * n} vs held-out 2k (reference, same N as generated)", "-", "-",
