@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.server.supervised import alive
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
 PARENT = textwrap.dedent("""
@@ -21,15 +23,6 @@ CHILD_ASKS = "from scratchlm.lifecycle import die_with_parent; import time; die_
 CHILD_IGNORES = "import time; time.sleep(60)"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie reaped by init is gone; one not yet reaped counts as dead
-        return f.read().split(") ")[1][0] != "Z"
-
-
 def _orphan_after_parent_killed(child_code: str) -> tuple[int, bool]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, child_code], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
@@ -37,9 +30,9 @@ def _orphan_after_parent_killed(child_code: str) -> tuple[int, bool]:
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(child_pid):
+    while time.monotonic() < deadline and alive(child_pid):
         time.sleep(0.05)
-    return child_pid, _alive(child_pid)
+    return child_pid, alive(child_pid)
 
 
 def test_child_that_asked_dies_with_its_parent():

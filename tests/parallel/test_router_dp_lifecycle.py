@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.parallel.test_router_lifecycle import MARGIN_S, alive, cleanup, wait_gone, wait_health
+from tests.parallel.test_router_lifecycle import MARGIN_S, cleanup, wait_gone, wait_health
+from tests.server.supervised import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 REPO = Path(__file__).resolve().parents[2]

@@ -27,6 +27,7 @@ import pytest
 
 from scratchlm.parallel.router import Replica, Router, RouterConfig, create_router_app, free_port
 from scratchlm.server.background import BackgroundServer
+from tests.server.supervised import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
@@ -36,15 +37,6 @@ FAKE = Path(__file__).with_name("fake_replica.py")
 HEALTH = dict(health_interval_s=0.1, health_timeout_s=0.5, unhealthy_after=2)
 DETECTION_BOUND_S = 0.1 + 2 * (0.1 + 0.5)
 MARGIN_S = 15.0  # a loaded 2-core machine; the bound that fails a regression (the old behaviour: 600 s)
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a zombie has exited; its parent has not collected it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_health(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
