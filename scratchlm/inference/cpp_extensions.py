@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from scratchlm import atomic
+
 log = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]  # AVX2 functions carry their own target attributes
@@ -214,7 +216,8 @@ class CppExtension:
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; else a failed or interrupted build
-        _write_atomic(root / f"{self.name}.build-seconds", f"{seconds:.1f}")
+        with contextlib.suppress(OSError):  # a read-only cache is fine: the estimate falls back to expected_s
+            atomic.write_text(root / f"{self.name}.build-seconds", f"{seconds:.1f}")
         log.warning("compiled C++ kernels in %.0f s: %s (cached in %s)", seconds, self.purpose, final)
         _sweep(root, self.name, keep=final)
 
@@ -341,13 +344,6 @@ def _touch(path: Path) -> None:
     """Mark a build as used now (its folder's mtime); a read-only cache is fine."""
     with contextlib.suppress(OSError):
         os.utime(path)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with contextlib.suppress(OSError):
-        tmp.write_text(text)
-        os.replace(tmp, path)
 
 
 def _sweep(root: Path, name: str, keep: Path) -> None:
