@@ -244,6 +244,10 @@ def fused_step_unsupported(config) -> list[str]:
     LongRoPE) gets per-row cos/sin tables (`ModelRunner._rope_lengths`). What is left: an odd head dim or an odd
     number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide)."""
     missing = []
+    if config.moe.n_experts:
+        missing.append("the mixture-of-experts feed-forward")
+    if config.mla.kv_lora_rank:
+        missing.append("multi-head latent attention")
     if config.head_dim % 2 or config.rotary_dim % 2:
         missing.append(f"an odd head dim or rotary dims ({config.head_dim}, {config.rotary_dim})")
     return missing

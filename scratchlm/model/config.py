@@ -11,6 +11,11 @@ tensor parallelism, the planner, the KV cache through `kv_spec()`) reads:
   sliding windows with a per-layer pattern;
 - `norm`: RMSNorm or LayerNorm (with bias), pre / post / both ("sandwich") placement, the (1 + w) offset;
 - `mlp`: SiLU or GELU-tanh, gated (SwiGLU / GeGLU) or plain, biases;
+- `moe`: a mixture-of-experts feed-forward in place of the MLP (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3): the
+  router (softmax or sigmoid scores, top-k with or without renormalisation, group-limited choice, the score
+  correction bias, the routed scale), shared experts, and which layers stay dense;
+- `mla`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2): low-rank q, a compressed KV latent plus a decoupled
+  RoPE key, which is what the KV cache stores;
 
 plus the model-level scalars: embedding scale, learned absolute positions, final-logit soft-cap, residual
 multiplier and logit scale (Granite). The defaults of every feature are the Llama block, so
@@ -104,7 +109,56 @@ class MLPFeatures:
     bias: bool = field(default=False, metadata={"help": "biases on every MLP linear"})
 
 
-_GROUPS = {"rope": RopeFeatures, "attn": AttentionFeatures, "norm": NormFeatures, "mlp": MLPFeatures}
+@dataclass
+class MoEFeatures:
+    """A mixture-of-experts feed-forward (`model/moe.py`): in a sparse layer the MLP becomes `n_experts` routed
+    experts (gated MLPs of width `d_expert`, the `mlp` features' activation), of which each token uses `top_k`,
+    plus optional shared experts every token uses. `n_experts` 0: every layer is dense."""
+
+    n_experts: int = field(default=0, metadata={"help": "routed experts per sparse layer; 0 = no MoE"})
+    top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
+    d_expert: int | None = field(default=None, metadata={"help": "hidden size of one routed expert; None = d_ff"})
+    scoring: Literal["softmax", "sigmoid"] = field(
+        default="softmax", metadata={"help": "router scores: softmax over all experts (Mixtral, Qwen, DeepSeek-V2) "
+                                             "or an independent sigmoid per expert (DeepSeek-V3)"})
+    norm_topk: bool = field(default=True, metadata={"help": "renormalise the chosen experts' scores to sum to 1 "
+                                                            "(Mixtral, Qwen3-MoE; Qwen2-MoE norm_topk_prob)"})
+    routed_scale: float = field(default=1.0, metadata={"help": "the routed experts' sum is multiplied by this "
+                                                               "(DeepSeek routed_scaling_factor)"})
+    n_groups: int = field(default=1, metadata={"help": "group-limited routing: experts fall into this many equal "
+                                                       "groups (DeepSeek n_group); 1 = no groups"})
+    topk_groups: int = field(default=1, metadata={"help": "only the experts of this many best groups can be "
+                                                          "chosen (DeepSeek topk_group)"})
+    group_score: Literal["max", "top2"] = field(
+        default="max", metadata={"help": "a group's score: its best expert's (DeepSeek-V2 group_limited_greedy) or "
+                                         "the sum of its best two (DeepSeek-V3 noaux_tc)"})
+    score_bias: bool = field(default=False, metadata={"help": "a per-expert bias added to the scores for the choice "
+                                                              "only, not the weights (DeepSeek-V3 "
+                                                              "e_score_correction_bias)"})
+    d_shared: int = field(default=0, metadata={"help": "hidden size of the shared expert every token uses (DeepSeek: "
+                                                       "n_shared_experts x moe_intermediate_size); 0 = none"})
+    shared_gate: bool = field(default=False, metadata={"help": "the shared expert's output is scaled by "
+                                                               "sigmoid(x . w) (Qwen2-MoE shared_expert_gate)"})
+    dense_layers: list[int] = field(default_factory=list, metadata={
+        "help": "layers whose feed-forward is the dense MLP of width d_ff (DeepSeek first_k_dense_replace, "
+                "Qwen mlp_only_layers / decoder_sparse_step)"})
+
+
+@dataclass
+class MLAFeatures:
+    """Multi-head latent attention (DeepSeek-V2/V3): q from x (or through a rank-`q_lora_rank` bottleneck), and per
+    token one latent of `kv_lora_rank` plus one RoPE key of `qk_rope_head_dim` shared by all heads, from which each
+    head's no-RoPE key (`qk_nope_head_dim`) and value (`v_head_dim`) are expanded. `kv_lora_rank` 0: not MLA."""
+
+    kv_lora_rank: int = field(default=0, metadata={"help": "width of the compressed KV latent; 0 = no MLA"})
+    q_lora_rank: int | None = field(default=None, metadata={"help": "rank of q's bottleneck; None = q from x"})
+    qk_nope_head_dim: int = field(default=0, metadata={"help": "per head: q/k dims without RoPE"})
+    qk_rope_head_dim: int = field(default=0, metadata={"help": "per head: q/k dims with RoPE (the key's are shared)"})
+    v_head_dim: int = field(default=0, metadata={"help": "per head: value dims"})
+
+
+_GROUPS = {"rope": RopeFeatures, "attn": AttentionFeatures, "norm": NormFeatures, "mlp": MLPFeatures,
+           "moe": MoEFeatures, "mla": MLAFeatures}
 
 
 @dataclass(frozen=True)
@@ -149,6 +203,8 @@ class ModelConfig:
     attn: AttentionFeatures = field(default_factory=AttentionFeatures, metadata={"help": "attention features"})
     norm: NormFeatures = field(default_factory=NormFeatures, metadata={"help": "norm kind and placement"})
     mlp: MLPFeatures = field(default_factory=MLPFeatures, metadata={"help": "feed-forward features"})
+    moe: MoEFeatures = field(default_factory=MoEFeatures, metadata={"help": "mixture-of-experts feed-forward"})
+    mla: MLAFeatures = field(default_factory=MLAFeatures, metadata={"help": "multi-head latent attention"})
     embedding_scale: float = field(
         default=1.0, metadata={"help": "token embeddings are multiplied by this (Gemma: sqrt(d_model); Granite)"})
     learned_positions: bool = field(
@@ -218,10 +274,43 @@ class ModelConfig:
             problems.append("norm.bias needs norm.kind='layer'")
         if m.act not in ("silu", "gelu_tanh", "gelu"):
             problems.append(f"mlp.act={m.act!r} must be 'silu', 'gelu_tanh' or 'gelu'")
+        problems += self._moe_problems()
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
+    def _moe_problems(self) -> list[str]:
+        e = self.moe
+        if e.n_experts == 0:
+            return []
+        out = []
+        if not 0 < e.top_k <= e.n_experts:
+            out.append(f"moe.top_k={e.top_k} must be in 1..moe.n_experts={e.n_experts}")
+        if e.scoring not in ("softmax", "sigmoid") or e.group_score not in ("max", "top2"):
+            out.append(f"moe.scoring={e.scoring!r} / group_score={e.group_score!r} not one of softmax|sigmoid / "
+                       "max|top2")
+        if e.n_groups < 1 or e.n_experts % e.n_groups or not 0 < e.topk_groups <= e.n_groups:
+            out.append(f"moe.n_groups={e.n_groups} must divide n_experts={e.n_experts} and 1 <= topk_groups="
+                       f"{e.topk_groups} <= n_groups")
+        elif e.n_groups > 1 and e.top_k > e.topk_groups * (e.n_experts // e.n_groups):
+            out.append(f"moe.top_k={e.top_k} exceeds the experts of topk_groups={e.topk_groups} groups")
+        if e.d_expert is not None and e.d_expert <= 0 or e.d_shared < 0:
+            out.append(f"moe.d_expert={e.d_expert} / d_shared={e.d_shared} must be positive / >= 0")
+        if not all(0 <= i < self.n_layers for i in e.dense_layers):
+            out.append(f"moe.dense_layers={e.dense_layers} names layers outside 0..{self.n_layers - 1}")
+        if not self.mlp.gated or self.mlp.bias:
+            out.append("moe experts are gated MLPs without biases (mlp.gated=True, mlp.bias=False)")
+        return out
+
     # ------------------------------------------------------------------ derived, per layer
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward is the mixture of experts (else the dense MLP)."""
+        return self.moe.n_experts > 0 and layer not in self.moe.dense_layers
+
+    @property
+    def d_expert(self) -> int:
+        """Hidden size of one routed expert."""
+        return self.d_ff if self.moe.d_expert is None else self.moe.d_expert
+
     @property
     def rotary_dim(self) -> int:
         """Leading dims of each head that RoPE rotates."""
@@ -257,7 +346,8 @@ class ModelConfig:
     def is_plain_llama(self) -> bool:
         """Whether every feature is at its Llama default (what the oldest backends were written for)."""
         return (self.rope == RopeFeatures() and self.attn == AttentionFeatures() and self.norm == NormFeatures()
-                and self.mlp == MLPFeatures() and self.embedding_scale == 1.0 and not self.learned_positions
+                and self.mlp == MLPFeatures() and self.moe == MoEFeatures() and self.mla == MLAFeatures()
+                and self.embedding_scale == 1.0 and not self.learned_positions
                 and self.final_logit_softcap is None and self.residual_multiplier == 1.0 and self.logit_scale == 1.0)
 
     def features(self) -> list[str]:

@@ -6,7 +6,8 @@ A block is attention then MLP, each a residual branch; the norms sit where `conf
     post      h = x + m * attn_post_norm(attn(x));       out = h + m * ffn_post_norm(mlp(h))    (OLMo-2)
     sandwich  h = x + m * attn_post_norm(attn(attn_norm(x)));  likewise for the MLP              (Gemma 2 / 3)
 
-with m the residual multiplier (1 but for Granite). The model adds embedding scale, learned positions, the final
+with m the residual multiplier (1 but for Granite). The MLP is a mixture of experts (`model/moe.py`) in the layers
+`config.is_moe_layer` names. The model adds embedding scale, learned positions, the final
 norm, logit scale and soft-cap. Per layer, the config decides the RoPE (theta, scaling, none for NoPE layers) and
 the attention spec (scale, soft-cap, window). Families (`model/families/`) only translate names and configs.
 """
@@ -30,6 +31,7 @@ from scratchlm.model.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from scratchlm.model.moe import MoE
 
 
 def make_norm(config: ModelConfig, dim: int | None = None, device=None, dtype=None) -> nn.Module:
@@ -59,8 +61,9 @@ class TransformerBlock(nn.Module):
                               spec=attention_spec(c, layer))
         self.attn_post_norm = make_norm(c, device=device, dtype=dtype) if post else None
         self.ffn_norm = make_norm(c, device=device, dtype=dtype) if pre else None
-        self.ffn = MLP(c.d_model, c.d_ff, device=device, dtype=dtype, act=c.mlp.act, gated=c.mlp.gated,
-                       bias=c.mlp.bias)
+        self.ffn = (MoE(c, device=device, dtype=dtype) if c.is_moe_layer(layer) else
+                    MLP(c.d_model, c.d_ff, device=device, dtype=dtype, act=c.mlp.act, gated=c.mlp.gated,
+                        bias=c.mlp.bias))
         self.ffn_post_norm = make_norm(c, device=device, dtype=dtype) if post else None
 
     def _residual(self, x: Tensor, y: Tensor) -> Tensor:
