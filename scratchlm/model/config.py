@@ -393,29 +393,108 @@ class ModelConfig:
         return cls(**data)
 
     # ------------------------------------------------------------------ counts (the planner reads these)
-    def layer_parameters(self) -> int:
-        """Parameters of one block."""
-        d, hd, h, kv, f = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads, self.d_ff
+    # Every count is of the model `TransformerLM(config)` builds, per block `layer` (dense and MoE blocks differ).
+    # "Active" counts are what one token uses: in a MoE block the router, its top_k routed experts and the shared
+    # expert, not the other experts. `layer` may be left out only when every block has the same count.
+    def _layer_arg(self, layer: int | None, count: str) -> int:
+        if layer is not None:
+            return layer
+        if self.moe.n_experts and 0 < len(set(self.moe.dense_layers) & set(range(self.n_layers))) < self.n_layers:
+            raise ValueError(f"ModelConfig.{count}: dense and MoE blocks differ (moe.dense_layers="
+                             f"{self.moe.dense_layers}); name the layer")
+        return 0
+
+    def attention_parameters(self) -> int:
+        """Parameters of one block's attention (projections, biases, q/k-norms; MLA: its low-rank projections and
+        their norms)."""
+        d, hd, h, kv = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads
+        if self.mla.kv_lora_rank:
+            m = self.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            if m.q_lora_rank:  # q_a (with the q/k/v bias), its norm, q_b
+                q = d * m.q_lora_rank + m.q_lora_rank * (2 if self.qkv_bias else 1) + m.q_lora_rank * h * qk
+            else:
+                q = d * h * qk
+            kv_a = (d + (1 if self.qkv_bias else 0)) * (m.kv_lora_rank + m.qk_rope_head_dim)  # latent + rope key
+            kv_b = m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + m.kv_lora_rank  # and the latent's norm
+            return q + kv_a + kv_b + h * m.v_head_dim * d + (d if self.attn.o_bias else 0)
         attn = d * hd * h * 2 + d * hd * kv * 2 + (hd * (h + 2 * kv) if self.qkv_bias else 0)
         attn += d if self.attn.o_bias else 0
-        attn += {"none": 0, "head": 2 * hd, "full": hd * (h + kv)}[self.attn.qk_norm]
-        mlp = (3 if self.mlp.gated else 2) * d * f + ((2 * f if self.mlp.gated else f) + d if self.mlp.bias else 0)
-        norm = (2 if self.norm.bias else 1) * d
-        n_norms = 4 if self.norm.placement == "sandwich" else 2
-        return attn + mlp + n_norms * norm
+        return attn + {"none": 0, "head": 2 * hd, "full": hd * (h + kv)}[self.attn.qk_norm]
 
-    def num_parameters(self) -> int:
-        """Parameter count of the model this config builds."""
+    def expert_parameters(self) -> int:
+        """Parameters of one routed expert (a gated MLP of width d_expert)."""
+        return 3 * self.d_model * self.d_expert
+
+    def ffn_parameters(self, layer: int | None = None, active: bool = False) -> int:
+        """Parameters of block `layer`'s feed-forward: the dense MLP, or the router, the routed experts (all, or
+        with `active` the top_k one token uses), the shared expert and its gate."""
+        d, f = self.d_model, self.d_ff
+        if not self.is_moe_layer(self._layer_arg(layer, "ffn_parameters")):
+            return (3 if self.mlp.gated else 2) * d * f + ((2 * f if self.mlp.gated else f) + d if self.mlp.bias else 0)
+        e = self.moe
+        router = d * e.n_experts + (e.n_experts if e.score_bias else 0)
+        shared = 3 * d * e.d_shared + (d if e.shared_gate else 0)
+        return router + (e.top_k if active else e.n_experts) * self.expert_parameters() + shared
+
+    def layer_parameters(self, layer: int | None = None, active: bool = False) -> int:
+        """Parameters of block `layer` (all, or with `active` those one token uses)."""
+        norm = (2 if self.norm.bias else 1) * self.d_model
+        n_norms = 4 if self.norm.placement == "sandwich" else 2
+        return self.attention_parameters() + self.ffn_parameters(layer, active) + n_norms * norm
+
+    def _outside_parameters(self) -> int:
         d = self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * d
         positions = self.max_seq_len * d if self.learned_positions else 0
         final_norm = (2 if self.norm.bias else 1) * d
-        return self.vocab_size * d + positions + self.n_layers * self.layer_parameters() + final_norm + head
+        return self.vocab_size * d + positions + final_norm + head
 
-    def matmul_weights_per_layer(self) -> int:
-        """Weights one token multiplies in a block (q/k/v/o and the MLP)."""
+    def num_parameters(self) -> int:
+        """Parameter count of the model this config builds."""
+        return self._outside_parameters() + sum(self.layer_parameters(i) for i in range(self.n_layers))
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: everything but the routed experts it is not sent to (the embedding and the
+        head included, as DeepSeek-V3's "37B activated" counts them); a dense model's `num_parameters()`."""
+        return self._outside_parameters() + sum(self.layer_parameters(i, active=True) for i in range(self.n_layers))
+
+    def attention_matmul_weights(self) -> int:
+        """Weights one token multiplies in a block's attention (q/k/v/o; MLA: q_a, q_b or q, kv_a, kv_b, o, with
+        K and V expanded from the latent as in a prefill)."""
         d, hd = self.d_model, self.head_dim
-        return d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (3 if self.mlp.gated else 2) * d * self.d_ff
+        if self.mla.kv_lora_rank:
+            m, h = self.mla, self.n_heads
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q = (d * m.q_lora_rank + m.q_lora_rank * h * qk) if m.q_lora_rank else d * h * qk
+            return (q + d * (m.kv_lora_rank + m.qk_rope_head_dim)
+                    + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
+        return d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+
+    def matmul_weights_per_layer(self, layer: int | None = None) -> int:
+        """Weights one token multiplies in block `layer` (attention and the feed-forward; a MoE block: the
+        router, its top_k experts, the shared expert and its gate)."""
+        d = self.d_model
+        i = self._layer_arg(layer, "matmul_weights_per_layer")
+        if not self.is_moe_layer(i):
+            return self.attention_matmul_weights() + (3 if self.mlp.gated else 2) * d * self.d_ff
+        e = self.moe
+        ffn = d * e.n_experts + e.top_k * self.expert_parameters() + 3 * d * e.d_shared + (d if e.shared_gate else 0)
+        return self.attention_matmul_weights() + ffn
+
+    def attention_head_dims(self) -> tuple[int, int]:
+        """(q.k width, value width) of one head: head_dim twice, or MLA's (nope + rope, v_head_dim)."""
+        if self.mla.kv_lora_rank:
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim, self.mla.v_head_dim
+        return self.head_dim, self.head_dim
+
+    def kv_elements_per_token(self, layer: int) -> int:
+        """Elements one token keeps in `layer`'s KV cache: K and V of every KV head, or MLA's latent plus its
+        shared RoPE key (kv_lora_rank + qk_rope_head_dim, one for all heads)."""
+        if self.mla.kv_lora_rank:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        spec = self.kv_spec()[layer]
+        return 2 * spec.n_kv_heads * spec.head_dim
 
     def attended_tokens(self, layer: int, seq_len: int) -> int:
         """Keys one query at position seq_len - 1 attends to in `layer` (its window caps it)."""
@@ -423,13 +502,15 @@ class ModelConfig:
         return seq_len if w is None else min(seq_len, w)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward): 6 x matmul weights, plus 12*L*H*D*T for attention
-        scores and values (PaLM, appendix B; a windowed layer counts its window). The embedding lookup is not a
-        matmul; the head always is."""
+        """Training FLOPs per token (forward + backward): 6 x the matmul weights the token multiplies (a MoE
+        block: its active experts), plus 6 * L * H * (d_qk + d_v) * T for attention scores and values (PaLM,
+        appendix B: 12 L H D T when both widths are the head's; a windowed layer counts its window). The embedding
+        lookup is not a matmul; the head always is."""
         t = seq_len or self.max_seq_len
-        n_matmul = self.n_layers * self.matmul_weights_per_layer() + self.vocab_size * self.d_model
+        n_matmul = sum(self.matmul_weights_per_layer(i) for i in range(self.n_layers)) + self.vocab_size * self.d_model
         attended = sum(self.attended_tokens(i, t) for i in range(self.n_layers))
-        return 6 * n_matmul + 12 * self.n_heads * self.head_dim * attended
+        dqk, dv = self.attention_head_dims()
+        return 6 * n_matmul + 6 * self.n_heads * (dqk + dv) * attended
 
 
 def _group_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:

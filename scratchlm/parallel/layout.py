@@ -73,11 +73,10 @@ def balanced_stages(config: ModelConfig, pp: int) -> list[int]:
     they count towards those stages (a tied head still costs a copy of the embedding there).
     """
     n = config.n_layers
-    per_layer = config.layer_parameters()
+    weights = [config.layer_parameters(i) for i in range(n)]  # dense and MoE blocks differ
     emb = config.vocab_size * config.d_model
     # what is not in the blocks: the embedding (+ learned positions) on stage 0, the final norm and the head last
-    rest = config.num_parameters() - config.n_layers * per_layer - emb - (0 if config.tie_embeddings else emb)
-    weights = [per_layer] * n
+    rest = config.num_parameters() - sum(weights) - emb - (0 if config.tie_embeddings else emb)
     weights[0] += emb
     weights[-1] += emb + rest
     prefix = [0]
