@@ -4,8 +4,12 @@
         --concurrency 64
     scratchlm plan --calibrate --out recipes/clusters/local.toml
 
-MODEL is a model path (anything `scratchlm.model.load` reads), or a TOML/JSON file of `ModelConfig`
-fields (e.g. recipes/clusters/models/llama3-70b.toml); the default is SmolLM2-135M.
+    scratchlm plan --model deepseek-v3 --cluster h100x8_ib_fp8 --nodes 2 --concurrency 256
+
+MODEL is a model path (anything `scratchlm.model.load` reads), an HF config.json, a TOML/JSON file of `ModelConfig`
+fields (e.g. recipes/clusters/models/llama3-70b.toml), or a shipped shape by name (llama3-8b, llama3-70b,
+smollm2-135m, deepseek-v3, kimi-k2); the default is SmolLM2-135M. A mixture-of-experts model's layouts include
+expert parallelism (EP); the table then shows the all-to-alls' share of a decode step.
 """
 
 from __future__ import annotations
@@ -20,12 +24,21 @@ from scratchlm.plan.cost import Workload, explain, plan
 
 
 def load_model_config(path: str | None) -> ModelConfig:
-    """A `ModelConfig` from a TOML/JSON file of its fields, or from a model checkpoint (weights are loaded too)."""
+    """A `ModelConfig` from a TOML/JSON file of its fields, an HF config.json (by its `model_type`), or from a model
+    checkpoint (weights are loaded too)."""
     if path is None:
         from scratchlm.defaults import default_model_path
 
         path = str(default_model_path())
     p = Path(path)
+    if p.suffix == ".json" and p.exists():
+        import json
+
+        data = json.loads(p.read_text())
+        if isinstance(data, dict) and "model_type" in data:  # an HF config.json
+            from scratchlm.model import families
+
+            return families.config_from_hf(data, str(p))
     if p.suffix in (".toml", ".json"):
         from scratchlm.config import load_config
 
@@ -40,10 +53,12 @@ def load_model_config(path: str | None) -> ModelConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `scratchlm plan`."""
-    parser.add_argument("--model", default=None, help="model path, a TOML/JSON file of ModelConfig fields, or a "
-                        "shipped shape by name (llama3-8b, llama3-70b, smollm2-135m); default: SmolLM2-135M")
+    parser.add_argument("--model", default=None, help="model path, an HF config.json, a TOML/JSON file of "
+                        "ModelConfig fields, or a shipped shape by name (llama3-8b, llama3-70b, smollm2-135m, "
+                        "deepseek-v3, kimi-k2); default: SmolLM2-135M")
     parser.add_argument("--cluster", default=None, help="cluster TOML, or a shipped one by name (h100x8_nvlink, "
-                        "cpu16_25gbe, gpu1000_ib); default: calibrate this machine")
+                        "h100x8_ib, h100x8_ib_fp8, cpu16_25gbe, gpu1000_ib); default: calibrate this machine")
+    parser.add_argument("--nodes", type=int, default=None, help="override the cluster's node count")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     parser.add_argument("--concurrency", type=int, default=8, help="requests served at once")
@@ -65,17 +80,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_table(preds, top: int) -> str:
-    """A plain-text table of the first `top` predictions."""
-    head = (f"{'layout':<22}{'fits':<6}{'GiB/rank':>9}{'W':>7}{'KV':>7}{'act':>7}{'prefill ms':>12}"
-            f"{'TPOT ms':>10}{'TTFT ms':>10}{'tok/s':>10}  bottleneck")
+    """A plain-text table of the first `top` predictions (with expert parallelism in any of them: the all-to-alls'
+    share of a decode step and of a prefill)."""
+    moe = any(p.layout.ep > 1 or p.experts_touched for p in preds)
+    head = (f"{'layout':<26}{'fits':<6}{'GiB/rank':>9}{'W':>7}{'KV':>7}{'act':>7}{'prefill ms':>12}"
+            f"{'TPOT ms':>10}{'TTFT ms':>10}{'tok/s':>10}" + (f"{'a2a dec':>9}{'a2a pre':>9}" if moe else "")
+            + "  bottleneck")
     rows = [head, "-" * len(head)]
     g = 2**30
     for p in preds[:top]:
-        rows.append(f"{str(p.layout):<22}{'yes' if p.feasible else 'no':<6}{p.memory_bytes / g:>9.2f}"
+        a2a = (f"{p.decode_a2a_s / p.tpot_s if p.tpot_s else 0:>9.0%}"
+               f"{p.prefill_a2a_s / p.prefill.total if p.prefill.total else 0:>9.0%}") if moe else ""
+        rows.append(f"{str(p.layout):<26}{'yes' if p.feasible else 'no':<6}{p.memory_bytes / g:>9.2f}"
                     f"{p.weights_bytes / g:>7.2f}{p.kv_bytes / g:>7.2f}{p.activation_bytes / g:>7.2f}"
                     f"{p.prefill.total * 1e3:>12.1f}{p.tpot_s * 1e3:>10.2f}{p.ttft_s * 1e3:>10.1f}"
-                    f"{p.throughput:>10.1f}  {p.bottleneck}")
+                    f"{p.throughput:>10.1f}{a2a}  {p.bottleneck}")
     return "\n".join(rows)
+
+
+def describe_model(c: ModelConfig) -> str:
+    """One line: parameters, active parameters per token (MoE), what a token keeps in the KV cache."""
+    kv = sum(c.kv_elements_per_token(i) for i in range(c.n_layers))
+    text = f"model: {c.num_parameters() / 1e9:.2f}B parameters"
+    if c.moe.n_experts:
+        moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+        text += (f", {c.active_parameters() / 1e9:.2f}B active per token ({moe} MoE blocks of {c.moe.n_experts} "
+                 f"experts, top-{c.moe.top_k}{', a shared expert' if c.moe.d_shared else ''})")
+    kind = "MLA latent + RoPE key" if c.mla.kv_lora_rank else "K and V"
+    return text + f"; KV cache: {kv:,} elements per token ({kind})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
             cluster = spec
         else:
             cluster = load_cluster(resolve_recipe(args.cluster, "clusters", "--cluster")) if args.cluster else None
+        if cluster is not None and args.nodes is not None:
+            if args.nodes <= 0:
+                raise ValueError(f"--nodes {args.nodes}: must be positive")
+            cluster.nodes = args.nodes
         if cluster is None:
             print("no --cluster given: calibrating this machine first (use --calibrate --out FILE to keep it)",
                   file=sys.stderr)
@@ -119,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {cluster.nodes} node(s) x {cluster.devices_per_node} devices; workload: prompt "
           f"{work.prompt_len}, output {work.output_len}, concurrency {work.concurrency}; "
           f"{len(ranked)} layouts of {ranked[0].layout.world} ranks")
+    print(describe_model(config))
     print(format_table(ranked, args.top))
     print()
     print(explain(ranked, args.objective))

@@ -54,6 +54,12 @@ class ClusterSpec:
         default=0.0, metadata={"help": "CPU seconds a rank spends per collective call (counted in its CPU time, "
                                        "not in the step time, whose latency term covers it)"})
     step_overhead: float = field(default=0.0, metadata={"help": "fixed seconds per engine step (scheduler, sampler)"})
+    expert_overhead: float = field(
+        default=0.0, metadata={"help": "fixed seconds per routed expert a MoE block runs (gather its tokens, "
+                                       "launch, scatter its output); 0 = grouped kernels"})
+    moe_overhead: float = field(
+        default=0.0, metadata={"help": "fixed seconds per MoE block beyond a dense MLP's (routing: scores, top-k, "
+                                       "grouping the tokens by expert)"})
     seq_overhead: float = field(default=0.0, metadata={"help": "seconds per running sequence per engine step"})
     token_bytes: float = field(
         default=0.0, metadata={"help": "activation bytes per prompt token live at a prefill's peak, besides the "
@@ -62,6 +68,8 @@ class ClusterSpec:
         default=0.0, metadata={"help": "bytes live per attention-score element at a prefill's peak; "
                                        "0 = 6 (a float32 matrix and half another)"})
     dtype_bytes: int = field(default=4, metadata={"help": "bytes per weight / activation element (4 fp32, 2 bf16)"})
+    weight_dtype_bytes: float = field(default=0.0, metadata={"help": "bytes per weight when the weights are stored "
+                                                                     "narrower (1 fp8); 0 = dtype_bytes"})
     kv_dtype_bytes: int = field(default=0, metadata={"help": "bytes per KV-cache element; 0 = dtype_bytes"})
 
     def __post_init__(self) -> None:
@@ -75,7 +83,8 @@ class ClusterSpec:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")
         for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead", "softmax_rate_cached",
                      "cache_bytes", "elementwise_rate",
-                     "ring_step_overhead", "comm_cpu", "step_overhead", "seq_overhead", "token_bytes", "score_bytes"):
+                     "ring_step_overhead", "comm_cpu", "step_overhead", "seq_overhead", "token_bytes", "score_bytes",
+                     "expert_overhead", "moe_overhead", "weight_dtype_bytes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
         if len(self.linear_rows) != len(self.linear_rate):
@@ -97,6 +106,8 @@ class ClusterSpec:
             self.elementwise_rate = self.mem_bw / 12
         if self.score_bytes == 0:
             self.score_bytes = 6.0
+        if self.weight_dtype_bytes == 0:
+            self.weight_dtype_bytes = self.dtype_bytes
 
     def softmax_for(self, matrix_elements: float) -> float:
         """The softmax rate for attention ops whose score matrix has `matrix_elements` float32 elements."""
@@ -110,7 +121,7 @@ class ClusterSpec:
         if rows <= 0 or weights <= 0:
             return 0.0
         if not self.linear_rows:
-            return max(weights * self.dtype_bytes / self.mem_bw, 2 * rows * weights / self.flops)
+            return max(weights * self.weight_dtype_bytes / self.mem_bw, 2 * rows * weights / self.flops)
         ms, rs = self.linear_rows, self.linear_rate
         if rows <= ms[0]:
             return weights / rs[0]

@@ -1,4 +1,4 @@
-"""The cost model: memory, prefill and decode time of a DP x TP x PP x CP layout on a cluster.
+"""The cost model: memory, prefill and decode time of a DP x TP x PP x CP (x EP) layout on a cluster.
 
 Every equation here is written out in docs/planning.md. The model is a roofline per rank plus an
 alpha-beta model per collective:
@@ -18,6 +18,17 @@ work at its window, and the KV bytes as the engine frees them (`kv_bytes_per_seq
 
 Rank placement: TP innermost (neighbouring ranks), then CP, then PP, then DP; a group whose ranks
 fall on different nodes uses the inter-node link.
+
+Mixture of experts (`ModelConfig.moe`): the routed experts of a MoE block are split over `ep` ranks of a pipeline
+stage's DP x TP ranks (the same ranks, not more of them). EP <= TP: inside a TP group, each rank holds E/ep experts
+at tp/ep of their width and runs them on the replica's tokens (the TP all-reduce combines them: no all-to-all).
+EP > TP: the EP group spans ep/tp replicas whose attention is data-parallel; each rank holds E/ep whole experts,
+and every MoE block sends each token's top_k copies of its d_model activations to the experts' ranks and back
+(dispatch + combine: an all-to-all each, tokens x top_k x d_model x bytes x (ep-1)/ep per rank, the share to
+other nodes on the inter-node link). A step of N tokens routed among E experts touches E (1 - (1 - k/E)^N) of
+them on average (each expert chosen independently with probability k/E): decode streams only those experts'
+weights, with N k / touched rows each. Multi-head latent attention (`ModelConfig.mla`) caches one latent per token
+(`kv_elements_per_token`) that every TP rank keeps whole, and decodes absorbed: each head scores the latent.
 """
 
 from __future__ import annotations
@@ -32,19 +43,21 @@ from scratchlm.plan.cluster import ClusterSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """Data x tensor x pipeline x context parallel sizes; world = dp * tp * pp * cp."""
+    """Data x tensor x pipeline x context parallel sizes; world = dp * tp * pp * cp. `ep`: the routed experts
+    split over this many of a stage's dp x tp ranks (not more ranks: see the module docstring)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
     def __str__(self) -> str:
-        return f"DP{self.dp}xTP{self.tp}xPP{self.pp}xCP{self.cp}"
+        return f"DP{self.dp}xTP{self.tp}xPP{self.pp}xCP{self.cp}" + (f"xEP{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,10 @@ class Prediction:
     throughput: float = 0.0  # output tokens/s of the whole deployment
     total_s: float = 0.0  # the whole workload: prefills + decode
     decode_time_s: float = 0.0
+    decode_a2a_s: float = 0.0  # expert parallelism's all-to-alls in one decode step (part of decode.network)
+    prefill_a2a_s: float = 0.0  # and in one prompt's prefill
+    experts_touched: float = 0.0  # routed experts one decode step touches per MoE block, this rank's
+    expert_bytes: float = 0.0  # routed-expert weight bytes one decode step streams on the busiest rank
 
     @property
     def memory_bytes(self) -> float:
@@ -137,67 +154,118 @@ class Prediction:
         return 0.0 if self.total_s == 0 else min(1.0, self.decode_time_s / self.total_s)
 
 
+def tp_units(c: ModelConfig) -> tuple[int, int]:
+    """(units tensor parallelism splits attention by, query heads per unit): KV heads with their query heads, or
+    MLA's query heads one by one (the latent is not split)."""
+    if c.mla.kv_lora_rank:
+        return c.n_heads, 1
+    return c.n_kv_heads, c.n_heads // c.n_kv_heads
+
+
 @dataclass(frozen=True)
 class Split:
     """A per-block count (parameters, matmul weights) by how tensor parallelism divides it: `per_group` goes with
-    each KV head and its query heads, `per_unit` with each MLP hidden unit, `rest` is replicated."""
+    each KV head and its query heads (MLA: each query head), `per_unit` with each MLP hidden unit, `per_shared`
+    with each shared-expert hidden unit, `rest` is replicated. Routed experts are not in it (`routed_local`)."""
 
     per_group: int
     per_unit: int
     rest: int
+    per_shared: int = 0
 
     def local(self, c: ModelConfig, tp: int) -> int:
         """The count on the largest TP rank (whole KV-head groups, the first ranks take the larger ranges)."""
-        return self.rest + math.ceil(c.n_kv_heads / tp) * self.per_group + math.ceil(c.d_ff / tp) * self.per_unit
+        return (self.rest + math.ceil(tp_units(c)[0] / tp) * self.per_group + math.ceil(c.d_ff / tp) * self.per_unit
+                + math.ceil(c.moe.d_shared / tp) * self.per_shared)
+
+
+def _routed(c: ModelConfig, layer: int, active: bool) -> int:
+    """The routed experts' part of a block's count: all experts' parameters, or the top_k one token multiplies."""
+    if not c.is_moe_layer(layer):
+        return 0
+    return (c.moe.top_k if active else c.moe.n_experts) * c.expert_parameters()
 
 
 def split_count(c: ModelConfig, count: Callable[[ModelConfig], int]) -> Split:
-    """Split `count(c)` (a `ModelConfig` method: `layer_parameters`, `matmul_weights_per_layer`) by linearity: one
-    KV-head group more (n_heads + G, n_kv_heads + 1) adds `per_group`, one hidden unit more (d_ff + 1) `per_unit`.
-    So the planner keeps no parameter formula of its own; the model config's counts are the only ones."""
+    """Split `count(c)` (a `ModelConfig` count of one block, routed experts left out) by linearity: one KV-head group
+    more (n_heads + G, n_kv_heads + 1; MLA: one query head) adds `per_group`, one hidden unit more (d_ff + 1)
+    `per_unit`, one shared-expert unit more `per_shared`. So the planner keeps no parameter formula of its own; the
+    model config's counts are the only ones."""
     base = count(c)
-    group = c.n_heads // c.n_kv_heads
-    per_group = count(replace(c, n_heads=c.n_heads + group, n_kv_heads=c.n_kv_heads + 1)) - base
+    units, group = tp_units(c)
+    kv_more = c.n_kv_heads + (1 if not c.mla.kv_lora_rank else (1 if c.n_kv_heads == c.n_heads else 0))
+    per_group = count(replace(c, n_heads=c.n_heads + group, n_kv_heads=kv_more)) - base
     per_unit = count(replace(c, d_ff=c.d_ff + 1)) - base
-    return Split(per_group, per_unit, base - c.n_kv_heads * per_group - c.d_ff * per_unit)
+    per_shared = 0
+    if c.moe.n_experts:
+        per_shared = count(replace(c, moe=replace(c.moe, d_shared=c.moe.d_shared + 1))) - base
+    return Split(per_group, per_unit, base - units * per_group - c.d_ff * per_unit - c.moe.d_shared * per_shared,
+                 per_shared)
 
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """What the cost model reads of a config, all from `ModelConfig`'s own counts."""
+    """What the cost model reads of a config, all from `ModelConfig`'s own counts, per block (dense and MoE blocks
+    differ; both kinds are split once)."""
 
-    layer: Split  # parameters of one block
-    matmul: Split  # weights one token multiplies in a block
+    layers: list[Split]  # parameters of each block, routed experts left out
+    matmul: list[Split]  # weights one token multiplies in each block, routed experts left out
+    moe: list[bool]  # whether each block is a MoE block
+    expert: int  # parameters of one routed expert
     embedding: int  # vocab x d_model
     positions: int  # learned absolute positions (stage 0)
     final_norm: int  # the final norm (last stage)
 
     @classmethod
     def of(cls, c: ModelConfig) -> ModelCounts:
-        outside = c.num_parameters() - c.n_layers * c.layer_parameters()  # embedding, positions, final norm, head
+        blocks = sum(c.layer_parameters(i) for i in range(c.n_layers))
+        outside = c.num_parameters() - blocks  # embedding, positions, final norm, head
         embedding = c.vocab_size * c.d_model
         positions = c.num_parameters() - replace(c, learned_positions=False).num_parameters()
         head = 0 if c.tie_embeddings else embedding
-        return cls(split_count(c, ModelConfig.layer_parameters), split_count(c, ModelConfig.matmul_weights_per_layer),
+        kinds: dict[bool, tuple[Split, Split]] = {}
+        for i in range(c.n_layers):
+            kind = c.is_moe_layer(i)
+            if kind not in kinds:
+                kinds[kind] = (split_count(c, lambda m, i=i: m.layer_parameters(i) - _routed(m, i, False)),
+                               split_count(c, lambda m, i=i: m.matmul_weights_per_layer(i) - _routed(m, i, True)))
+        moe = [c.is_moe_layer(i) for i in range(c.n_layers)]
+        return cls([kinds[k][0] for k in moe], [kinds[k][1] for k in moe], moe, c.expert_parameters(),
                    embedding, positions, outside - embedding - head - positions)
 
 
-def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1) -> list[int]:
-    """Parameters each pipeline stage's largest TP rank holds (the vocabulary padded to equal shards); at TP = PP = 1
-    the model's `num_parameters()`."""
+def expert_tp(tp: int, ep: int) -> int:
+    """Ranks one routed expert's width is split over: tp / ep inside a TP group (EP <= TP), else 1."""
+    return tp // ep if ep < tp else 1
+
+
+def routed_local(c: ModelConfig, tp: int, ep: int) -> int:
+    """Routed-expert parameters of one MoE block on one rank: E/ep experts at 1/expert_tp of their width."""
+    if not c.moe.n_experts:
+        return 0
+    etp = expert_tp(tp, ep)
+    return math.ceil(c.moe.n_experts / ep) * 3 * c.d_model * math.ceil(c.d_expert / etp)
+
+
+def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
+    """Parameters each pipeline stage's largest TP rank holds (the vocabulary padded to equal shards, routed experts
+    split over `ep`); at TP = PP = EP = 1 the model's `num_parameters()`."""
     n = ModelCounts.of(c)
-    layer = n.layer.local(c, tp)
+    routed = routed_local(c, tp, ep)
+    layer = [n.layers[i].local(c, tp) + (routed if n.moe[i] else 0) for i in range(c.n_layers)]
     emb = math.ceil(c.vocab_size / tp) * c.d_model
     head_separate = not (c.tie_embeddings and pp == 1)  # a tied head on its own stage is a second copy
     stages = stage_layers(c, pp)
-    return [stages[s] * layer + ((emb + n.positions) if s == 0 else 0)
+    starts = [sum(stages[:s]) for s in range(pp)]
+    return [sum(layer[starts[s]:starts[s] + stages[s]]) + ((emb + n.positions) if s == 0 else 0)
             + ((emb if head_separate else 0) + n.final_norm if s == pp - 1 else 0) for s in range(pp)]
 
 
 def kv_bytes_per_sequence(c: ModelConfig, layers: range, ctx: int, tp: int = 1, cp: int = 1,
                           dtype_bytes: float = 4) -> float:
     """K and V bytes one sequence of `ctx` tokens keeps in `layers` on one rank (`ModelConfig.kv_spec()`): a rank
-    keeps its KV heads and 1/cp of the tokens. Windows as the engine frees KV: its one block table serves every
+    keeps its KV heads and 1/cp of the tokens; MLA's latent (`kv_elements_per_token`) is whole on every TP rank.
+    Windows as the engine frees KV: its one block table serves every
     layer, so a sequence keeps only the window when every layer is windowed (`inference.kv_cache.kv_window`, e.g.
     Mistral), the whole context otherwise (Gemma 2/3 alternate windowed and full layers)."""
     from scratchlm.inference.kv_cache import kv_window
@@ -205,8 +273,38 @@ def kv_bytes_per_sequence(c: ModelConfig, layers: range, ctx: int, tp: int = 1, 
     spec = c.kv_spec()
     window = kv_window(spec)
     kept = ctx if window is None else min(ctx, window)
+    if c.mla.kv_lora_rank:
+        return sum(math.ceil(kept / cp) * c.kv_elements_per_token(i) * dtype_bytes for i in layers)
     return sum(2 * math.ceil(kept / cp) * math.ceil(spec[i].n_kv_heads / tp) * spec[i].head_dim * dtype_bytes
                for i in layers)
+
+
+def ffn_width(c: ModelConfig) -> float:
+    """Feed-forward hidden units one token goes through, averaged over the blocks: d_ff in a dense block, top_k x
+    d_expert + d_shared in a MoE block."""
+    moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+    sparse = c.moe.top_k * c.d_expert + c.moe.d_shared if moe else 0
+    return ((c.n_layers - moe) * c.d_ff + moe * sparse) / c.n_layers
+
+
+def experts_touched(n_experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts `tokens` tokens choose, each expert taken with probability k/E by each token:
+    E (1 - (1 - k/E)^N)."""
+    if n_experts == 0 or tokens <= 0:
+        return 0.0
+    return n_experts * (1 - (1 - top_k / n_experts) ** tokens)
+
+
+def _alltoall(n: float, p: int, cluster: ClusterSpec, slow: float = 1.0) -> float:
+    """One all-to-all among p consecutive ranks in which each rank sends n bytes in all (1/p of them to each rank,
+    itself included): the peers on its node over the intra-node link, the others over the inter-node one, both at
+    once."""
+    if p <= 1:
+        return 0.0
+    local = min(p, cluster.devices_per_node)
+    intra = (local - 1) * (cluster.intra_latency + n / (p * cluster.intra_bw))
+    inter = (p - local) * (cluster.inter_latency + n / (p * cluster.inter_bw))
+    return max(intra, inter) * slow
 
 
 def _allreduce(n: float, p: int, lat: float, bw: float) -> float:
@@ -234,10 +332,12 @@ def ring_score_elements(t: int, cp: int) -> float:
 
 def elementwise_elements(c: ModelConfig, tp: int = 1) -> float:
     """Elements per token per layer that the block's elementwise ops touch, as `calibrate.measure_elementwise`
-    counts them: two RMSNorms and two residual adds over d_model, RoPE over q and k, SiLU x up over d_ff."""
-    kv_local = math.ceil(c.n_kv_heads / tp)
-    h_local = kv_local * (c.n_heads // c.n_kv_heads)
-    return 4 * c.d_model + (h_local + kv_local) * c.head_dim + c.d_ff / tp
+    counts them: two RMSNorms and two residual adds over d_model, RoPE over q and k, SiLU x up over the
+    feed-forward's width (`ffn_width`)."""
+    units, group = tp_units(c)
+    h_local = math.ceil(units / tp) * group
+    kv_local = 1 if c.mla.kv_lora_rank else math.ceil(c.n_kv_heads / tp)
+    return 4 * c.d_model + (h_local + kv_local) * c.attention_head_dims()[0] + ffn_width(c) / tp
 
 
 def stage_layers(c: ModelConfig, pp: int) -> list[int]:
@@ -255,10 +355,11 @@ def stage_layers(c: ModelConfig, pp: int) -> list[int]:
 def per_token_activation_elements(c: ModelConfig, tp: int = 1) -> float:
     """Float32 elements per prompt token live at a prefill's peak besides the KV cache and the scores, when the
     cluster has no measured `token_bytes`: residual stream, norm output, q, k, v, attention output (d_model and
-    head widths), gate and up (d_ff)."""
-    kv_local = math.ceil(c.n_kv_heads / tp)
-    h_local = kv_local * (c.n_heads // c.n_kv_heads)
-    return 4 * c.d_model + 3 * c.d_ff / tp + (h_local + 2 * kv_local) * c.head_dim
+    head widths), gate and up (`ffn_width`)."""
+    units, group = tp_units(c)
+    h_local = math.ceil(units / tp) * group
+    kv_local = 1 if c.mla.kv_lora_rank else math.ceil(c.n_kv_heads / tp)
+    return 4 * c.d_model + 3 * ffn_width(c) / tp + (h_local + 2 * kv_local) * c.head_dim
 
 
 def _linear(t: Terms, cluster: ClusterSpec, weights: float, rows: float, slow: float) -> None:
@@ -266,7 +367,7 @@ def _linear(t: Terms, cluster: ClusterSpec, weights: float, rows: float, slow: f
     if weights <= 0 or rows <= 0:
         return
     sec = cluster.linear_time(weights, rows) * slow
-    if 2 * rows * weights / cluster.flops >= weights * cluster.dtype_bytes / cluster.mem_bw:
+    if 2 * rows * weights / cluster.flops >= weights * cluster.weight_dtype_bytes / cluster.mem_bw:
         t.compute += sec
     else:
         t.memory += sec
@@ -282,10 +383,12 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     """Predict memory and times of `layout`. `ranks_per_node` > devices_per_node models oversubscription
     (ranks share devices: every time grows by the ratio), used to check the model locally."""
     pred = Prediction(layout, feasible=True)
-    dp, tp, pp, cp = layout.dp, layout.tp, layout.pp, layout.cp
-    problems = []
-    if tp > c.n_kv_heads:
-        problems.append(f"TP={tp} > {c.n_kv_heads} KV heads (tensor parallelism shards by KV head)")
+    dp, tp, pp, cp, ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
+    problems = ep_problems(c, layout)
+    units, group = tp_units(c)
+    if tp > units:
+        problems.append(f"TP={tp} > {c.n_heads} query heads (MLA shards by head)" if c.mla.kv_lora_rank else
+                        f"TP={tp} > {c.n_kv_heads} KV heads (tensor parallelism shards by KV head)")
     if pp > c.n_layers:
         problems.append(f"PP={pp} > {c.n_layers} layers")
     if dp > w.concurrency:
@@ -306,13 +409,23 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     elem_rate, overhead = cluster.elementwise_rate / slow, cluster.layer_overhead * slow
 
     kv_local = math.ceil(c.n_kv_heads / tp)  # the largest TP shard (whole KV-head groups)
-    h_local = kv_local * (c.n_heads // c.n_kv_heads)
+    h_local = math.ceil(units / tp) * group
     stages = stage_layers(c, pp)
     pred.stage_layers = stages
     stage_range = [range(sum(stages[:s]), sum(stages[:s + 1])) for s in range(pp)]
-    lin_layer = ModelCounts.of(c).matmul.local(c, tp)  # linear weights of one layer on one rank
+    counts = ModelCounts.of(c)
+    lin = [counts.matmul[i].local(c, tp) for i in range(c.n_layers)]  # linear weights of each layer on one rank
+    n_moe = [sum(counts.moe[i] for i in r) for r in stage_range]  # MoE blocks of each stage
     emb = math.ceil(c.vocab_size / tp) * c.d_model  # the head's rows on one rank
-    pred.weights_bytes = max(rank_parameters(c, tp, pp)) * e
+    pred.weights_bytes = max(rank_parameters(c, tp, pp, ep)) * cluster.weight_dtype_bytes
+    dqk, dv = c.attention_head_dims()
+    if c.mla.kv_lora_rank:  # absorbed decode: every head scores the latent + RoPE key and sums the latents
+        m_ = c.mla
+        dec_flops_key = h_local * 2 * (2 * m_.kv_lora_rank + m_.qk_rope_head_dim)
+        dec_bytes_key = c.kv_elements_per_token(0) * ekv
+    else:
+        dec_flops_key = h_local * 2 * (dqk + dv)
+        dec_bytes_key = 2 * kv_local * c.head_dim * ekv
 
     # KV cache: this replica's sequences, its stage's layers, its KV heads, 1/cp of the tokens (windows: as the
     # engine frees them).
@@ -343,6 +456,26 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     pp_lat, pp_bw = cluster.link(_spans_nodes(tp * cp, pp, cluster))
     L = c.n_layers
     ew = elementwise_elements(c, tp)
+    # Routed experts: E/ep per rank at 1/etp of their width; tokens from ep/tp replicas when EP > TP.
+    ew_expert = 3 * c.d_model * math.ceil(c.d_expert / expert_tp(tp, ep)) if c.moe.n_experts else 0
+    reach = ep // tp if ep > tp else 1  # replicas whose tokens one rank's experts serve
+
+    def routed(terms: Terms, rows: float, layers: int) -> float:
+        """`layers` MoE blocks of `rows` tokens per replica (each TP rank holds them all) on this rank's experts:
+        the experts the EP group's tokens touch, each streamed once with its share of the rows, plus the
+        routing's fixed costs; and the all-to-alls. Returns the all-to-all seconds (added to `terms.network`)."""
+        if not layers or not ew_expert or rows <= 0:
+            return 0.0
+        tokens = rows * reach
+        touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens)
+        _linear(terms, cluster, layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow)
+        terms.overhead += layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
+        if ep <= tp:
+            return 0.0
+        sent = rows / tp * c.moe.top_k * c.d_model * e  # this rank's slice of the replica's tokens, top_k copies
+        a2a = layers * 2 * _alltoall(sent, ep, cluster)  # dispatch + combine
+        terms.network += a2a
+        return a2a
 
     # ---- prefill: `prompts` prompts in one forward (the engine batches them), stages one after another ----
     t = w.prompt_len
@@ -352,12 +485,14 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         score = h_local * sum(ring_score_elements(t, cp) if c.window(i) is None or cp > 1
                               else float(t) * c.attended_tokens(i, t) for i in range(L))
 
-    def prefill_terms(prompts: int) -> Terms:
+    def prefill_terms(prompts: int) -> tuple[Terms, float]:
+        """The forward of `prompts` prompts, and its all-to-all seconds (in its network term)."""
         pre = Terms()
-        _linear(pre, cluster, L * lin_layer, prompts * tl, slow)
+        _linear(pre, cluster, sum(lin), prompts * tl, slow)
         _linear(pre, cluster, emb, prompts, slow)  # the last token's logits
+        a2a = routed(pre, prompts * tl, sum(n_moe))
         smax = cluster.softmax_for(heads * sq * sk) / slow  # one attention op's score matrix in cache or not
-        pre.add_op(prompts * (4 * score * c.head_dim / flops + score / smax), 0.0)
+        pre.add_op(prompts * (2 * score * (dqk + dv) / flops + score / smax), 0.0)
         pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
         pre.overhead = L * overhead
         if cp > 1 and cp_kind != "ulysses":
@@ -372,10 +507,10 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
             else:
                 block = 2 * prompts * tl * kv_local * c.head_dim * e  # this rank's K and V
                 pre.overlapped_network = L * (cp - 1) * (cp_lat + block / cp_bw)
-        return pre
+        return pre, a2a
 
-    pred.prefill = prefill_terms(1)
-    batch_prefill = prefill_terms(batch)
+    pred.prefill, pred.prefill_a2a_s = prefill_terms(1)
+    batch_prefill = prefill_terms(batch)[0]
 
     # ---- one decode step: every sequence of the replica advances one token ----
     # With pp > 1 the batch is cut into m micro-batches that flow through the stages: a step costs the sum of
@@ -384,23 +519,27 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     s_avg = w.prompt_len + w.output_len / 2
     m = min(pp, batch) if pp > 1 else 1
     rows = batch / m
-    stage_terms = []
+    stage_terms: list[Terms] = []
+    a2a_stages: list[float] = []
     for s in range(pp):
         st = Terms()
         n = stages[s]
-        _linear(st, cluster, n * lin_layer, rows, slow)
+        _linear(st, cluster, sum(lin[i] for i in stage_range[s]), rows, slow)
         if s == pp - 1:
             _linear(st, cluster, emb, rows, slow)
+        a2a = routed(st, rows, n_moe[s])
+        a2a_stages.append(a2a)
+        st.network = 0.0  # the all-to-alls enter the step below, with the other collectives
         # keys the stage's layers attend to (a windowed layer: its window), this rank's 1/cp of them
         ctx_tokens = rows * sum(c.attended_tokens(i, s_avg) for i in stage_range[s]) / cp
         smax = cluster.softmax_for(h_local * s_avg / cp) / slow
-        st.add_op(ctx_tokens * h_local * (4 * c.head_dim / flops + 1 / smax),
-                  ctx_tokens * 2 * kv_local * c.head_dim * ekv / mem_bw)
+        st.add_op(ctx_tokens * (dec_flops_key / flops + h_local / smax), ctx_tokens * dec_bytes_key / mem_bw)
         st.add_op(0.0, n * rows * ew / elem_rate)
-        st.overhead = n * overhead
+        st.overhead += n * overhead
         calls = (2 * n + (s == 0) + (s == pp - 1)) if tp > 1 else 0  # all-reduces, the logits' all-gather
         if pp > 1:  # activations in / out, the logits to rank 0
             calls += (s > 0) + (s < pp - 1) + (s == pp - 1) + (s == 0)
+        calls += 2 * n_moe[s] if ep > tp else 0  # dispatch and combine
         st.comm_cpu = calls * cluster.comm_cpu * slow
         stage_terms.append(st)
     slowest = max(stage_terms, key=lambda x: x.work)
@@ -419,6 +558,12 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     dec.network += 2 * _broadcast(64 + 48 * batch, tp * pp, pp_lat, pp_bw)  # the step command (size, payload)
     if cp > 1:  # partial outputs + LSE gathered and merged in every layer
         dec.network += L * _allgather(cp * batch * h_local * (c.head_dim + 1) * 4, cp, cp_lat, cp_bw)
+    pred.decode_a2a_s = m * sum(a2a_stages)
+    dec.network += pred.decode_a2a_s
+    if ew_expert:
+        tokens = rows * reach
+        pred.experts_touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens) / ep
+        pred.expert_bytes = m * max(n_moe) * pred.experts_touched * ew_expert * cluster.weight_dtype_bytes
     pred.decode = dec
     busiest = max(range(pp), key=lambda s: m * stage_terms[s].work + (engine if s == 0 else 0.0))
     rank = Terms()
@@ -442,15 +587,39 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     return pred
 
 
-def enumerate_layouts(world: int, max_cp: int | None = None) -> list[Layout]:
-    """Every (dp, tp, pp, cp) with dp * tp * pp * cp == world."""
+def ep_problems(c: ModelConfig, layout: Layout) -> list[str]:
+    """Why `layout`'s expert parallelism cannot run `c` (empty: it can)."""
+    ep, tp, stage = layout.ep, layout.tp, layout.dp * layout.tp
+    if ep == 1:
+        return []
+    out = []
+    if not c.moe.n_experts:
+        out.append(f"EP={ep} needs a mixture-of-experts model")
+    elif c.moe.n_experts % ep:
+        out.append(f"EP={ep} does not divide the {c.moe.n_experts} experts")
+    if stage % ep or (ep % tp and tp % ep):
+        out.append(f"EP={ep} must divide DP x TP = {stage} and divide or be a multiple of TP={tp}")
+    if layout.cp > 1:
+        out.append(f"EP={ep} with CP={layout.cp} is not modelled")
+    return out
+
+
+def enumerate_layouts(world: int, max_cp: int | None = None, n_experts: int = 0) -> list[Layout]:
+    """Every (dp, tp, pp, cp) with dp * tp * pp * cp == world; for a MoE model (`n_experts` > 0) also every EP > TP
+    that divides the experts and a stage's dp x tp ranks (CP = 1). (EP <= TP costs what TP-sharded experts cost:
+    the same bytes per rank, no all-to-all; the layout without EP stands for it.)"""
     divs = [d for d in range(1, world + 1) if world % d == 0]
     out = []
     for tp in divs:
         for pp in divs:
             for cp in divs:
                 if world % (tp * pp * cp) == 0 and (max_cp is None or cp <= max_cp):
-                    out.append(Layout(world // (tp * pp * cp), tp, pp, cp))
+                    lay = Layout(world // (tp * pp * cp), tp, pp, cp)
+                    out.append(lay)
+                    if n_experts and cp == 1:
+                        stage = lay.dp * tp
+                        out += [Layout(lay.dp, tp, pp, 1, ep) for ep in range(2, stage + 1)
+                                if ep > tp and stage % ep == 0 and n_experts % ep == 0 and ep % tp == 0]
     return out
 
 
@@ -464,7 +633,7 @@ def plan(c: ModelConfig, w: Workload, cluster: ClusterSpec, objective: str = "th
     if world > cluster.devices:
         raise ValueError(f"plan: world={world} ranks but the cluster has {cluster.devices} devices "
                          f"({cluster.nodes} nodes x {cluster.devices_per_node})")
-    preds = [predict(c, w, cluster, lay) for lay in enumerate_layouts(world)]
+    preds = [predict(c, w, cluster, lay) for lay in enumerate_layouts(world, n_experts=c.moe.n_experts)]
 
     def key(p: Prediction) -> tuple:
         if objective == "throughput":

@@ -28,4 +28,5 @@ def test_plan_finds_shipped_files_by_name(capsys, tmp_path, monkeypatch):
     assert main(["plan", "--model", "llama3-8b", "--cluster", "h100x8_nvlink", "--top", "2"]) == 0
     assert "Best for throughput" in capsys.readouterr().out
     assert main(["plan", "--model", "llama3-8b", "--cluster", "no_such_cluster"]) == 2
-    assert "shipped recipe (recipes: cpu16_25gbe, gpu1000_ib, h100x8_nvlink)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "shipped recipe (recipes: cpu16_25gbe, gpu1000_ib, h100x8_ib, h100x8_ib_fp8, h100x8_nvlink)" in err

@@ -149,7 +149,8 @@ def test_network_overtakes_compute_on_a_slow_link():
     assert predict(TINY, w, BOX, Layout(tp=1, dp=1)).bottleneck != "network"
 
 
-@pytest.mark.parametrize("name", ["cpu16_25gbe.toml", "h100x8_nvlink.toml", "gpu1000_ib.toml"])
+@pytest.mark.parametrize("name", ["cpu16_25gbe.toml", "h100x8_nvlink.toml", "gpu1000_ib.toml", "h100x8_ib.toml",
+                                  "h100x8_ib_fp8.toml"])
 def test_cluster_files_load(name):
     spec = load_cluster(CLUSTERS / name)
     assert spec.devices >= 8 and spec.flops > 0
