@@ -96,6 +96,11 @@ class EngineConfig:
         default=512, metadata={"help": "prefill chunks of at least this many tokens are split over the CP ranks "
                                        "(ring attention); shorter chunks and decodes run replicated"}
     )
+    expert_parallel_size: int = field(
+        default=1, metadata={"help": "expert-parallel ranks of a mixture-of-experts model: each holds 1/N of every "
+                                     "MoE layer's experts (token rows exchanged with all-to-all) and runs attention "
+                                     "for its share of the sequences; world = TP x EP (docs/moe.md)"}
+    )
     parallel_timeout_s: float = field(
         default=60.0, metadata={"help": "seconds before a TP/PP step collective with a dead or hung rank fails"}
     )
@@ -121,7 +126,7 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             problems.append(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-                     "context_parallel_threshold"):
+                     "expert_parallel_size", "context_parallel_threshold"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} must be a positive integer")
@@ -139,8 +144,7 @@ class EngineConfig:
             problems.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
-        elif self.kv_cache_dtype not in ("auto", self.dtype) and \
-                self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size > 1:
+        elif self.kv_cache_dtype not in ("auto", self.dtype) and self.world_size > 1:
             problems.append(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor/pipeline/context "
                             "parallelism yet: use kv_cache_dtype=auto there")
         try:
@@ -171,6 +175,12 @@ class EngineConfig:
             problems.append(f"trace={self.trace!r}: folder {str(Path(self.trace).parent)!r} does not exist")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs as: tensor x pipeline x context x expert parallel ranks."""
+        return (self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+                * self.expert_parallel_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

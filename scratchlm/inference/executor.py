@@ -91,10 +91,9 @@ class UniProcExecutor:
 
 
 def default_executor_class(config: EngineConfig) -> type:
-    """`UniProcExecutor` for one process; for TP x PP x CP > 1 the multi-process executor the top-level
+    """`UniProcExecutor` for one process; for TP x PP x CP x EP > 1 the multi-process executor the top-level
     package names (`scratchlm.MULTIPROCESS_EXECUTOR`), imported only now."""
-    world = config.tensor_parallel_size * config.pipeline_parallel_size * config.context_parallel_size
-    if world == 1:
+    if config.world_size == 1:
         return UniProcExecutor
     import scratchlm
 

@@ -36,8 +36,7 @@ class LLM:
         from scratchlm.threads import apply_threads
 
         config = EngineConfig(**engine_options)
-        apply_threads(threads, world_size=config.tensor_parallel_size * config.pipeline_parallel_size
-                      * config.context_parallel_size, keep_caller_setting=True)
+        apply_threads(threads, world_size=config.world_size, keep_caller_setting=True)
         self.engine = LLMEngine.from_pretrained(model, config)
 
     @classmethod

@@ -8,13 +8,15 @@
   unlimited on the workers (a server may sit idle for hours between requests);
 - a *step* group over all ranks with the short collective timeout (60 s by default) for the
   point-to-point activations of the pipeline;
-- one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers.
+- one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers;
+- under expert parallelism, one EP group per tp rank (the ranks with that tp rank, one per EP replica; same
+  short timeout) for the all-to-alls of the MoE layers and the gathers of new K/V rows.
 
 So a dead or hung peer turns any step collective into an error within the timeout, never a hang.
 Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks, and counts the
 bytes this rank *sends* for it (``Comm.bytes``, per kind): an all-reduce of n bytes over P ranks sends
 2 (P-1)/P x n (the ring algorithm's volume, the bandwidth-optimal one), an all-gather of a part of n bytes
-(P-1) x n, a send its tensor; a receive (``recv_wait``) records the bytes it received, which its peer counted as
+(P-1) x n, an all-to-all the rows it sends to the *other* ranks (its own stay local), a send its tensor; a receive (``recv_wait``) records the bytes it received, which its peer counted as
 sent. Pickled commands (``broadcast``) are counted only while ``count_object_bytes`` is set (a pickle more per
 step). The step traces get the same spans and bytes (``Comm.trace``: (kind, start, end, bytes) per call).
 """
@@ -77,11 +79,17 @@ class Comm:
         self.cmd_group = dist.new_group(world, timeout=timeout if layout.rank == 0 else IDLE_TIMEOUT, backend=backend)
         self.step_group = dist.new_group(world, timeout=timeout, backend=backend)
         self.tp_group = None
-        for c in range(layout.cp):  # every rank creates every group, in the same order
-            for stage in range(layout.pp):  # one TP group per (CP replica, stage)
+        for c in range(layout.replicas):  # every rank creates every group, in the same order
+            for stage in range(layout.pp):  # one TP group per (CP or EP replica, stage)
                 g = dist.new_group(layout.stage_ranks(stage, c), timeout=timeout, backend=backend)
-                if (c, stage) == (layout.cp_rank, layout.stage):
+                if (c, stage) == (layout.replica, layout.stage):
                     self.tp_group = g
+        self.ep_group = None
+        if layout.ep > 1:
+            for t in range(layout.tp):  # one EP group per tp rank
+                g = dist.new_group(layout.ep_ranks(t), timeout=timeout, backend=backend)
+                if t == layout.tp_rank:
+                    self.ep_group = g
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)  # bytes this rank sent (received, for recv_wait) per kind
@@ -124,8 +132,9 @@ class Comm:
 
     # --- tensor parallel (stage group) ----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the stage's tensor-parallel ranks, in place (no-op at TP=1)."""
-        if self.layout.tp == 1:
+        """Sum `x` over the stage's tensor-parallel ranks, in place (no-op at TP=1, and for no rows: an EP replica
+        with no tokens in the step; its TP ranks all have none)."""
+        if self.layout.tp == 1 or x.numel() == 0:
             return x
         t = time.perf_counter()
         dist.all_reduce(x, group=self.tp_group)
@@ -141,6 +150,26 @@ class Comm:
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         self._timed("all_gather", t, (self.layout.tp - 1) * x.numel() * x.element_size())
         return torch.cat(parts, dim=1)
+
+    # --- expert parallel (EP group) ---------------------------------------------------------------
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], kind: str) -> torch.Tensor:
+        """Rows x (n, ...) split into `send_rows` consecutive parts, part j to EP rank j; returns the parts the EP
+        ranks sent this one, concatenated in EP-rank order: (sum(recv_rows), ...). Timed and counted as `kind`
+        (the bytes this rank sends to the *other* ranks)."""
+        t = time.perf_counter()
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows, group=self.ep_group)
+        row = x.shape[1:].numel() * x.element_size()
+        self._timed(kind, t, (sum(send_rows) - send_rows[self.layout.ep_rank]) * row)
+        return out
+
+    def ep_all_gather(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """x (same shape on every EP rank) -> (ep, *x.shape), EP-rank order; timed and counted as `kind`."""
+        t = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.layout.ep)]
+        dist.all_gather(parts, x.contiguous(), group=self.ep_group)
+        self._timed(kind, t, (self.layout.ep - 1) * x.numel() * x.element_size())
+        return torch.stack(parts)
 
     # --- pipeline (step group, point to point) --------------------------------------------------
     def isend(self, x: torch.Tensor, dst: int, tag: int) -> dist.Work:

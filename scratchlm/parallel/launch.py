@@ -89,18 +89,21 @@ log = logging.getLogger(__name__)
 def check_engine_config(config: EngineConfig, model_config: ModelConfig, world_size: int | None = None) -> list[int]:
     """Fail fast on a TP/PP/CP config that cannot work with this model; returns the explicit stage split or None."""
     tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
+    ep = config.expert_parallel_size
     sizes = f"tensor_parallel_size={tp} / pipeline_parallel_size={pp} / context_parallel_size={cp}"
+    if ep > 1:
+        sizes += f" / expert_parallel_size={ep}"
     if config.quantization not in (None, "none"):
         raise ValueError(f"quantization={config.quantization!r} is not supported with {sizes} "
                          f"(the sharded layers are float); drop one of them")
     if config.speculative not in (None, "none"):
         raise ValueError(f"speculative={config.speculative!r} is not supported with {sizes}; drop one of them")
     stage_layers = parse_stage_layers(config.pipeline_stage_layers)
-    check_parallel_config(model_config, tp, pp, world_size, stage_layers, cp)
+    check_parallel_config(model_config, tp, pp, world_size, stage_layers, cp, ep)
     if cp > 1:
         check_cp_features(model_config)
-    if tp > 1 or pp > 1 or cp > 1:
-        check_shardable(model_config, tp)
+    if tp > 1 or pp > 1 or cp > 1 or ep > 1:
+        check_shardable(model_config, tp, ep)
     if cp > 1 and config.context_parallel_threshold > config.max_num_batched_tokens:
         log.warning("context_parallel_threshold=%d > max_num_batched_tokens=%d: no prefill chunk can reach the "
                     "threshold, so every prefill runs replicated on the %d CP ranks (no ring attention)",
@@ -180,7 +183,7 @@ def load_rank_shard(path: Path, model_config: ModelConfig, config: EngineConfig,
                     stage_layers: list[int] | None, check: Callable[[], None] | None = None):
     """(tensors, tokenizer) of `rank`'s shard; no process group needed."""
     tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
-    layout = plan_layout(model_config, tp, pp, rank, stage_layers, cp)
+    layout = plan_layout(model_config, tp, pp, rank, stage_layers, cp, config.expert_parallel_size)
     return load_shard(path, model_config, layout, config.torch_dtype, _rank_device(config, local_rank),
                       want_tokenizer=rank == 0, check=check)
 
@@ -191,8 +194,9 @@ def build_rank(path: Path, model_config: ModelConfig, config: EngineConfig, rank
     """Groups, shard (loaded here unless `state` is given) and runner of `rank` (the default process group must
     be initialised)."""
     tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
+    ep = config.expert_parallel_size
     device = _rank_device(config, local_rank)
-    layout = plan_layout(model_config, tp, pp, rank, stage_layers, cp)
+    layout = plan_layout(model_config, tp, pp, rank, stage_layers, cp, ep)
     if state is None:
         state, tokenizer = load_rank_shard(path, model_config, config, rank, local_rank, stage_layers)
     if cp > 1:
@@ -202,14 +206,18 @@ def build_rank(path: Path, model_config: ModelConfig, config: EngineConfig, rank
     else:
         comm = Comm(layout, config.parallel_timeout_s, backend_for(device), device)
     model = ShardedLM(model_config, layout, state, comm).eval()
-    log.info("rank %d: cp rank %d, layers %s, kv heads %s, q heads %s, ff %s, vocab %s (%.1f M parameters)", rank,
-             layout.cp_rank, layout.layers, layout.kv_heads, layout.q_heads, layout.ff, layout.vocab,
-             sum(p.numel() for p in model.parameters()) / 1e6)
+    log.info("rank %d: cp rank %d, ep rank %d, layers %s, kv heads %s, q heads %s, ff %s, vocab %s, experts %s "
+             "(%.1f M parameters)", rank, layout.cp_rank, layout.ep_rank, layout.layers, layout.kv_heads,
+             layout.q_heads, layout.ff, layout.vocab, layout.experts, sum(p.numel() for p in model.parameters()) / 1e6)
     if cp > 1:
         from scratchlm.parallel.context import ContextParallelRunner
 
         runner = ContextParallelRunner(model, comm, config.block_size, config.torch_dtype, device,
                                        config.context_parallel_threshold, procs)
+    elif ep > 1:
+        from scratchlm.parallel.expert import ExpertParallelRunner
+
+        runner = ExpertParallelRunner(model, comm, config.block_size, config.torch_dtype, device, 1, procs)
     else:
         micro = config.pipeline_microbatches or pp
         runner = ParallelRunner(model, comm, config.block_size, config.torch_dtype, device, micro, procs)
@@ -381,8 +389,7 @@ class MultiprocExecutor:
         path = Path(path).absolute()
         model_config = read_model_config(path)
         joined = torchrun_world()
-        tp, pp, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
-        world = joined[2] if joined else tp * pp * cp
+        world = joined[2] if joined else config.world_size
         stage_layers = check_engine_config(config, model_config, world)  # before any weight loads
         if _rank_device(config, 0).type == "cpu":  # no rank compiles while its peers wait on a collective
             prepare_kernels(quantized=config.quantization is not None)

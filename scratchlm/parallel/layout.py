@@ -1,9 +1,13 @@
 """Which slice of the model each rank holds, and the fail-fast checks run before any weight loads.
 
-Ranks are numbered ``rank = cp_rank * (pp * tp) + stage * tp + tp_rank``: the `tp` ranks of one pipeline
-stage are neighbours (one tensor-parallel group per stage), and rank 0 (stage 0, tp rank 0, cp rank 0) runs
+Ranks are numbered ``rank = replica * (pp * tp) + stage * tp + tp_rank``: the `tp` ranks of one pipeline
+stage are neighbours (one tensor-parallel group per stage), and rank 0 (stage 0, tp rank 0, replica 0) runs
 the scheduler. Context parallelism (CP) replicates the TP x PP model C times; the ranks with the same stage
 and tp rank form one CP group, which shares a sequence's KV cache by token (`scratchlm.parallel.context`).
+Expert parallelism (EP) replicates the TP model's attention and dense layers E times (data-parallel attention)
+and splits the routed experts of every MoE layer into E contiguous ranges, one per replica; the ranks with the
+same tp rank form one EP group, which exchanges token rows with all-to-all (`scratchlm.parallel.expert`).
+CP and EP are not combined (a replica index is one or the other).
 
 Tensor parallelism shards attention *by KV head*: a rank keeps a contiguous range of KV heads and
 the query heads of their groups (GQA), so its paged KV cache holds only its KV heads. Shards are as
@@ -113,18 +117,22 @@ def parse_stage_layers(text: str | None) -> list[int] | None:
 
 
 def check_parallel_config(config: ModelConfig, tp: int, pp: int, world_size: int | None = None,
-                          stage_layers: list[int] | None = None, cp: int = 1) -> None:
+                          stage_layers: list[int] | None = None, cp: int = 1, ep: int = 1) -> None:
     """Raise one ValueError naming every factor that does not fit; call it before loading any weight."""
     problems = []
-    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("context_parallel_size", cp)):
+    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("context_parallel_size", cp),
+                    ("expert_parallel_size", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.append(f"{name}={v!r} must be a positive integer")
     if problems:
         raise ValueError("invalid parallel configuration: " + "; ".join(problems))
-    if world_size is not None and tp * pp * cp != world_size:
+    if world_size is not None and tp * pp * cp * ep != world_size:
         cp_text = f" x context_parallel_size ({cp})" if cp > 1 else ""
-        problems.append(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}){cp_text} = {tp * pp * cp} "
-                        f"!= world size {world_size}")
+        ep_text = f" x expert_parallel_size ({ep})" if ep > 1 else ""
+        problems.append(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}){cp_text}{ep_text} = "
+                        f"{tp * pp * cp * ep} != world size {world_size}")
+    if ep > 1:
+        problems += expert_parallel_problems(config, tp, pp, cp, ep)
     if cp > 1 and pp > 1:
         problems.append(f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
                         f"(CP composes with tensor parallelism only); drop one of them")
@@ -150,6 +158,28 @@ def check_parallel_config(config: ModelConfig, tp: int, pp: int, world_size: int
         raise ValueError("invalid parallel configuration: " + "; ".join(problems))
 
 
+def expert_parallel_problems(config: ModelConfig, tp: int, pp: int, cp: int, ep: int) -> list[str]:
+    """Why `expert_parallel_size=ep` (with these other sizes) cannot run this model; empty when it can."""
+    f = config.moe
+    if f.n_experts == 0:
+        return [f"expert_parallel_size={ep} needs a mixture-of-experts model; this one has no routed experts "
+                f"(moe.n_experts=0): use tensor_parallel_size / pipeline_parallel_size instead"]
+    problems = []
+    if f.n_experts % ep:
+        problems.append(f"expert_parallel_size={ep} does not divide the model's moe.n_experts={f.n_experts}: every "
+                        f"EP rank holds the same number of experts (a contiguous range); pick a divisor of "
+                        f"{f.n_experts}")
+    if pp > 1:
+        problems.append(f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported (EP composes "
+                        f"with tensor parallelism only); drop one of them")
+    if cp > 1:
+        problems.append(f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported (EP composes "
+                        f"with tensor parallelism only); drop one of them")
+    if tp > config.d_expert:
+        problems.append(f"tensor_parallel_size={tp} exceeds the experts' hidden size d_expert={config.d_expert}")
+    return problems
+
+
 @dataclass(frozen=True)
 class RankLayout:
     """One rank's share of the model."""
@@ -164,6 +194,10 @@ class RankLayout:
     vocab: tuple[int, int]  # [start, stop) of vocabulary rows (real ones)
     vocab_shard: int  # rows per vocabulary shard, padded: every rank holds this many
     cp: int = 1  # context-parallel replicas of the TP x PP model
+    ep: int = 1  # expert-parallel replicas of the TP model (each holds a range of every MoE layer's experts)
+    experts: tuple[int, int] = (0, 0)  # [start, stop) of the routed experts this rank holds (MoE models)
+    expert_ff: tuple[int, int] = (0, 0)  # [start, stop) of each held expert's hidden units (split over TP)
+    shared_ff: tuple[int, int] = (0, 0)  # [start, stop) of the shared expert's hidden units (split over TP)
 
     @property
     def tp_rank(self) -> int:
@@ -174,12 +208,25 @@ class RankLayout:
         return (self.rank // self.tp) % self.pp
 
     @property
-    def cp_rank(self) -> int:
+    def replica(self) -> int:
+        """Which CP or EP replica of the TP x PP model this rank is in (0 when there is one)."""
         return self.rank // (self.tp * self.pp)
 
     @property
+    def cp_rank(self) -> int:
+        return self.replica if self.cp > 1 else 0
+
+    @property
+    def ep_rank(self) -> int:
+        return self.replica if self.ep > 1 else 0
+
+    @property
+    def replicas(self) -> int:
+        return self.cp * self.ep
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -191,8 +238,13 @@ class RankLayout:
 
     def stage_ranks(self, stage: int, cp_rank: int | None = None) -> list[int]:
         """Global ranks of `stage`'s tensor-parallel group (in CP replica `cp_rank`, default: this rank's)."""
-        base = (self.cp_rank if cp_rank is None else cp_rank) * self.tp * self.pp + stage * self.tp
+        base = (self.replica if cp_rank is None else cp_rank) * self.tp * self.pp + stage * self.tp
         return list(range(base, base + self.tp))
+
+    def ep_ranks(self, tp_rank: int | None = None) -> list[int]:
+        """Global ranks of the expert-parallel group of `tp_rank` (default: this rank's): one per EP replica."""
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return [e * self.tp + tp_rank for e in range(self.ep)]
 
     def cp_ranks(self, stage: int | None = None, tp_rank: int | None = None) -> list[int]:
         """Global ranks of the context-parallel group of (stage, tp_rank) (default: this rank's)."""
@@ -201,10 +253,18 @@ class RankLayout:
         return [c * self.tp * self.pp + stage * self.tp + tp_rank for c in range(self.cp)]
 
 
+def is_foreign_expert(name: str, layout: RankLayout) -> bool:
+    """Whether block parameter `name` (e.g. 'ffn.experts.5.w1.weight') is a routed expert another replica holds."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "ffn" or parts[1] != "experts":
+        return False
+    return not layout.experts[0] <= int(parts[2]) < layout.experts[1]
+
+
 def plan_layout(config: ModelConfig, tp: int, pp: int, rank: int,
-                stage_layers: list[int] | None = None, cp: int = 1) -> RankLayout:
-    """The layout of `rank` in a TP x PP x CP world (checked with `check_parallel_config` first)."""
-    check_parallel_config(config, tp, pp, None, stage_layers, cp)
+                stage_layers: list[int] | None = None, cp: int = 1, ep: int = 1) -> RankLayout:
+    """The layout of `rank` in a TP x PP x CP (or TP x EP) world (checked with `check_parallel_config` first)."""
+    check_parallel_config(config, tp, pp, None, stage_layers, cp, ep)
     sizes = stage_layers or balanced_stages(config, pp)
     stage, tp_rank = divmod(rank % (tp * pp), tp)
     start = sum(sizes[:stage])
@@ -212,10 +272,16 @@ def plan_layout(config: ModelConfig, tp: int, pp: int, rank: int,
     group = config.n_heads // config.n_kv_heads
     shard = -(-config.vocab_size // tp)
     vstart = min(tp_rank * shard, config.vocab_size)
+    f = config.moe
+    per = f.n_experts // ep
+    replica = rank // (tp * pp) if ep > 1 else 0
     return RankLayout(
         rank=rank, tp=tp, pp=pp, layers=(start, start + sizes[stage]), kv_heads=kv,
         q_heads=(kv[0] * group, kv[1] * group), ff=split_range(config.d_ff, tp)[tp_rank],
-        vocab=(vstart, min(vstart + shard, config.vocab_size)), vocab_shard=shard, cp=cp,
+        vocab=(vstart, min(vstart + shard, config.vocab_size)), vocab_shard=shard, cp=cp, ep=ep,
+        experts=(replica * per, (replica + 1) * per),
+        expert_ff=split_range(config.d_expert, tp)[tp_rank] if f.n_experts else (0, 0),
+        shared_ff=split_range(f.d_shared, tp)[tp_rank] if f.d_shared else (0, 0),
     )
 
 

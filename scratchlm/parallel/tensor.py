@@ -30,9 +30,10 @@ from torch import Tensor, nn
 
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.layers import MLP, Attention, AttentionBackend, LayerNorm, Linear, RMSNorm
+from scratchlm.model.moe import MoE
 from scratchlm.model.transformer import TransformerBlock, TransformerLM
 from scratchlm.parallel.comm import Comm
-from scratchlm.parallel.layout import RankLayout
+from scratchlm.parallel.layout import RankLayout, is_foreign_expert
 
 # How a rank holds a tensor: (dim, start, stop) of its slice, or WHOLE.
 Shard = tuple[int | None, int, int]
@@ -54,8 +55,14 @@ def _attention_units(name: str, config: ModelConfig, layout: RankLayout) -> tupl
     return heads[0] * d, heads[1] * d
 
 
-def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: RankLayout) -> dict[str, Shard]:
-    """{parameter name: Shard} of one block's child module, from its `tp_plan`."""
+def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: RankLayout,
+                  units: tuple[int, int] | None = None) -> dict[str, Shard]:
+    """{parameter name: Shard} of one block's child module, from its `tp_plan`. `units`: an MLP's hidden units
+    this rank holds (default: the dense MLP's, `layout.ff`; MoE experts: `layout.expert_ff`)."""
+    if isinstance(module, MoE):
+        from scratchlm.parallel.expert import moe_shards
+
+        return moe_shards(prefix, module, config, layout)
     out: dict[str, Shard] = {}
     plan = getattr(module, "tp_plan", None)
     for pname, p in module.named_parameters():
@@ -76,7 +83,7 @@ def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: R
         if isinstance(module, Attention):
             units = _attention_units(pname, config, layout)
         elif isinstance(module, MLP):
-            units = layout.ff
+            units = units or layout.ff
         else:
             raise ValueError(f"tensor parallelism: no unit range known for {type(module).__name__}.{pname}")
         if split == "row" and p.dim() != 2:
@@ -101,7 +108,7 @@ def shard_plan(config: ModelConfig, layout: RankLayout) -> dict[str, Shard]:
         block = model.layers[i]
         for child, module in block.named_children():
             out.update(module_shards(f"layers.{i}.{child}.", module, config, layout))
-        named = {n for n, _ in block.named_parameters()}
+        named = {n for n, _ in block.named_parameters() if not is_foreign_expert(n, layout)}
         planned = {n.removeprefix(f"layers.{i}.") for n in out if n.startswith(f"layers.{i}.")}
         if named != planned:  # a parameter directly on the block, outside every child module
             raise ValueError(f"tensor parallelism: block parameters {sorted(named - planned)} have no tp_plan")
@@ -119,11 +126,11 @@ def take_shard(t: Tensor, shard: Shard) -> Tensor:
     return t if dim is None else t.narrow(dim, start, stop - start)
 
 
-def check_shardable(config: ModelConfig, tp: int) -> None:
+def check_shardable(config: ModelConfig, tp: int, ep: int = 1) -> None:
     """Raise ValueError now (before any process starts) if the model has a parameter no `tp_plan` covers."""
     from scratchlm.parallel.layout import plan_layout
 
-    shard_plan(config, plan_layout(config, tp, 1, 0))
+    shard_plan(config, plan_layout(config, tp, 1, 0, ep=ep))
 
 
 # --- the collectives, as modules swapped into the model ---------------------------------------------------
@@ -189,8 +196,14 @@ def _frozen(t: Tensor) -> nn.Parameter:
 
 
 def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layout: RankLayout, comm: Comm) -> None:
-    """Put layer `i`'s shards into `block` (built on meta) and swap in the collectives."""
+    """Put layer `i`'s shards into `block` (built on meta) and swap in the collectives (an MoE feed-forward becomes
+    the rank's `ExpertParallelMoE`: its experts only)."""
     prefix = f"layers.{i}."
+    if isinstance(block.ffn, MoE):
+        from scratchlm.parallel.expert import ExpertParallelMoE, check_expert_tp
+
+        check_expert_tp(block.ffn, layout.tp)
+        block.ffn = ExpertParallelMoE(block.ffn, layout, comm)
     for name, _ in list(block.named_parameters()):
         owner, _, attr = name.rpartition(".")
         module = block.get_submodule(owner)
@@ -203,7 +216,7 @@ def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layo
     attn.n_heads = layout.q_heads[1] - layout.q_heads[0]
     attn.n_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
     for module in (attn, ffn):
-        for pname, split in module.tp_plan.items():
+        for pname, split in getattr(module, "tp_plan", {}).items():  # ExpertParallelMoE reduces by itself
             owner = pname.rpartition(".")[0]
             child = getattr(module, owner, None) if owner else None
             if split == "row" and isinstance(child, Linear):

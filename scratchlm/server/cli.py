@@ -143,9 +143,9 @@ def configs_from_args(args: argparse.Namespace):
 
 
 def engine_ranks(engine_config) -> int:
-    """Processes one engine runs as (tensor x pipeline x context parallel), which share this host's cores."""
-    c = engine_config
-    return c.tensor_parallel_size * c.pipeline_parallel_size * c.context_parallel_size
+    """Processes one engine runs as (tensor x pipeline x context x expert parallel), which share this host's
+    cores."""
+    return engine_config.world_size
 
 
 def _torchrun_worker_rank(engine_config) -> bool:
