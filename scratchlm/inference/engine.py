@@ -655,7 +655,13 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            expert_load=self._expert_load(),
         )
+
+    def _expert_load(self) -> dict[int, list[int]] | None:
+        """The runner's per-expert routed rows per MoE layer, if it counts them (the expert-parallel runner)."""
+        load = getattr(self.runner, "expert_load", None)
+        return load() if callable(load) else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the tokenizer's Jinja chat template, as HF's ``apply_chat_template(messages,

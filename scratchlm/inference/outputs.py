@@ -47,3 +47,6 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # mixture-of-experts models under expert parallelism: {layer: token rows routed to each expert} since the engine
+    # started (every rank's tokens); None when the runner does not count them (one process: not counted)
+    expert_load: dict[int, list[int]] | None = None

@@ -16,9 +16,10 @@ So a dead or hung peer turns any step collective into an error within the timeou
 Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks, and counts the
 bytes this rank *sends* for it (``Comm.bytes``, per kind): an all-reduce of n bytes over P ranks sends
 2 (P-1)/P x n (the ring algorithm's volume, the bandwidth-optimal one), an all-gather of a part of n bytes
-(P-1) x n, an all-to-all the rows it sends to the *other* ranks (its own stay local), a send its tensor; a receive (``recv_wait``) records the bytes it received, which its peer counted as
-sent. Pickled commands (``broadcast``) are counted only while ``count_object_bytes`` is set (a pickle more per
-step). The step traces get the same spans and bytes (``Comm.trace``: (kind, start, end, bytes) per call).
+(P-1) x n, an all-to-all the rows it sends to the *other* ranks (its own stay local), a send its tensor; a
+receive (``recv_wait``) records the bytes it received, which its peer counted as sent. Pickled commands
+(``broadcast``) are counted only while ``count_object_bytes`` is set (a pickle more per step). The step traces
+get the same spans and bytes (``Comm.trace``: (kind, start, end, bytes) per call).
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, layout: RankLayout, comm: Comm):
         super().__init__()
         self.features, self.layout, self.comm = moe.features, layout, comm
-        self.gate, self.score_bias, self.shared, self.shared_gate = moe.gate, moe.score_bias, moe.shared, moe.shared_gate
+        self.gate, self.score_bias = moe.gate, moe.score_bias
+        self.shared, self.shared_gate = moe.shared, moe.shared_gate
         self.first, self.stop = layout.experts
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.stop)})
         n = self.features.n_experts
@@ -114,7 +115,11 @@ class ExpertParallelMoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, d_model): this replica's tokens
         t = time.perf_counter()
         k, n_exp, ep = f.top_k, f.n_experts, lay.ep
-        weights, ids = route(self.gate(x), f, self.score_bias)  # (N, k) each
+        if x.shape[0]:
+            weights, ids = route(self.gate(x), f, self.score_bias)  # (N, k) each
+        else:  # a replica with no sequence in the step still takes part in the exchanges
+            weights = torch.empty(0, k, device=x.device)
+            ids = torch.empty(0, k, dtype=torch.long, device=x.device)
         flat = ids.flatten()  # (N * k,): token n's j-th choice at n * k + j
         order = flat.argsort(stable=True)  # slots grouped by expert (so by owner), tokens in order within each
         counts = torch.bincount(flat, minlength=n_exp)  # (E,)
@@ -194,6 +199,8 @@ class DataParallelAttention:
         others = torch.cat([everyone[r, :n] for r, n in enumerate(self.rows) if r != me])  # (rows, 2, Hkv, D)
         if others.shape[0]:
             self.local.cache.write(layer, self.other_slots, others[:, 0], others[:, 1])
+        if q.shape[1] == 0:  # no sequence of this replica in the step
+            return torch.empty_like(q)
         return self.local(layer, q, k, v, spec)
 
 
@@ -233,7 +240,7 @@ class ExpertParallelRunner(ParallelRunner):
             return None
         out = torch.empty(len(inp.logits_indices), vocab, dtype=self.dtype, device=self.device)
         recvs = []
-        for r, (g, where) in enumerate(groups):
+        for r, (_, where) in enumerate(groups):
             if not where:
                 continue
             if r == 0:
@@ -263,5 +270,7 @@ class ExpertParallelRunner(ParallelRunner):
         return dict(out)
 
     def reset_expert_stats(self) -> None:
+        """Zero this rank's per-expert load and MoE compute times."""
         for _, moe in self._moe_layers():
             moe.seconds.clear()
+            moe.load.zero_()

@@ -88,6 +88,7 @@ class ServerMetrics:
                    stats.prefix_cache_hits)
             scalar("counter", "num_preemptions_total", "Cumulative number of preemptions by the scheduler.",
                    stats.num_preemptions)
+            out.extend(_expert_load_lines(getattr(stats, "expert_load", None), labels))
         scalar("gauge", "num_requests_active", "Requests admitted by the server and not yet finished.", num_active)
         scalar("counter", "request_rejected_queue_full_total", "Requests answered 429 because the queue was full.",
                self.requests_rejected_queue_full)
@@ -104,6 +105,28 @@ class ServerMetrics:
         out += self.e2e_request_latency.render(
             PREFIX + "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", labels)
         return "\n".join(out) + "\n"
+
+
+def expert_imbalance(counts: list[int]) -> float:
+    """max / mean of one layer's per-expert routed rows (1 = perfectly balanced; 0 before any token)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 0.0
+
+
+def _expert_load_lines(load: dict[int, list[int]] | None, labels: str) -> list[str]:
+    """Per-expert routed rows (counter, labels layer and expert) and each layer's imbalance max/mean (gauge), for a
+    mixture-of-experts model under expert parallelism (`EngineStats.expert_load`)."""
+    if not load:
+        return []
+    rows, imb = PREFIX + "moe_expert_tokens_total", PREFIX + "moe_expert_imbalance"
+    out = [f"# HELP {rows} Token rows routed to each expert of each MoE layer (a token counts once per chosen "
+           f"expert).", f"# TYPE {rows} counter"]
+    for layer, counts in sorted(load.items()):
+        out += [f'{rows}{{{labels},layer="{layer}",expert="{e}"}} {n}' for e, n in enumerate(counts)]
+    out += [f"# HELP {imb} Expert load imbalance of each MoE layer: the busiest expert's rows over the mean.",
+            f"# TYPE {imb} gauge"]
+    out += [f'{imb}{{{labels},layer="{layer}"}} {expert_imbalance(counts)!r}' for layer, counts in sorted(load.items())]
+    return out
 
 
 def _escape(value: str) -> str:

@@ -101,10 +101,10 @@ def _tree(pid: int) -> list[int]:
 
 
 @contextmanager
-def served(tmp_path: Path, *flags: str, timeout_s: float = 180) -> Iterator[Served]:
-    """`scratchlm serve stories260K --threads 1 FLAGS` on a free port, up once /health is 200."""
-    if not STORIES.is_file():
-        pytest.skip(f"stories260K not found at {STORIES}")
+def served(tmp_path: Path, *flags: str, timeout_s: float = 180, model: Path = STORIES) -> Iterator[Served]:
+    """`scratchlm serve MODEL --threads 1 FLAGS` (default: stories260K) on a free port, up once /health is 200."""
+    if not model.is_file():
+        pytest.skip(f"model not found at {model}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +112,7 @@ def served(tmp_path: Path, *flags: str, timeout_s: float = 180) -> Iterator[Serv
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
            "SCRATCHLM_QUANT_NO_EXTENSION": "1"}  # lifecycles, not kernels: no JIT build in these tests
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(STORIES), "--threads", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "scratchlm", "serve", str(model), "--threads", "1",
                                  "--port", str(port), *flags], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO_ROOT)
     server = Served(proc, f"http://127.0.0.1:{port}", log)
