@@ -16,6 +16,10 @@ Every figure comes from a short micro-measurement, at the model's real shapes wh
 - engine overheads: decode steps of `LLMEngine` on tiny models (d_model 64, 2 and 10 layers) at batch 1
   and 32, where the arithmetic is negligible: per layer (op dispatch), per step (scheduler, sampler) and
   per sequence (`measure_layer_overhead`, a plain forward of such a model, is the engine-less variant);
+- MoE overheads (a mixture-of-experts model): the `MoE` block of a tiny model (d_model 64, experts of width 16)
+  on 1 token (top_k experts run) and on 64 tokens (nearly all of them run), where the arithmetic is negligible:
+  seconds per expert run (gathering its tokens, its linears' dispatch, scattering its output) and per block beyond
+  a dense MLP's (routing);
 - activation memory: peak RSS of a 2-layer prefill (the model's widths, random weights) at two prompt
   lengths in a fresh process, less its KV cache: bytes per prompt token and per attention-score element;
 - gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
@@ -69,10 +73,11 @@ def measure_gemm(n: int = 1024, clock: str = "wall") -> float:
 
 
 def layer_linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
-    """(d_out, d_in) of one block's projection weights: q, k, v, o, gate, up, down."""
-    hd = c.head_dim
+    """(d_out, d_in) of one block's projection weights: q, k, v, o, gate, up, down (a MoE model: an expert's, the
+    weights a decode step streams most)."""
+    hd, f = c.head_dim, (c.d_expert if c.moe.n_experts else c.d_ff)
     return [(c.n_heads * hd, c.d_model), (c.n_kv_heads * hd, c.d_model), (c.n_kv_heads * hd, c.d_model),
-            (c.d_model, c.n_heads * hd), (c.d_ff, c.d_model), (c.d_ff, c.d_model), (c.d_model, c.d_ff)]
+            (c.d_model, c.n_heads * hd), (f, c.d_model), (f, c.d_model), (c.d_model, f)]
 
 
 def measure_linear_curve(c: ModelConfig = DEFAULT_MODEL, rows: tuple[int, ...] = LINEAR_ROWS,
@@ -126,6 +131,28 @@ def measure_layer_overhead(layers: int = 8, clock: str = "wall") -> float:
     x = torch.tensor([[1]])
     with torch.no_grad():
         return _best(lambda: model(x), repeats=10, clock=clock) / layers
+
+
+def measure_moe_overhead(n_experts: int = 32, top_k: int = 2, clock: str = "wall") -> tuple[float, float]:
+    """(seconds per MoE block beyond a dense MLP's, seconds per expert run) of `model.moe.MoE` at tiny widths (d_model
+    64, experts of width 16), from one token (top_k experts run) and 64 tokens (nearly all run): the block's time is
+    fixed + experts run x per expert (`cost.experts_touched`), its arithmetic negligible."""
+    from scratchlm.model.layers import MLP
+    from scratchlm.model.moe import MoE
+    from scratchlm.plan.cost import experts_touched
+
+    c = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, d_ff=16,
+                    moe={"n_experts": n_experts, "top_k": top_k, "d_expert": 16})
+    moe, mlp = MoE(c).eval(), MLP(64, 16).eval()
+    g = torch.Generator().manual_seed(0)
+    x1, xn = torch.randn(1, 64, generator=g), torch.randn(64, 64, generator=g)
+    with torch.no_grad():
+        t1 = _best(lambda: moe(x1), repeats=20, clock=clock)
+        tn = _best(lambda: moe(xn), repeats=20, clock=clock)
+        dense = _best(lambda: mlp(x1), repeats=20, clock=clock)
+    u1, un = experts_touched(n_experts, top_k, 1), experts_touched(n_experts, top_k, 64)
+    per_expert = max(0.0, (tn - t1) / (un - u1))
+    return max(0.0, t1 - u1 * per_expert - dense), per_expert
 
 
 def measure_ring_step_overhead(heads: int = 8, kv_heads: int = 4, d: int = 64, clock: str = "wall") -> float:
@@ -415,6 +442,10 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     elementwise = measure_elementwise(c, clock=clock)
     ring_overhead = measure_ring_step_overhead(c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
     overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer)
+    moe_overhead = expert_overhead = 0.0
+    if c.moe.n_experts:
+        say("MoE overheads")
+        moe_overhead, expert_overhead = measure_moe_overhead(clock=clock)
     token_bytes = score_bytes = 0.0
     if memory and Path("/proc/self/clear_refs").exists():
         say("activation memory")
@@ -434,4 +465,5 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
                        inter_latency=lat, dtype_bytes=4, linear_rows=rows, linear_rate=rates,
                        elementwise_rate=elementwise, ring_step_overhead=ring_overhead,
                        step_overhead=step_overhead, seq_overhead=seq_overhead,
-                       token_bytes=token_bytes, score_bytes=score_bytes, comm_cpu=comm_cpu)
+                       token_bytes=token_bytes, score_bytes=score_bytes, comm_cpu=comm_cpu,
+                       moe_overhead=moe_overhead, expert_overhead=expert_overhead)

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default=None, help="cluster TOML, or a shipped one by name (h100x8_nvlink, "
                         "h100x8_ib, h100x8_ib_fp8, cpu16_25gbe, gpu1000_ib); default: calibrate this machine")
     parser.add_argument("--nodes", type=int, default=None, help="override the cluster's node count")
+    parser.add_argument("--ep-kv", choices=["replicated", "sharded"], default="replicated",
+                        help="expert parallelism's KV cache: every EP replica keeps the whole pool and all-gathers "
+                        "each step's new K/V (replicated: what `scratchlm serve --expert-parallel-size` does) or "
+                        "each replica its own sequences' (sharded: DeepSeek's deployment)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     parser.add_argument("--concurrency", type=int, default=8, help="requests served at once")
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
             cluster = calibrate(model=config)
         work = Workload(args.prompt_len, args.output_len, args.concurrency)
-        ranked = plan(config, work, cluster, args.objective, args.world)
+        ranked = plan(config, work, cluster, args.objective, args.world, ep_kv=args.ep_kv)
     except (ValueError, FileNotFoundError) as e:
         print(f"scratchlm plan: error: {e}", file=sys.stderr)
         return 2

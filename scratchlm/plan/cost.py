@@ -19,16 +19,17 @@ work at its window, and the KV bytes as the engine frees them (`kv_bytes_per_seq
 Rank placement: TP innermost (neighbouring ranks), then CP, then PP, then DP; a group whose ranks
 fall on different nodes uses the inter-node link.
 
-Mixture of experts (`ModelConfig.moe`): the routed experts of a MoE block are split over `ep` ranks of a pipeline
-stage's DP x TP ranks (the same ranks, not more of them). EP <= TP: inside a TP group, each rank holds E/ep experts
-at tp/ep of their width and runs them on the replica's tokens (the TP all-reduce combines them: no all-to-all).
-EP > TP: the EP group spans ep/tp replicas whose attention is data-parallel; each rank holds E/ep whole experts,
-and every MoE block sends each token's top_k copies of its d_model activations to the experts' ranks and back
-(dispatch + combine: an all-to-all each, tokens x top_k x d_model x bytes x (ep-1)/ep per rank, the share to
-other nodes on the inter-node link). A step of N tokens routed among E experts touches E (1 - (1 - k/E)^N) of
-them on average (each expert chosen independently with probability k/E): decode streams only those experts'
-weights, with N k / touched rows each. Multi-head latent attention (`ModelConfig.mla`) caches one latent per token
-(`kv_elements_per_token`) that every TP rank keeps whole, and decodes absorbed: each head scores the latent.
+Mixture of experts (`ModelConfig.moe`), as `scratchlm.parallel.expert` runs it: `ep` of the DP replicas (each
+TP ranks) share one set of routed experts, E/ep per replica, each expert split over the replica's TP ranks by hidden
+unit; attention is data-parallel (each replica runs its own sequences). Every MoE block all-gathers the per-expert
+row counts over the EP group, sends each token's top_k copies of its d_model activations to the experts' replicas
+and back (dispatch + combine: an all-to-all each, rows x top_k x d_model x bytes x (ep-1)/ep per rank, the share to
+other nodes on the inter-node link); every layer all-gathers the step's new K/V rows, so each replica keeps the
+whole KV pool (`ep_kv="replicated"`; `"sharded"` models a deployment that keeps each replica's own sequences only,
+as DeepSeek's does). A step of N tokens routed among E experts touches E (1 - (1 - k/E)^N) of them on average (each
+expert chosen by a token with probability k/E): decode streams only those experts' weights, N k / touched rows each.
+Multi-head latent attention (`ModelConfig.mla`) caches one latent per token (`kv_elements_per_token`) that every TP
+rank keeps whole, and decodes absorbed: each head scores the latent.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from scratchlm.plan.cluster import ClusterSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """Data x tensor x pipeline x context parallel sizes; world = dp * tp * pp * cp. `ep`: the routed experts
-    split over this many of a stage's dp x tp ranks (not more ranks: see the module docstring)."""
+    """Data x tensor x pipeline x context parallel sizes; world = dp * tp * pp * cp. `ep`: how many of the dp
+    replicas share one set of routed experts (it divides dp; no more ranks: see the module docstring)."""
 
     dp: int = 1
     tp: int = 1
@@ -234,17 +235,11 @@ class ModelCounts:
                    embedding, positions, outside - embedding - head - positions)
 
 
-def expert_tp(tp: int, ep: int) -> int:
-    """Ranks one routed expert's width is split over: tp / ep inside a TP group (EP <= TP), else 1."""
-    return tp // ep if ep < tp else 1
-
-
 def routed_local(c: ModelConfig, tp: int, ep: int) -> int:
-    """Routed-expert parameters of one MoE block on one rank: E/ep experts at 1/expert_tp of their width."""
+    """Routed-expert parameters of one MoE block on one rank: E/ep experts at 1/tp of their width."""
     if not c.moe.n_experts:
         return 0
-    etp = expert_tp(tp, ep)
-    return math.ceil(c.moe.n_experts / ep) * 3 * c.d_model * math.ceil(c.d_expert / etp)
+    return math.ceil(c.moe.n_experts / ep) * 3 * c.d_model * math.ceil(c.d_expert / tp)
 
 
 def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
@@ -295,16 +290,16 @@ def experts_touched(n_experts: int, top_k: int, tokens: float) -> float:
     return n_experts * (1 - (1 - top_k / n_experts) ** tokens)
 
 
-def _alltoall(n: float, p: int, cluster: ClusterSpec, slow: float = 1.0) -> float:
-    """One all-to-all among p consecutive ranks in which each rank sends n bytes in all (1/p of them to each rank,
-    itself included): the peers on its node over the intra-node link, the others over the inter-node one, both at
-    once."""
+def _alltoall(n: float, p: int, cluster: ClusterSpec, inner: int = 1) -> float:
+    """One all-to-all among p ranks spaced `inner` apart in which each rank sends n bytes in all (1/p of them to
+    each rank, itself included): the peers on its node over the intra-node link, the others over the inter-node
+    one, both at once."""
     if p <= 1:
         return 0.0
-    local = min(p, cluster.devices_per_node)
+    local = max(1, min(p, cluster.devices_per_node // inner))
     intra = (local - 1) * (cluster.intra_latency + n / (p * cluster.intra_bw))
     inter = (p - local) * (cluster.inter_latency + n / (p * cluster.inter_bw))
-    return max(intra, inter) * slow
+    return max(intra, inter)
 
 
 def _allreduce(n: float, p: int, lat: float, bw: float) -> float:
@@ -379,9 +374,13 @@ def _broadcast(n: float, p: int, lat: float, bw: float) -> float:
 
 
 def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
-            ranks_per_node: int | None = None, cp_kind: str = "ring") -> Prediction:
+            ranks_per_node: int | None = None, cp_kind: str = "ring", ep_kv: str = "replicated") -> Prediction:
     """Predict memory and times of `layout`. `ranks_per_node` > devices_per_node models oversubscription
-    (ranks share devices: every time grows by the ratio), used to check the model locally."""
+    (ranks share devices: every time grows by the ratio), used to check the model locally. `ep_kv`: whether the
+    EP replicas all-gather every step's new K/V and keep the whole pool ("replicated", as scratchlm's EP does) or
+    each its own sequences' ("sharded")."""
+    if ep_kv not in ("replicated", "sharded"):
+        raise ValueError(f"predict: ep_kv={ep_kv!r}, expected 'replicated' or 'sharded'")
     pred = Prediction(layout, feasible=True)
     dp, tp, pp, cp, ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     problems = ep_problems(c, layout)
@@ -431,7 +430,8 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     # engine frees them).
     batch = math.ceil(w.concurrency / dp)
     ctx = w.prompt_len + w.output_len
-    pred.kv_bytes = batch * max(kv_bytes_per_sequence(c, r, ctx, tp, cp, ekv) for r in stage_range)
+    kv_replicas = ep if ep_kv == "replicated" else 1  # an EP group's replicas each keep all of its sequences
+    pred.kv_bytes = batch * kv_replicas * max(kv_bytes_per_sequence(c, r, ctx, tp, cp, ekv) for r in stage_range)
 
     # Activations of one prompt's prefill (the peak): per-token buffers plus the attention scores.
     tl = math.ceil(w.prompt_len / cp)
@@ -456,25 +456,32 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     pp_lat, pp_bw = cluster.link(_spans_nodes(tp * cp, pp, cluster))
     L = c.n_layers
     ew = elementwise_elements(c, tp)
-    # Routed experts: E/ep per rank at 1/etp of their width; tokens from ep/tp replicas when EP > TP.
-    ew_expert = 3 * c.d_model * math.ceil(c.d_expert / expert_tp(tp, ep)) if c.moe.n_experts else 0
-    reach = ep // tp if ep > tp else 1  # replicas whose tokens one rank's experts serve
+    # Routed experts: E/ep per replica at 1/tp of their width, serving the tokens of the ep replicas.
+    ew_expert = 3 * c.d_model * math.ceil(c.d_expert / tp) if c.moe.n_experts else 0
+    ep_lat, ep_bw = cluster.link(_spans_nodes(tp, ep, cluster))
+    if c.mla.kv_lora_rank:
+        kv_row = c.kv_elements_per_token(0) * ekv  # one token's new KV in one layer on one rank
+    else:
+        kv_row = 2 * kv_local * c.head_dim * ekv
 
-    def routed(terms: Terms, rows: float, layers: int) -> float:
-        """`layers` MoE blocks of `rows` tokens per replica (each TP rank holds them all) on this rank's experts:
-        the experts the EP group's tokens touch, each streamed once with its share of the rows, plus the
-        routing's fixed costs; and the all-to-alls. Returns the all-to-all seconds (added to `terms.network`)."""
-        if not layers or not ew_expert or rows <= 0:
+    def routed(terms: Terms, rows: float, moe_layers: int, layers: int) -> float:
+        """`moe_layers` MoE blocks of `rows` tokens per replica (each of its TP ranks holds them all) on this rank's
+        experts: the experts the EP group's tokens touch, each streamed once with its share of the rows, plus the
+        routing's fixed costs; and EP's collectives in `layers` layers (counts, dispatch, combine; the K/V rows).
+        Returns the all-to-all seconds (added to `terms.network`)."""
+        if not moe_layers or not ew_expert or rows <= 0:
             return 0.0
-        tokens = rows * reach
+        tokens = rows * ep
         touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens)
-        _linear(terms, cluster, layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow)
-        terms.overhead += layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
-        if ep <= tp:
+        _linear(terms, cluster, moe_layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow)
+        terms.overhead += moe_layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
+        if ep == 1:
             return 0.0
-        sent = rows / tp * c.moe.top_k * c.d_model * e  # this rank's slice of the replica's tokens, top_k copies
-        a2a = layers * 2 * _alltoall(sent, ep, cluster)  # dispatch + combine
-        terms.network += a2a
+        sent = rows * c.moe.top_k * c.d_model * e  # the replica's tokens, top_k copies, from each of its TP ranks
+        a2a = moe_layers * 2 * _alltoall(sent, ep, cluster, inner=tp)  # dispatch + combine
+        terms.network += a2a + moe_layers * _allgather(ep * c.moe.n_experts * 8, ep, ep_lat, ep_bw)  # row counts
+        if ep_kv == "replicated":
+            terms.network += layers * _allgather(ep * rows * kv_row, ep, ep_lat, ep_bw)
         return a2a
 
     # ---- prefill: `prompts` prompts in one forward (the engine batches them), stages one after another ----
@@ -490,7 +497,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         pre = Terms()
         _linear(pre, cluster, sum(lin), prompts * tl, slow)
         _linear(pre, cluster, emb, prompts, slow)  # the last token's logits
-        a2a = routed(pre, prompts * tl, sum(n_moe))
+        a2a = routed(pre, prompts * tl, sum(n_moe), L)
         smax = cluster.softmax_for(heads * sq * sk) / slow  # one attention op's score matrix in cache or not
         pre.add_op(prompts * (2 * score * (dqk + dv) / flops + score / smax), 0.0)
         pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
@@ -521,15 +528,16 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     rows = batch / m
     stage_terms: list[Terms] = []
     a2a_stages: list[float] = []
+    ep_network = 0.0
     for s in range(pp):
         st = Terms()
         n = stages[s]
         _linear(st, cluster, sum(lin[i] for i in stage_range[s]), rows, slow)
         if s == pp - 1:
             _linear(st, cluster, emb, rows, slow)
-        a2a = routed(st, rows, n_moe[s])
+        a2a = routed(st, rows, n_moe[s], n)
         a2a_stages.append(a2a)
-        st.network = 0.0  # the all-to-alls enter the step below, with the other collectives
+        ep_network, st.network = st.network, 0.0  # EP's collectives enter the step below, with the others
         # keys the stage's layers attend to (a windowed layer: its window), this rank's 1/cp of them
         ctx_tokens = rows * sum(c.attended_tokens(i, s_avg) for i in stage_range[s]) / cp
         smax = cluster.softmax_for(h_local * s_avg / cp) / slow
@@ -539,7 +547,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         calls = (2 * n + (s == 0) + (s == pp - 1)) if tp > 1 else 0  # all-reduces, the logits' all-gather
         if pp > 1:  # activations in / out, the logits to rank 0
             calls += (s > 0) + (s < pp - 1) + (s == pp - 1) + (s == 0)
-        calls += 2 * n_moe[s] if ep > tp else 0  # dispatch and combine
+        calls += (3 * n_moe[s] + (n if ep_kv == "replicated" else 0)) if ep > 1 else 0  # counts, a2a x 2, K/V
         st.comm_cpu = calls * cluster.comm_cpu * slow
         stage_terms.append(st)
     slowest = max(stage_terms, key=lambda x: x.work)
@@ -559,9 +567,11 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     if cp > 1:  # partial outputs + LSE gathered and merged in every layer
         dec.network += L * _allgather(cp * batch * h_local * (c.head_dim + 1) * 4, cp, cp_lat, cp_bw)
     pred.decode_a2a_s = m * sum(a2a_stages)
-    dec.network += pred.decode_a2a_s
+    dec.network += m * ep_network  # (EP runs without PP: one stage)
+    if ep > 1:  # each replica's logits to rank 0
+        dec.network += (ep - 1) * (ep_lat + rows * c.vocab_size * 4 / ep_bw)
     if ew_expert:
-        tokens = rows * reach
+        tokens = rows * ep
         pred.experts_touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens) / ep
         pred.expert_bytes = m * max(n_moe) * pred.experts_touched * ew_expert * cluster.weight_dtype_bytes
     pred.decode = dec
@@ -588,8 +598,8 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
 
 
 def ep_problems(c: ModelConfig, layout: Layout) -> list[str]:
-    """Why `layout`'s expert parallelism cannot run `c` (empty: it can)."""
-    ep, tp, stage = layout.ep, layout.tp, layout.dp * layout.tp
+    """Why `layout`'s expert parallelism cannot run `c` (empty: it can); as `scratchlm.parallel.expert` checks."""
+    ep = layout.ep
     if ep == 1:
         return []
     out = []
@@ -597,17 +607,16 @@ def ep_problems(c: ModelConfig, layout: Layout) -> list[str]:
         out.append(f"EP={ep} needs a mixture-of-experts model")
     elif c.moe.n_experts % ep:
         out.append(f"EP={ep} does not divide the {c.moe.n_experts} experts")
-    if stage % ep or (ep % tp and tp % ep):
-        out.append(f"EP={ep} must divide DP x TP = {stage} and divide or be a multiple of TP={tp}")
-    if layout.cp > 1:
-        out.append(f"EP={ep} with CP={layout.cp} is not modelled")
+    if layout.dp % ep:
+        out.append(f"EP={ep} must divide DP={layout.dp} (the replicas that share the experts)")
+    if layout.cp > 1 or layout.pp > 1:
+        out.append(f"EP={ep} does not run with pipeline or context parallelism")
     return out
 
 
 def enumerate_layouts(world: int, max_cp: int | None = None, n_experts: int = 0) -> list[Layout]:
-    """Every (dp, tp, pp, cp) with dp * tp * pp * cp == world; for a MoE model (`n_experts` > 0) also every EP > TP
-    that divides the experts and a stage's dp x tp ranks (CP = 1). (EP <= TP costs what TP-sharded experts cost:
-    the same bytes per rank, no all-to-all; the layout without EP stands for it.)"""
+    """Every (dp, tp, pp, cp) with dp * tp * pp * cp == world; for a MoE model (`n_experts` > 0) also every EP > 1
+    that divides dp and the experts (PP = CP = 1)."""
     divs = [d for d in range(1, world + 1) if world % d == 0]
     out = []
     for tp in divs:
@@ -616,15 +625,14 @@ def enumerate_layouts(world: int, max_cp: int | None = None, n_experts: int = 0)
                 if world % (tp * pp * cp) == 0 and (max_cp is None or cp <= max_cp):
                     lay = Layout(world // (tp * pp * cp), tp, pp, cp)
                     out.append(lay)
-                    if n_experts and cp == 1:
-                        stage = lay.dp * tp
-                        out += [Layout(lay.dp, tp, pp, 1, ep) for ep in range(2, stage + 1)
-                                if ep > tp and stage % ep == 0 and n_experts % ep == 0 and ep % tp == 0]
+                    if n_experts and cp == 1 and pp == 1:
+                        out += [Layout(lay.dp, tp, 1, 1, ep) for ep in range(2, lay.dp + 1)
+                                if lay.dp % ep == 0 and n_experts % ep == 0]
     return out
 
 
 def plan(c: ModelConfig, w: Workload, cluster: ClusterSpec, objective: str = "throughput",
-         world: int | None = None) -> list[Prediction]:
+         world: int | None = None, ep_kv: str = "replicated") -> list[Prediction]:
     """Predictions for every layout of `world` ranks (default: all devices), feasible ones first, ranked by
     `objective`: "throughput" (output tokens/s, ties by TTFT) or "ttft"."""
     if objective not in ("throughput", "ttft"):
@@ -633,7 +641,7 @@ def plan(c: ModelConfig, w: Workload, cluster: ClusterSpec, objective: str = "th
     if world > cluster.devices:
         raise ValueError(f"plan: world={world} ranks but the cluster has {cluster.devices} devices "
                          f"({cluster.nodes} nodes x {cluster.devices_per_node})")
-    preds = [predict(c, w, cluster, lay) for lay in enumerate_layouts(world, n_experts=c.moe.n_experts)]
+    preds = [predict(c, w, cluster, lay, ep_kv=ep_kv) for lay in enumerate_layouts(world, n_experts=c.moe.n_experts)]
 
     def key(p: Prediction) -> tuple:
         if objective == "throughput":
@@ -670,6 +678,12 @@ def explain(ranked: list[Prediction], objective: str = "throughput") -> str:
                 f"per-op overhead {_ms(t.overhead)}")
 
     lines.append(f"Its decode step: {terms(best.decode)}; one prefill: {terms(best.prefill)}.")
+    if best.experts_touched:
+        a2a = (f"; expert parallelism's all-to-alls take {_ms(best.decode_a2a_s)} of the step "
+               f"({best.decode_a2a_s / best.tpot_s:.0%}) and {_ms(best.prefill_a2a_s)} of a prefill "
+               f"({best.prefill_a2a_s / best.prefill.total:.0%})" if best.layout.ep > 1 else "")
+        lines.append(f"A decode step runs {best.experts_touched:.1f} routed experts per MoE block on a rank "
+                     f"({best.expert_bytes / 2**30:.2f} GiB of expert weights streamed){a2a}.")
     if len(feasible) > 1:
         r = feasible[1]
         lines.append(f"Runner-up {r.layout}: {r.throughput:.1f} tok/s, TTFT {r.ttft_s * 1e3:.1f} ms "

@@ -43,10 +43,13 @@ def test_memory_per_rank_splits_the_experts_over_ep() -> None:
     # EP = 2 over two data-parallel replicas: each rank keeps half of every MoE block's experts, the rest whole
     assert rank_parameters(MOE, ep=2) == [total - n_moe * 4 * EXPERT]
     assert rank_parameters(MOE, ep=8) == [total - n_moe * 7 * EXPERT]
-    # EP = 2 inside TP = 2: the same experts per rank as TP-sharded experts (half of every expert's width)
-    assert rank_parameters(MOE, tp=2, ep=2) == rank_parameters(MOE, tp=2, ep=1)
+    # EP = 2 over two TP = 2 replicas: half of the experts, each at half its width
+    assert rank_parameters(MOE, tp=2, ep=2) == [rank_parameters(MOE, tp=2)[0] - n_moe * 4 * EXPERT // 2]
     p = predict(MOE, Workload(32, 8, 2), BOX, Layout(dp=2, ep=2))
     assert p.feasible and p.weights_bytes == (total - n_moe * 4 * EXPERT) * 4
+    # scratchlm's EP keeps the whole KV pool in each replica; a deployment may keep each replica's own sequences
+    sharded = predict(MOE, Workload(32, 8, 2), BOX, Layout(dp=2, ep=2), ep_kv="sharded")
+    assert p.kv_bytes == pytest.approx(2 * sharded.kv_bytes) and sharded.decode.network < p.decode.network
 
 
 def test_all_to_all_bytes_and_time_against_hand_computation() -> None:
@@ -56,7 +59,10 @@ def test_all_to_all_bytes_and_time_against_hand_computation() -> None:
     sent = rows * k * d * 4  # bytes one rank sends in one all-to-all (half of them to itself)
     one = 1e-5 + sent / (2 * 1e9)  # (p - 1) (latency + n / (p bandwidth)) with p = 2
     assert p.decode_a2a_s == pytest.approx(n_moe * 2 * one)  # dispatch + combine in every MoE block
-    assert p.decode.network == pytest.approx(p.decode_a2a_s + 2 * 0)  # no TP, no PP: nothing else but the command
+    counts = 1e-5 + 2 * 8 * 8 / 2e9  # the per-expert row counts all-gathered (int64) in every MoE block
+    kv = 1e-5 + 2 * rows * (2 * 4 * 8 * 4) / 2e9  # every layer's new K/V rows all-gathered (4 heads of 8, fp32)
+    logits = 1e-5 + rows * 500 * 4 / 1e9  # replica 1's logits to rank 0
+    assert p.decode.network == pytest.approx(p.decode_a2a_s + n_moe * counts + 4 * kv + logits)
     sent_prefill = 16 * k * d * 4
     assert p.prefill_a2a_s == pytest.approx(n_moe * 2 * (1e-5 + sent_prefill / 2e9))
     # the tokens of both replicas reach each rank's experts: 6 tokens touch E (1 - (1 - k/E)^6), half on each rank
@@ -85,14 +91,15 @@ def test_decode_streams_only_the_touched_experts() -> None:
 
 def test_ep_layouts_and_what_makes_them_infeasible() -> None:
     lays = enumerate_layouts(4, n_experts=8)
-    assert Layout(dp=4, ep=4) in lays and Layout(dp=2, tp=2, ep=4) in lays and Layout(dp=4, ep=2) in lays
-    assert all(lay.ep > lay.tp or lay.ep == 1 for lay in lays)
+    assert Layout(dp=4, ep=4) in lays and Layout(dp=2, tp=2, ep=2) in lays and Layout(dp=4, ep=2) in lays
+    assert all(lay.dp % lay.ep == 0 and (lay.ep == 1 or lay.pp == lay.cp == 1) for lay in lays)
     assert len([lay for lay in enumerate_layouts(4) if lay.ep > 1]) == 0  # a dense model: no EP
     w = Workload(16, 4, 4)
     assert "divide the 8 experts" in predict(MOE, w, BOX, Layout(dp=3, ep=3)).reason
     dense = ModelConfig(vocab_size=500, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4)
     assert "mixture-of-experts" in predict(dense, w, BOX, Layout(dp=2, ep=2)).reason
-    assert "DP x TP" in predict(MOE, w, BOX, Layout(pp=2, dp=2, ep=4)).reason
+    assert "pipeline" in predict(MOE, w, BOX, Layout(pp=2, dp=2, ep=2)).reason
+    assert "must divide DP=2" in predict(MOE, w, BOX, Layout(dp=2, tp=2, ep=4)).reason
 
 
 def test_mla_keeps_one_latent_per_token_on_every_tp_rank() -> None:
