@@ -7,7 +7,8 @@ Routing (`route`), in float32 whatever the model's dtype, as the HF models do:
     scores = softmax(logits) | sigmoid(logits)                         (N, E)
     choice = scores (+ score_bias: DeepSeek-V3's correction, for the choice only)
     groups (n_groups > 1): a group's score is its best choice (V2) or the sum of its best two (V3); only the experts
-             of the `topk_groups` best groups stay eligible (the others' choice is -inf)
+             of the `topk_groups` best groups stay eligible (the others' choice is -inf; V2, as HF, zeroes their
+             scores instead, which only differs when a kept softmax score underflows to 0)
     ids = topk(choice, top_k)            torch.topk: ties go to the lower expert id, as in HF
     weights = scores[ids], / their sum when norm_topk, x routed_scale
 
@@ -38,7 +39,12 @@ def route(logits: Tensor, f: MoEFeatures, score_bias: Tensor | None = None) -> t
         group_scores = grouped.max(dim=-1).values if f.group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(f.topk_groups, dim=-1)[1], 1.0)
         mask = keep.bool()[:, :, None].expand_as(grouped).reshape(n, -1)  # (N, E)
-        choice = choice.masked_fill(~mask, float("-inf"))
+        if f.group_score == "max" and score_bias is None:
+            # DeepSeek-V2's group_limited_greedy zeroes the other groups' scores, weights included: an expert whose
+            # softmax score underflowed to 0 then ties with them, and topk picks among the same ties as HF's
+            scores = choice = scores.masked_fill(~mask, 0.0)
+        else:
+            choice = choice.masked_fill(~mask, float("-inf"))
     ids = choice.topk(f.top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
     if f.norm_topk:

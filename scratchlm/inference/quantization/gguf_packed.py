@@ -14,7 +14,9 @@ and output may be any type) loads as it is:
 - F32 / F16 / BF16 tensors (norms, and any float weight) are float tensors as in the float loader.
 
 The family's tensor rules (`model/families/`) move or split rows (q/k unpermutes, fused q/k/v splits): whole rows
-move, so they apply to the planes and to the raw rows alike. A quantized tensor under another transform (a
+move, so they apply to the planes and to the raw rows alike. llama.cpp's stacked MoE experts (E, F, D) are read
+as one (E * F, D) matrix whose E row ranges become E per-expert linears (`base.stacked`), each a view of the
+one stacked buffer: no expert is dequantized or copied. A quantized tensor under another transform (a
 transposed or offset tensor) is dequantized first (logged). Everything is checked before any weight is read: a
 tensor of a type that cannot be kept packed (e.g. IQ2_XXS), a raw type whose row length is not a multiple of its
 block, or a raw type the CPU kernels of this build do not take is a `CheckpointError` naming the tensors and types.
@@ -24,6 +26,7 @@ A tied output head computes with the packed embedding (the same tensors).
 from __future__ import annotations
 
 import logging
+import math
 import struct
 from pathlib import Path
 from typing import BinaryIO
@@ -107,8 +110,9 @@ def raw_gguf_rows(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Tens
 
 
 def _is_weight_matrix(rule: Rule, t: GGUFTensor) -> bool:
-    """Whether the rule's outputs are linear / embedding weights (not norms, biases or positions) of a 2-D tensor."""
-    return len(t.shape) == 2 and all(o.endswith(".weight") and o != "pos_embeddings.weight" and "norm" not in o
+    """Whether the rule's outputs are linear / embedding weights (not norms, biases or positions) of a 2-D tensor
+    or a stack of them (llama.cpp's (E, F, D) experts: rows of the flattened (E * F, D) matrix)."""
+    return len(t.shape) >= 2 and all(o.endswith(".weight") and o != "pos_embeddings.weight" and "norm" not in o
                                      for o in rule.ours)
 
 
@@ -135,7 +139,7 @@ def plan_tensors(rules: list[Rule], tensors: dict[str, GGUFTensor], source: str,
             plan[rule.theirs] = "planes"
         else:
             try:
-                LayerFormat.gguf(name).check(t.shape[1], rule.theirs)
+                LayerFormat.gguf(name).check(t.shape[-1], rule.theirs)
             except ValueError as e:
                 problems.append(str(e))
                 continue
@@ -164,10 +168,11 @@ def _load_tensor(rule: Rule, t: GGUFTensor, kind: str, f: BinaryIO, state: dict[
             state[ours] = v.to(dtype)
         return
     raw = read_tensor_bytes(t, f)
+    rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # a stacked (E, F, D) tensor as its (E * F, D) rows
     if kind == "planes":
-        planes, fmt = unpack_gguf_blocks(raw, t.type_name, *t.shape), PACKED_TYPES[t.type_name][1]
+        planes, fmt = unpack_gguf_blocks(raw, t.type_name, rows, cols), PACKED_TYPES[t.type_name][1]
     else:
-        planes, fmt = {"qweight": raw_gguf_rows(raw, t.type_name, *t.shape)}, LayerFormat.gguf(t.type_name)
+        planes, fmt = {"qweight": raw_gguf_rows(raw, t.type_name, rows, cols)}, LayerFormat.gguf(t.type_name)
     del raw
     parts = {k: rule.to_ours(v) for k, v in planes.items()}  # rows move or split, codes and blocks do not change
     for i, ours in enumerate(rule.ours):

@@ -11,7 +11,7 @@ parallel ranks) and the HF exporter go through these tables; none keeps its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from scratchlm.model.config import AttentionFeatures, MLPFeatures, ModelConfig, RopeFeatures
+from scratchlm.model.config import AttentionFeatures, MLPFeatures, ModelConfig, MoEFeatures, RopeFeatures
 
 
 class FamilyError(ValueError):
@@ -118,6 +118,16 @@ class Family:
     export_rank: int = field(default=50, metadata={
         "help": "the exporter tries families in this order and takes the first whose HF config reproduces the "
                 "ModelConfig: the plainest (Llama 0, Qwen2 10) come first, so a plain model is exported as Llama"})
+    hf_file_rules: Callable[[ModelConfig, Collection[str]], list[Rule]] | None = field(default=None, metadata={
+        "help": "the tensor rules for an HF file holding these tensor names, for a family whose files come in more "
+                "than one layout (MoE experts: per-expert tensors, or transformers 5's fused 3D ones); None: "
+                "hf_rules whatever the file holds. The exporter writes hf_rules' layout"})
+
+    def hf_rules_for(self, config: ModelConfig, names: Collection[str] | None = None) -> list[Rule]:
+        """The HF tensor rules for a file holding the tensors `names` (None: the layout the exporter writes)."""
+        if names is not None and self.hf_file_rules is not None:
+            return self.hf_file_rules(config, names)
+        return self.hf_rules(config)
 
 
 # ---------------------------------------------------------------------------------------------- HF configs
@@ -301,10 +311,12 @@ def base_hf_config(config: ModelConfig, model_type: str, architecture: str) -> d
 
 # ---------------------------------------------------------------------------------------------- HF tensors
 def llama_rules(config: ModelConfig, *, prefix: str = "model.", norm_delta: float = 0.0,
-                norms: dict[str, str] | None = None) -> list[Rule]:
+                norms: dict[str, str] | None = None, moe: MoENames | None = None,
+                present: Collection[str] | None = None) -> list[Rule]:
     """The Llama tensor names (q/k/v/o_proj, gate/up/down_proj, the block's norms, embed_tokens, norm, lm_head)
     for every tensor `TransformerLM(config)` has. `norms`: our norm module -> the family's HF name; `norm_delta`:
-    the (delta + w) gain of Gemma's norms, folded in at load."""
+    the (delta + w) gain of Gemma's norms, folded in at load. The MoE layers' feed-forward is spelled as `moe`
+    says (`moe_hf_rules`; `present`: the file's tensor names, which pick the per-expert or the fused layout)."""
     norms = norms or {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
     def norm(ours: str, theirs: str) -> Rule:
@@ -327,6 +339,9 @@ def llama_rules(config: ModelConfig, *, prefix: str = "model.", norm_delta: floa
             rules += [norm(f"{ours}attn.{p}_norm.weight", f"{theirs}self_attn.{p}_norm.weight") for p in "qk"]
         for ours_norm, theirs_norm in norms.items():
             rules.append(norm(f"{ours}{ours_norm}.weight", f"{theirs}{theirs_norm}.weight"))
+        if config.is_moe_layer(i):
+            rules += moe_hf_rules(config, ours, theirs, moe or MoENames(), present)
+            continue
         for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
             rules.append(rename(f"{ours}ffn.{w}.weight", f"{theirs}mlp.{p}.weight"))
         if config.mlp.bias:
@@ -480,7 +495,8 @@ def gguf_llama_rules(config: ModelConfig, *, permute_qk: bool = False, norm_delt
                      norms: dict[str, str] | None = None) -> list[Rule]:
     """llama.cpp's tensor names for `TransformerLM(config)` (token_embd, blk.N.attn_q ...): q/k rows in the
     adjacent-pair order when `permute_qk` (llama.cpp's converter permutes the `llama` arch's), Gemma's norm
-    gains stored as (w - 1) when `norm_delta` is 1 (llama.cpp stores the (1 + w) already added: delta 0)."""
+    gains stored as (w - 1) when `norm_delta` is 1 (llama.cpp stores the (1 + w) already added: delta 0). The MoE
+    layers' feed-forward: `moe_gguf_rules`."""
     norms = norms or {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
 
     def norm(ours: str, theirs: str) -> Rule:
@@ -507,9 +523,137 @@ def gguf_llama_rules(config: ModelConfig, *, permute_qk: bool = False, norm_delt
             rules += [norm(f"{ours}attn.{p}_norm.weight", f"{theirs}attn_{p}_norm.weight") for p in "qk"]
         for ours_norm, theirs_norm in norms.items():
             rules.append(norm(f"{ours}{ours_norm}.weight", f"{theirs}{theirs_norm}.weight"))
+        if config.is_moe_layer(i):
+            rules += moe_gguf_rules(config, ours, theirs)
+            continue
         for w, g in (("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up")):
             rules.append(rename(f"{ours}ffn.{w}.weight", f"{theirs}{g}.weight"))
         if config.mlp.bias:
             rules += [rename(f"{ours}ffn.{b}", f"{theirs}{g}.bias")
                       for b, g in (("b1", "ffn_gate"), ("b2", "ffn_down"), ("b3", "ffn_up"))]
     return rules
+
+
+# ---------------------------------------------------------------------------------------------- MoE tensors
+@dataclass(frozen=True)
+class MoENames:
+    """How a family's HF files spell a mixture-of-experts layer under `model.layers.N.`: the block (Mixtral's
+    `block_sparse_moe`, Qwen's `mlp`), the experts' three linears (w1 gate, w2 down, w3 up), the shared expert and
+    its sigmoid gate. transformers 5 loads these per-expert names (the Hub's, and what its `save_pretrained`
+    writes) into fused 3D parameters under `mlp.`; a file saved in that fused layout is read too."""
+
+    block: str = "mlp"
+    experts: tuple[str, str, str] = ("gate_proj", "down_proj", "up_proj")
+    shared: str = "shared_expert"
+    shared_gate: str = "shared_expert_gate"
+
+
+def _expert_names(config: ModelConfig, ours: str, w: str) -> tuple[str, ...]:
+    return tuple(f"{ours}ffn.experts.{e}.{w}.weight" for e in range(config.moe.n_experts))
+
+
+def stacked(theirs: str, ours: tuple[str, ...]) -> Rule:
+    """A stacked expert tensor (E, rows, cols) <-> one (rows, cols) weight per expert. The load flattens the
+    leading dims into rows and cuts E equal row ranges, so it applies unchanged to the planes of a packed GGUF
+    tensor, (E * rows, bytes), without dequantizing; the pieces are views of the stacked tensor."""
+    n = len(ours)
+
+    def load(t: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.reshape(n, -1, t.shape[-1]).unbind(0))  # (E, rows, cols) -> E x (rows, cols)
+
+    return Rule(theirs, ours, load, lambda *parts: torch.stack(parts))
+
+
+def stacked_pair(theirs: str, first: tuple[str, ...], second: tuple[str, ...]) -> Rule:
+    """A stacked fused tensor (E, 2 * rows, cols), each expert's first half `first[e]` (gate) and second half
+    `second[e]` (up): transformers 5's `experts.gate_up_proj`."""
+    n = len(first)
+
+    def load(t: Tensor) -> tuple[Tensor, ...]:
+        halves = t.reshape(n, 2, -1, t.shape[-1])  # (E, 2, rows, cols)
+        return tuple(halves[:, 0].unbind(0)) + tuple(halves[:, 1].unbind(0))
+
+    def save(*parts: Tensor) -> Tensor:
+        return torch.cat([torch.stack(parts[:n]), torch.stack(parts[n:])], dim=1)
+
+    return Rule(theirs, first + second, load, save)
+
+
+def _shared_rules(config: ModelConfig, ours: str, names: dict[str, str], gate: str | None) -> list[Rule]:
+    """The shared expert's linears (`names`: w1/w2/w3 -> file names) and its gate."""
+    if not config.moe.d_shared:
+        return []
+    rules = [rename(f"{ours}ffn.shared.{w}.weight", theirs) for w, theirs in names.items()]
+    if config.moe.shared_gate and gate is not None:
+        rules.append(rename(f"{ours}ffn.shared_gate.weight", gate))
+    return rules
+
+
+def moe_hf_rules(config: ModelConfig, ours: str, theirs: str, names: MoENames,
+                 present: Collection[str] | None = None) -> list[Rule]:
+    """One MoE layer's HF tensors (`ours` = "layers.N.", `theirs` = "model.layers.N."): the router, the experts
+    (per expert, or transformers 5's fused `mlp.experts.gate_up_proj` (E, 2F, D) and `down_proj` (E, D, F) when
+    `present` holds them), the shared expert and its gate."""
+    fused = present is not None and f"{theirs}mlp.experts.gate_up_proj" in present
+    block = f"{theirs}{'mlp' if fused else names.block}."
+    rules = [rename(f"{ours}ffn.gate.weight", f"{block}gate.weight")]
+    if config.moe.score_bias:
+        rules.append(rename(f"{ours}ffn.score_bias", f"{block}gate.e_score_correction_bias"))
+    w1, w2, w3 = (_expert_names(config, ours, w) for w in ("w1", "w2", "w3"))
+    if fused:
+        rules += [stacked_pair(f"{block}experts.gate_up_proj", w1, w3), stacked(f"{block}experts.down_proj", w2)]
+    else:
+        for w, mine in zip(names.experts, (w1, w2, w3), strict=True):
+            rules += [rename(m, f"{block}experts.{e}.{w}.weight") for e, m in enumerate(mine)]
+    shared = {w: f"{block}{names.shared}.{p}.weight" for w, p in zip(("w1", "w2", "w3"), names.experts, strict=True)}
+    return rules + _shared_rules(config, ours, shared, f"{block}{names.shared_gate}.weight")
+
+
+def moe_gguf_rules(config: ModelConfig, ours: str, theirs: str) -> list[Rule]:
+    """One MoE layer's llama.cpp tensors (`theirs` = "blk.N."): `ffn_gate_inp` (the router), the stacked experts
+    `ffn_gate_exps` / `ffn_down_exps` / `ffn_up_exps` (E, F, D), the shared expert `ffn_*_shexp` and its gate
+    `ffn_gate_inp_shexp` ((D,) or (1, D)). (llama.cpp's converter fuses gate and up into `ffn_gate_up_exps` only
+    for other architectures.)"""
+    rules = [rename(f"{ours}ffn.gate.weight", f"{theirs}ffn_gate_inp.weight")]
+    if config.moe.score_bias:
+        rules.append(rename(f"{ours}ffn.score_bias", f"{theirs}exp_probs_b.bias"))
+    w1, w2, w3 = (_expert_names(config, ours, w) for w in ("w1", "w2", "w3"))
+    rules += [stacked(f"{theirs}ffn_gate_exps.weight", w1), stacked(f"{theirs}ffn_up_exps.weight", w3),
+              stacked(f"{theirs}ffn_down_exps.weight", w2)]
+    shared = {w: f"{theirs}{g}_shexp.weight" for w, g in (("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up"))}
+    rules += _shared_rules(config, ours, shared, None)
+    if config.moe.d_shared and config.moe.shared_gate:
+        rules.append(Rule(f"{theirs}ffn_gate_inp_shexp.weight", (f"{ours}ffn.shared_gate.weight",),
+                          lambda t: (t.reshape(1, -1),), lambda w: w.reshape(-1), rows=False))  # (D,) -> (1, D)
+    return rules
+
+
+def gguf_moe(meta: dict[str, Any], tensors: dict[str, Any], arch: str, source: str, *, norm_topk: bool,
+             d_ff: int | None = None) -> MoEFeatures:
+    """The MoE features of a GGUF file (`tensors`: the file's, by name, with `.shape`): `<arch>.expert_count`
+    experts (none: a dense model), `expert_used_count` per token, their width `expert_feed_forward_length` (else
+    read off `ffn_down_exps`; None when it equals `d_ff`: Mixtral's experts are `feed_forward_length` wide), the
+    shared expert `expert_shared_feed_forward_length` with its sigmoid gate when `ffn_gate_inp_shexp` is there,
+    and the dense layers: those without a router `blk.N.ffn_gate_inp`. Whether the top-k weights are
+    renormalised is the architecture's (llama.cpp hard-codes it per arch: `norm_topk`). A gating function,
+    expert groups or a weights scale these families' llama.cpp graphs do not read are an error naming the key."""
+    n = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if n == 0:
+        return MoEFeatures()
+    for key, neutral in (("expert_group_count", (None, 0, 1)), ("expert_weights_scale", (None, 0.0, 1.0)),
+                         ("expert_gating_func", (None, 1))):  # 1: softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC)
+        if meta.get(f"{arch}.{key}") not in neutral:
+            raise FamilyError(f"{source}: metadata {arch}.{key}={meta[f'{arch}.{key}']} is not supported for {arch}")
+    layers = int(gguf_meta(meta, arch, "block_count", source))
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    d_expert = meta.get(f"{arch}.expert_feed_forward_length")
+    if d_expert is None and sparse and f"blk.{sparse[0]}.ffn_down_exps.weight" in tensors:
+        d_expert = tensors[f"blk.{sparse[0]}.ffn_down_exps.weight"].shape[-1]  # (E, D, F)
+    d_shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+    if d_shared == 0 and any(f"blk.{i}.ffn_gate_shexp.weight" in tensors for i in range(layers)):
+        raise FamilyError(f"{source}: shared-expert tensors without {arch}.expert_shared_feed_forward_length")
+    return MoEFeatures(
+        n_experts=n, top_k=int(gguf_meta(meta, arch, "expert_used_count", source)), norm_topk=norm_topk,
+        d_expert=None if d_expert is None or int(d_expert) == d_ff else int(d_expert), d_shared=d_shared,
+        shared_gate=any(f"blk.{i}.ffn_gate_inp_shexp.weight" in tensors for i in range(layers)),
+        dense_layers=[i for i in range(layers) if i not in sparse])

@@ -2,7 +2,9 @@
 
 HF `LlamaForCausalLM` (`attention_bias` puts biases on q/k/v/o, `mlp_bias` on the MLP); GGUF arch `llama`, whose
 converter stores q/k rows in the adjacent-pair order (undone at load). Mistral-shaped GGUFs are arch `llama` too:
-their window is not in the GGUF metadata.
+their window is not in the GGUF metadata. So are Mixtral's: `llama.expert_count` > 0 makes the MLP a mixture of
+experts (`base.gguf_moe`: the router `ffn_gate_inp`, stacked `ffn_{gate,down,up}_exps`; llama.cpp's llama graph
+renormalises the top-k weights), exported to HF as Mixtral.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from scratchlm.model.families.base import (
     check_act,
     gguf_base_config,
     gguf_llama_rules,
+    gguf_moe,
     llama_rules,
 )
 
@@ -36,7 +39,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
-    return gguf_base_config(meta, tensors, "llama", source)
+    d_ff = int(meta.get("llama.feed_forward_length", 0))
+    return gguf_base_config(meta, tensors, "llama", source,
+                            moe=gguf_moe(meta, tensors, "llama", source, norm_topk=True, d_ff=d_ff))
 
 
 FAMILY = Family(

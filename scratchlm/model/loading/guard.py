@@ -115,23 +115,37 @@ def check_layer_count(declared: Any, field: str, names: Iterable[str], config_fi
                               f"layer{'s' * (present != 1)}")
 
 
-#: Probes of the declared sizes, in the order they are reported: (ModelConfig field, tensor, dim, what the
-#: dim holds). The first probe whose tensor disagrees names the field.
-_PROBES = (("vocab_size", "tok_embeddings.weight", 0, "rows"), ("d_model", "tok_embeddings.weight", 1, "columns"),
-           ("d_ff", "layers.0.ffn.w2.weight", 1, "columns"), ("n_heads", "layers.0.attn.q_proj.weight", 0, "rows"),
-           ("n_kv_heads", "layers.0.attn.k_proj.weight", 0, "rows"),
-           ("max_seq_len", "pos_embeddings.weight", 0, "rows"))
+def _probes(config: ModelConfig) -> list[tuple[str, str, int, str]]:
+    """Probes of the declared sizes, in the order they are reported: (ModelConfig field, tensor, dim, what the
+    dim holds). The first probe whose tensor disagrees names the field. A mixture of experts is probed in its
+    first sparse layer: the expert count by the router's rows, the expert width by expert 0's w1 rows; the dense
+    MLP width in the first dense layer."""
+    n = config.n_layers
+    dense = next((i for i in range(n) if not config.is_moe_layer(i)), None)
+    sparse = next((i for i in range(n) if config.is_moe_layer(i)), None)
+    probes = [("vocab_size", "tok_embeddings.weight", 0, "rows"), ("d_model", "tok_embeddings.weight", 1, "columns")]
+    if sparse is not None:
+        probes += [("n_experts", f"layers.{sparse}.ffn.gate.weight", 0, "rows"),
+                   ("d_expert", f"layers.{sparse}.ffn.experts.0.w1.weight", 0, "rows")]
+    if dense is not None:
+        probes.append(("d_ff", f"layers.{dense}.ffn.w2.weight", 1, "columns"))
+    return probes + [("n_heads", "layers.0.attn.q_proj.weight", 0, "rows"),
+                     ("n_kv_heads", "layers.0.attn.k_proj.weight", 0, "rows"),
+                     ("max_seq_len", "pos_embeddings.weight", 0, "rows")]
 
 #: The HF config.json keys of each ModelConfig size field, across the families.
 HF_FIELDS = {"n_layers": ("num_hidden_layers", "n_layer", "num_layers"), "d_model": ("hidden_size", "n_embd"),
              "d_ff": ("intermediate_size", "n_inner", "ffn_dim"), "vocab_size": ("vocab_size",),
              "n_heads": ("num_attention_heads", "n_head"), "n_kv_heads": ("num_key_value_heads",),
-             "head_dim": ("head_dim",), "max_seq_len": ("max_position_embeddings", "n_positions")}
+             "head_dim": ("head_dim",), "max_seq_len": ("max_position_embeddings", "n_positions"),
+             "n_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+             "d_expert": ("moe_intermediate_size",)}
 
 #: The GGUF metadata keys (after `<arch>.`) of each ModelConfig size field.
 GGUF_FIELDS = {"n_layers": "block_count", "d_model": "embedding_length", "d_ff": "feed_forward_length",
                "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
-               "head_dim": "attention.key_length", "max_seq_len": "context_length"}
+               "head_dim": "attention.key_length", "max_seq_len": "context_length", "n_experts": "expert_count",
+               "d_expert": "expert_feed_forward_length"}
 
 
 def hf_field_names(cfg: Mapping[str, Any]) -> dict[str, str]:
@@ -151,6 +165,8 @@ def _field_value(config: ModelConfig, field: str) -> str:
     if field in ("n_heads", "n_kv_heads"):
         n = getattr(config, field)
         return f"{n} (x head_dim {config.head_dim} = {n * config.head_dim} rows)"
+    if field == "n_experts":
+        return str(config.moe.n_experts)
     return str(getattr(config, field))
 
 
@@ -175,7 +191,7 @@ def check_shapes(config: ModelConfig, rules: Iterable[Any], file_shapes: Mapping
             continue
         for ours, t in parts:
             got[ours] = (tuple(t.shape), rule.theirs)
-    for field, name, dim, what in _PROBES:
+    for field, name, dim, what in _probes(config):
         if name in got and name in expected and got[name][0][dim] != expected[name][dim]:
             shape, theirs = got[name]
             key = fields.get(field, f"{field} (derived)")
@@ -184,7 +200,8 @@ def check_shapes(config: ModelConfig, rules: Iterable[Any], file_shapes: Mapping
     bad += [f"{file_of(theirs)} has {theirs} of shape {shape} where the config gives {ours} {expected[ours]}"
             for ours, (shape, theirs) in got.items() if ours in expected and shape != expected[ours]]
     if bad:
-        declared = ", ".join(f"{key}={getattr(config, f)}" for f, key in fields.items() if f != "n_layers")
+        declared = ", ".join(f"{key}={_field_value(config, f).split(' ')[0]}" for f, key in fields.items()
+                             if f != "n_layers")
         raise CheckpointError(f"{config_file} ({declared}) does not fit the weights: {bad[0]}"
                               f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
 

@@ -8,7 +8,7 @@ module only reads files. HF stores q/k in the rotate-half RoPE layout, so the mo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,9 +47,11 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
         raise CheckpointError(str(e)) from None
 
 
-def hf_rules(cfg: dict[str, Any], config: ModelConfig, source: str = "config.json") -> list[Rule]:
-    """The tensor rules (file name <-> state-dict names, with transforms) of the HF checkpoint `cfg` describes."""
-    return family_of(cfg, source).hf_rules(config)
+def hf_rules(cfg: dict[str, Any], config: ModelConfig, source: str = "config.json",
+             names: Collection[str] | None = None) -> list[Rule]:
+    """The tensor rules (file name <-> state-dict names, with transforms) of the HF checkpoint `cfg` describes;
+    `names`: the checkpoint's tensors, for a family whose files come in more than one layout (MoE experts)."""
+    return family_of(cfg, source).hf_rules_for(config, names)
 
 
 def hf_name_map(config: ModelConfig, cfg: dict[str, Any] | None = None) -> dict[str, str]:
@@ -130,7 +132,10 @@ def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig, sou
     shapes = file_shapes(files)
     fields = hf_field_names(cfg)
     check_layer_count(config.n_layers, fields.get("n_layers", "n_layers"), shapes, source, _weights_label(files))
-    rules = hf_rules(cfg, config, source)
+    rules = hf_rules(cfg, config, source, files)
+    present = [r for r in rules if r.theirs in files]
+    # sizes first (a wrong expert count also shows as missing tensors: the router's rows name the field)
+    check_shapes(config, present, shapes, lambda name: files[name].name, fields, source)
     missing = [r.theirs for r in rules if r.theirs not in files]
     if missing:
         raise CheckpointError(f"{directory}: tensors missing from the checkpoint: {missing[:8]}")
@@ -141,7 +146,6 @@ def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig, sou
     if extra:
         raise CheckpointError(f"{directory}: tensors the {family_of(cfg).name} family does not use: {extra[:8]}"
                               f"{' ...' if len(extra) > 8 else ''} (a feature scratchlm does not implement?)")
-    check_shapes(config, rules, shapes, lambda name: files[name].name, fields, source)
     return rules, files
 
 

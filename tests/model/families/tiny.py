@@ -140,12 +140,62 @@ FAMILIES = {
 }
 
 
+def _mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    # layer 1 dense (mlp_only_layers), a gated shared expert, top-k weights not renormalised (Qwen1.5-MoE's)
+    return Qwen2MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
+                          tie_word_embeddings=False)
+
+
+def _qwen2_moe_all_sparse():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # layers 0 and 2 dense (decoder_sparse_step 2: layer i is sparse when (i + 1) % 2 == 0), renormalised top-k
+    return Qwen3MoeConfig(**(BASE | dict(num_hidden_layers=4)), head_dim=32, num_experts=8, num_experts_per_tok=3,
+                          moe_intermediate_size=24, decoder_sparse_step=2, norm_topk_prob=True,
+                          tie_word_embeddings=True)
+
+
+def _qwen3_moe_all_sparse():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                          tie_word_embeddings=False)
+
+
+#: Mixture-of-experts families (`model/moe.py`), apart from `FAMILIES` (the dense ones, whose tests also cover the
+#: fused C++ step, tensor parallelism and the planner's dense counts): tests/model/families/test_moe_families.py.
+MOE_FAMILIES = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen2_moe_sparse": _qwen2_moe_all_sparse,
+    "qwen3_moe": _qwen3_moe,
+    "qwen3_moe_sparse": _qwen3_moe_all_sparse,
+}
+
+
 def hf_model(name: str):
-    """A seeded random HF model of case `name`, in float32 eval mode, norms perturbed."""
+    """A seeded random HF model of case `name` (of `FAMILIES` or `MOE_FAMILIES`), in float32 eval mode, norms
+    perturbed."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = FAMILIES[name]()
+    config = (FAMILIES | MOE_FAMILIES)[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
