@@ -652,8 +652,13 @@ def gguf_moe(meta: dict[str, Any], tensors: dict[str, Any], arch: str, source: s
     d_shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0)
     if d_shared == 0 and any(f"blk.{i}.ffn_gate_shexp.weight" in tensors for i in range(layers)):
         raise FamilyError(f"{source}: shared-expert tensors without {arch}.expert_shared_feed_forward_length")
+    top_k = gguf_meta(meta, arch, "expert_used_count", source)
+    if isinstance(top_k, list):  # per layer (llama.cpp's get_key_or_arr)
+        if len(set(top_k)) != 1:
+            raise FamilyError(f"{source}: per-layer {arch}.expert_used_count {sorted(set(top_k))} is not supported")
+        top_k = top_k[0]
     return MoEFeatures(
-        n_experts=n, top_k=int(gguf_meta(meta, arch, "expert_used_count", source)), norm_topk=norm_topk,
+        n_experts=n, top_k=int(top_k), norm_topk=norm_topk,
         d_expert=None if d_expert is None or int(d_expert) == d_ff else int(d_expert), d_shared=d_shared,
         shared_gate=any(f"blk.{i}.ffn_gate_inp_shexp.weight" in tensors for i in range(layers)),
         dense_layers=[i for i in range(layers) if i not in sparse])

@@ -215,6 +215,7 @@ def check_state_dict(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]],
 
     rules = [rename(n, n) for n in shapes]
     fields = {f: f"{prefix}{f}" for f in ("d_model", "d_ff", "vocab_size", "n_heads", "n_kv_heads", "max_seq_len")}
+    fields |= {"n_experts": f"{prefix}moe.n_experts", "d_expert": f"{prefix}moe.d_expert"}
     check_shapes(config, rules, shapes, lambda _: "its state dict", fields, source)
 
 

@@ -116,6 +116,25 @@ def test_export_loads_equal_in_transformers(name, root, tmp_path):
     assert load(out).config == loaded.config  # and back again
 
 
+@torch.no_grad()
+def test_scratchlm_checkpoint_round_trip(root, tmp_path):
+    """A MoE model saved as a scratchlm checkpoint loads equal; a state dict with fewer experts than its
+    model_config says fails naming model_config.moe.n_experts."""
+    from scratchlm.model.loading.checkpoint import read_checkpoint_config, save_model
+
+    directory, _ = _checkpoint("qwen2_moe", root)
+    loaded = load(directory)
+    path = save_model(tmp_path / "ckpt.pt", loaded.model)
+    back = load(path)
+    ids = torch.tensor([PROMPTS[0]])
+    assert back.config == loaded.config and torch.equal(back.model(ids), loaded.model(ids))
+    state = {k: v for k, v in loaded.model.state_dict().items() if ".experts.5." not in k}
+    state["layers.0.ffn.gate.weight"] = state["layers.0.ffn.gate.weight"][:5]
+    torch.save({"format": "scratchlm", "model_config": loaded.config.to_dict(), "model": state}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match="model_config.moe.n_experts=6"):
+        read_checkpoint_config(tmp_path / "bad.pt")
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_config_round_trip(name):
     cfg = MOE_FAMILIES[name]().to_dict()
