@@ -1,6 +1,7 @@
 """The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE), exact against HF transformers on tiny random
 checkpoints of their own config classes (`tiny.MOE_FAMILIES`: several layers, dense layers through
-`mlp_only_layers` / `decoder_sparse_step`, Qwen2-MoE's gated shared expert, top-k renormalised or not).
+`mlp_only_layers` / `decoder_sparse_step`, Qwen2-MoE's gated shared expert, top-k renormalised or not, sliding
+windows: Qwen2-MoE's on HF's layer pattern, Qwen3-MoE's on every layer; prompts longer than the window).
 
 For each case: the HF safetensors load (logits within 1e-4 of HF's forward), the same weights saved in
 transformers 5's fused 3D expert layout (`save_original_format=False`) load equal, `scratchlm.LLM`'s greedy ids

@@ -178,6 +178,22 @@ def _qwen3_moe_all_sparse():
                           tie_word_embeddings=False)
 
 
+def _qwen2_moe_window():
+    from transformers import Qwen2MoeConfig
+
+    # HF's layer_types from use_sliding_window: every other layer below max_window_layers slides (layer 0 here)
+    return Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=8,
+                          max_window_layers=2, tie_word_embeddings=False)
+
+
+def _qwen3_moe_window():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                          use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)  # every layer
+
+
 #: Mixture-of-experts families (`model/moe.py`), apart from `FAMILIES` (the dense ones, whose tests also cover the
 #: fused C++ step, tensor parallelism and the planner's dense counts): tests/model/families/test_moe_families.py.
 MOE_FAMILIES = {
@@ -186,6 +202,8 @@ MOE_FAMILIES = {
     "qwen2_moe_sparse": _qwen2_moe_all_sparse,
     "qwen3_moe": _qwen3_moe,
     "qwen3_moe_sparse": _qwen3_moe_all_sparse,
+    "qwen2_moe_window": _qwen2_moe_window,
+    "qwen3_moe_window": _qwen3_moe_window,
 }
 
 
