@@ -227,6 +227,8 @@ def use_skinny_linears(model: torch.nn.Module, pack: bool | None = None) -> int:
             a, f = getattr(block, "attn", None), getattr(block, "ffn", None)
             groups.append([getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj")])
             groups.append([getattr(f, n, None) for n in ("w1", "w3")])
+            for mlp in [*getattr(f, "experts", []), getattr(f, "shared", None)]:  # an MoE's experts: gate/up too
+                groups.append([getattr(mlp, n, None) for n in ("w1", "w3")])
         groups = [g for g in groups if all(m is not None and _packable(m) for m in g) and len({m.d_in for m in g}) == 1]
         grouped = {id(m) for g in groups for m in g}
         groups += [[child] for _, _, child in swaps if id(child) not in grouped and _packable(child)]

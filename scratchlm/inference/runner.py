@@ -21,6 +21,7 @@ from scratchlm.inference.engine_ops import RowPagedAttention, use_engine_ops
 from scratchlm.inference.fast_linear import PanelEmbedding, PanelLinear, SkinnyLinear, skinny_linear, use_skinny_linears
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.inference.scheduler import SchedulerOutput
+from scratchlm.model.moe import MoE
 from scratchlm.model.transformer import TransformerLM
 
 log = logging.getLogger("scratchlm.inference.runner")
@@ -242,10 +243,9 @@ def fused_step_unsupported(config) -> list[str]:
     layer); the embedding (scale, learned positions), the final norm, logit scale and final soft-cap stay in
     Python around it (`TransformerLM.embed` / `finish_logits`), and sequence-length dependent RoPE (dynamic,
     LongRoPE) gets per-row cos/sin tables (`ModelRunner._rope_lengths`). What is left: an odd head dim or an odd
-    number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide)."""
+    number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide). The mixture-of-experts
+    feed-forward runs there too (csrc/moe.h, `_moe_layer`)."""
     missing = []
-    if config.moe.n_experts:
-        missing.append("the mixture-of-experts feed-forward")
     if config.mla.kv_lora_rank:
         missing.append("multi-head latent attention")
     if config.head_dim % 2 or config.rotary_dim % 2:
@@ -268,7 +268,8 @@ def _layer_features(model: torch.nn.Module, i: int) -> tuple[dict[str, torch.Ten
         if norm is not None:
             tensors[key] = norm.weight
             tensors[key + "_b"] = getattr(norm, "bias", None)  # LayerNorm's (None: without bias)
-    tensors |= {"bq": a.q_bias, "bk": a.k_bias, "bv": a.v_bias, "bo": a.o_bias, "b1": f.b1, "b2": f.b2, "b3": f.b3}
+    tensors |= {"bq": a.q_bias, "bk": a.k_bias, "bv": a.v_bias, "bo": a.o_bias}
+    tensors |= {k: getattr(f, k, None) for k in ("b1", "b2", "b3")}  # an MoE's experts have none
     if a.q_norm is not None:
         tensors |= {"q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
     tensors = {k: t.detach() for k, t in tensors.items() if t is not None}
@@ -283,11 +284,35 @@ def _layer_features(model: torch.nn.Module, i: int) -> tuple[dict[str, torch.Ten
         "rope": -1 if rope is None or rope.layout == "none" else 0 if rope is model.rope else 1,
         "rotary_dim": c.rotary_dim,
         "act": _ACTS[f.act],
-        "gated": float(f.gated),
+        "gated": float(getattr(f, "gated", True)),  # MoE experts are gated
         "layer_norm": float(c.norm.kind == "layer"),
         "residual_multiplier": block.residual_multiplier,
     }
     return tensors, values
+
+
+_SCORING = {"softmax": 0, "sigmoid": 1}
+_GROUP_SCORE = {"max": 0, "top2": 1}
+
+
+def _moe_layer(ext, moe: MoE, config):
+    """An `MoE` feed-forward as csrc/moe.h's `MoELayer` (over its weights, no copies), or None when a linear is in
+    a form the fused step does not take or the router is not float32 (`_linear_tensors`)."""
+    f = moe.features
+    gate = _linear_tensors(moe.gate)
+    experts = [[_linear_tensors(m) for m in (e.w1, e.w2, e.w3)] for e in moe.experts]
+    shared = [_linear_tensors(m) for m in (moe.shared.w1, moe.shared.w2, moe.shared.w3)] if moe.shared else []
+    shared_gate = _linear_tensors(moe.shared_gate) if moe.shared_gate is not None else ([], 0)
+    lins = [gate, shared_gate, *shared] + [t for e in experts for t in e]
+    if any(t is None for t in lins) or gate[1] != 0 or shared_gate[1] != 0:
+        return None
+    bias = moe.score_bias.detach() if moe.score_bias is not None else None
+    values = {"n_experts": f.n_experts, "top_k": f.top_k, "d_model": config.d_model, "d_expert": config.d_expert,
+              "d_shared": f.d_shared if moe.shared else 0, "scoring": _SCORING[f.scoring],
+              "norm_topk": float(f.norm_topk), "routed_scale": f.routed_scale, "n_groups": f.n_groups,
+              "topk_groups": f.topk_groups, "group_score": _GROUP_SCORE[f.group_score], "act": _ACTS[moe.act]}
+    return ext.MoELayer(gate[0], 0, [[t for t, _ in e] for e in experts], [[g for _, g in e] for e in experts],
+                        [t for t, _ in shared], [g for _, g in shared], shared_gate[0], bias, values)
 
 
 def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
@@ -310,11 +335,22 @@ def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
         log.info("decode path: the Python step (layer by layer); the fused C++ step does not implement: %s",
                  "; ".join(missing))
         return None
-    linears, group_sizes, tensors, values = [], [], [], []
+    ext = load_engine_kernels()
+    if ext is None:
+        log.info("decode path: the Python step (layer by layer): the C++ kernels are not built")
+        return None
+    linears, group_sizes, tensors, values, moe = [], [], [], [], {}
     for i, block in enumerate(model.layers):
         a, f = block.attn, block.ffn
-        lin = [_linear_tensors(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.w1, f.w2, f.w3)]
+        mlp = (None, None, None) if isinstance(f, MoE) else (f.w1, f.w2, f.w3)  # an MoE layer's: moe[i]
+        lin = [_linear_tensors(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, *mlp)]
         feats = _layer_features(model, i)
+        if isinstance(f, MoE):
+            moe[i] = _moe_layer(ext, f, model.config)
+            if moe[i] is None:
+                log.info("decode path: the Python step (layer by layer): layer %d's experts or router have weights "
+                         "the fused C++ step does not take", i)
+                return None
         if any(t is None for t in lin) or feats is None:  # e.g. int8 groups of 16, another layer type, bf16
             log.info("decode path: the Python step (layer by layer): layer %d has weights the fused C++ step does "
                      "not take (%s)", i, "linears" if feats is not None else "norms or biases not float32")
@@ -325,13 +361,9 @@ def fused_decoder_for(model: torch.nn.Module, cache: KVCache):
         values.append(feats[1])
     if not linears:
         return None
-    ext = load_engine_kernels()
-    if ext is None:
-        log.info("decode path: the Python step (layer by layer): the C++ kernels are not built")
-        return None
     c = model.config
     fused = ext.FusedDecoder([[] for _ in linears], c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps,
-                             c.rope_layout == "half", True, linears, group_sizes, tensors, values)
+                             c.rope_layout == "half", True, linears, group_sizes, tensors, values, moe)
     features = c.features()
     log.info("decode path: the fused C++ step (every layer in one call)%s",
              f"; block features: {', '.join(features)}" if features else " (the Llama block)")

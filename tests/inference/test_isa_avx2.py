@@ -39,6 +39,7 @@ KERNEL_TESTS = [
     "tests/inference/test_kv_dtype.py",
     "tests/inference/test_fused_decoder.py",
     "tests/inference/test_fused_families.py",
+    "tests/inference/test_fused_moe.py",
     "tests/test_isa.py",
 ]
 # Without SIMD: the kernels' portable paths (slower: fewer files).
@@ -51,6 +52,7 @@ SCALAR_TESTS = [
     "tests/inference/test_decode_attention.py",
     "tests/inference/test_paged_prefill_attention.py",
     "tests/inference/test_fused_decoder.py",
+    "tests/inference/test_fused_moe.py",
     "tests/test_isa.py",
 ]
 # The AVX2 cap for torch's own kernels too (the variables of benchmarks' fair AVX2 columns).

@@ -37,9 +37,11 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "moe.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
 #include "qlinear.h"
@@ -67,7 +69,6 @@ struct Features {
   torch::Tensor attn_norm_b, ffn_norm_b, attn_post, attn_post_b, ffn_post, ffn_post_b, bo, b1, b2, b3;
   torch::Tensor q_norm, k_norm;  // RMSNorm weights: (D,) per head or (heads * D,) over the whole projection
 };
-enum Act : int { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
 
 struct Layer {
   torch::Tensor attn_norm, ffn_norm, bq, bk, bv;  // biases undefined when absent; the norms when placed before
@@ -78,32 +79,8 @@ struct Layer {
   bool panel = false;
   std::vector<PanelWeight> qkv, gu;
   PanelWeight po, p2;
+  std::shared_ptr<MoELayer> moe;  // a mixture-of-experts layer (moe.h) in place of the MLP; null: dense
 };
-
-// Matrices that read one input, with ns[i] output columns each: one PanelWeight over all of them when their panel
-// tensors are adjacent in memory (the views fast_linear.py makes of one packed tensor), else one each.
-inline std::vector<PanelWeight> panel_group(const std::vector<torch::Tensor>& ts, const std::vector<int64_t>& ns,
-                                            const std::string& what) {
-  bool adjacent = true;
-  int64_t panels = 0;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    PanelWeight::from(ts[i], {ns[i]}, what);  // shape checks
-    panels += ts[i].size(0);
-    if (i > 0)
-      adjacent = adjacent && ts[i].size(1) == ts[0].size(1) &&
-                 ts[i].data_ptr<float>() == ts[i - 1].data_ptr<float>() + ts[i - 1].numel();
-  }
-  std::vector<PanelWeight> out;
-  if (adjacent) {
-    auto all = at::from_blob(ts[0].data_ptr<float>(), {panels, ts[0].size(1), scratchlm_panel::kLanes},
-                             ts[0].options());
-    out.push_back(PanelWeight::from(all, ns, what));
-    out.back().keep = ts;
-  } else {
-    for (size_t i = 0; i < ts.size(); ++i) out.push_back(PanelWeight::from(ts[i], {ns[i]}, what));
-  }
-  return out;
-}
 
 inline void check_weight(const torch::Tensor& t, std::vector<int64_t> shape, const char* what, size_t layer) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
@@ -239,29 +216,15 @@ inline void rope_rows(torch::Tensor& t, int64_t heads, int64_t D, int64_t rotary
   }
 }
 
-// s = silu(g) * u = sigmoid(g) * g * u (the Python SwiGLU's op order); g, u, s (B, d_ff).
-inline void silu_mul_out(const torch::Tensor& g, const torch::Tensor& u, torch::Tensor& s) {
-  at::sigmoid_out(s, g);
-  s.mul_(g).mul_(u);
-}
-
-// s = act(g) (* u when u is defined: a gated MLP); act kSilu (sigmoid(g) * g), kGeluTanh or kGelu (ATen's gelu).
-inline void act_mul_out(int act, const torch::Tensor& g, const torch::Tensor& u, torch::Tensor& s) {
-  if (act == kSilu && u.defined()) return silu_mul_out(g, u, s);
-  if (act == kSilu) at::sigmoid_out(s, g), s.mul_(g);
-  else at::gelu_out(s, g, act == kGeluTanh ? "tanh" : "none");
-  if (u.defined()) s.mul_(u);
-}
-
 // Where a fused step's time goes, for benchmarks/decode_step.py: with profiling on, forward adds the calling
 // thread's CPU seconds of each stage (all layers) into one process-wide table (off: one flag test per stage).
 // Features go to the stage beside them: q/k-norm to "rope", post norms and the residual multiplier to "residual",
 // any MLP activation to "silu_mul"; norms of post-only placement are not "attn_norm" / "ffn_norm".
 enum Stage : int { kSetup, kAttnNorm, kQKV, kRope, kStore, kAttention, kO, kResidual, kFfnNorm, kGateUp, kSiluMul,
-                   kDown, kStages };
+                   kDown, kMoE, kStages };
 inline const char* const kStageNames[kStages] = {"setup", "attn_norm", "qkv_gemm", "rope", "kv_store", "attention",
                                                  "o_gemm", "residual", "ffn_norm", "gate_up_gemm", "silu_mul",
-                                                 "down_gemm"};
+                                                 "down_gemm", "moe"};
 struct StageProfile {
   std::atomic<bool> on{false};
   std::array<double, kStages> seconds{};
@@ -305,12 +268,15 @@ class FusedDecoder {
   // ffn_post_norm, ffn_post_norm_b, bq, bk, bv, bo, b1, b2, b3, q_norm, k_norm} (absent keys: no such tensor),
   // values {scale, softcap, window, rope (-1 / 0 / 1), rotary_dim, act (0 silu, 1 gelu_tanh, 2 gelu), gated,
   // layer_norm, residual_multiplier} (all required). An unknown key is an error.
+  // `moe` (layer -> MoELayer, moe.h): those layers' feed-forward is the mixture of experts; their linears[i] hold
+  // the attention's 4 (w1, w2, w3 = []) and their values act / gated are the experts' (gated), no MLP biases.
   FusedDecoder(const std::vector<std::vector<torch::Tensor>>& layers, int64_t n_heads, int64_t n_kv_heads,
                int64_t head_dim, double eps, bool rope_half, bool use_simd,
                const std::vector<std::vector<std::vector<torch::Tensor>>>& linears = {},
                const std::vector<std::vector<int64_t>>& group_sizes = {},
                const std::vector<std::map<std::string, torch::Tensor>>& tensors = {},
-               const std::vector<std::map<std::string, double>>& values = {})
+               const std::vector<std::map<std::string, double>>& values = {},
+               const std::map<int64_t, std::shared_ptr<MoELayer>>& moe = {})
       : H_(n_heads), Hkv_(n_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)), rope_half_(rope_half),
         simd_(use_simd) {
     TORCH_CHECK(!layers.empty(), "FusedDecoder needs at least one layer");
@@ -322,8 +288,13 @@ class FusedDecoder {
                 "linears and group_sizes need one entry per layer");
     TORCH_CHECK(!featured || (split && tensors.size() == layers.size() && values.size() == layers.size()),
                 "features (tensors and values) need linears and one entry per layer");
+    TORCH_CHECK(moe.empty() || featured, "MoE layers need features (tensors and values)");
+    for (const auto& [i, m] : moe)
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers.size()) && m, "moe: bad layer ", i, " or no MoELayer");
     static const char* names[7] = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
     for (size_t i = 0; i < layers.size(); ++i) {
+      const auto moe_it = moe.find(static_cast<int64_t>(i));
+      const std::shared_ptr<MoELayer> sparse = moe_it == moe.end() ? nullptr : moe_it->second;
       const auto& w = layers[i];
       std::vector<std::vector<torch::Tensor>> lin(7);
       std::vector<int64_t> gs(7, 0);
@@ -337,7 +308,13 @@ class FusedDecoder {
         TORCH_CHECK(linears[i].size() == 7 && group_sizes[i].size() == 7, "layer ", i, ": expected 7 linears");
         lin = linears[i], gs = group_sizes[i];
         f = parse_features(tensors[i], values[i], i, attn_norm, ffn_norm, bias);
-        TORCH_CHECK(lin[6].empty() != f.gated, "layer ", i, ": w3 must be given exactly when the MLP is gated");
+        if (sparse) {
+          TORCH_CHECK(lin[4].empty() && lin[5].empty() && lin[6].empty() && f.gated && !f.b1.defined() &&
+                      !f.b2.defined() && !f.b3.defined(), "layer ", i, ": an MoE layer has no MLP linears or "
+                      "biases (w1, w2, w3 = [])");
+        } else {
+          TORCH_CHECK(lin[6].empty() != f.gated, "layer ", i, ": w3 must be given exactly when the MLP is gated");
+        }
       } else if (split) {
         TORCH_CHECK(w.size() == 2 || w.size() == 5, "layer ", i, " has ", w.size(), " tensors, expected 2 or 5");
         TORCH_CHECK(linears[i].size() == 7 && group_sizes[i].size() == 7, "layer ", i, ": expected 7 linears");
@@ -349,17 +326,19 @@ class FusedDecoder {
         const int idx[7] = {1, 2, 3, 4, 6, 7, 8};
         for (int j = 0; j < 7; ++j) lin[j] = {w[idx[j]]};
       }
-      const int n_lin = f.gated ? 7 : 6;
+      const int n_lin = sparse ? 4 : f.gated ? 7 : 6;  // an MoE layer: the attention's
       auto is_panels = [&](int j) { return lin[j].size() == 1 && lin[j][0].dim() == 3; };  // float32 (P, K, 16)
       bool panel = true;  // every linear float32 panels: q/k/v and gate/up as panel groups; else one QLinear each
       for (int j = 0; j < n_lin; ++j) panel = panel && is_panels(j);
       if (i == 0) {
         const torch::Tensor& norm0 = f.pre ? attn_norm : f.attn_post;
+        TORCH_CHECK(norm0.defined() && norm0.dim() == 1, "layer 0: attn_norm must be (d,)");
+        d_ = norm0.numel();
+      }
+      if (ff_ == 0 && !sparse) {  // the first dense layer
         // d_ff: the rows of w1 (any 2-D form: float, int planes, raw GGUF bytes), else the K of w2's panels
         const bool ff_known = !lin[4].empty() && (lin[4][0].dim() == 2 || is_panels(5));
-        TORCH_CHECK(norm0.defined() && norm0.dim() == 1 && ff_known,
-                    "layer 0: attn_norm must be (d,) and w1 (d_ff, ...) (or w2 as panels (P, d_ff, 16))");
-        d_ = norm0.numel();
+        TORCH_CHECK(ff_known, "layer ", i, ": w1 must be (d_ff, ...) (or w2 panels (P, d_ff, 16))");
         ff_ = lin[4][0].dim() == 2 ? lin[4][0].size(0) : lin[5][0].size(1);
       }
       const int64_t shapes[7][2] = {{H_ * D_, d_}, {Hkv_ * D_, d_}, {Hkv_ * D_, d_}, {d_, H_ * D_},
@@ -375,10 +354,11 @@ class FusedDecoder {
         l.panel = true;
         l.qkv = panel_group({lin[0][0], lin[1][0], lin[2][0]}, {shapes[0][0], shapes[1][0], shapes[2][0]},
                             what + ": wq/wk/wv");
-        if (f.gated) l.gu = panel_group({lin[4][0], lin[6][0]}, {shapes[4][0], shapes[6][0]}, what + ": w1/w3");
+        if (sparse) l.moe = sparse;
+        else if (f.gated) l.gu = panel_group({lin[4][0], lin[6][0]}, {shapes[4][0], shapes[6][0]}, what + ": w1/w3");
         else l.gu = {PanelWeight::from(lin[4][0], {shapes[4][0]}, what + ": w1")};
         l.po = PanelWeight::from(lin[3][0], {shapes[3][0]}, what + ": wo");
-        l.p2 = PanelWeight::from(lin[5][0], {shapes[5][0]}, what + ": w2");
+        if (!sparse) l.p2 = PanelWeight::from(lin[5][0], {shapes[5][0]}, what + ": w2");
         add_biases(l, bias, i);
         second_rope_ = second_rope_ || f.rope == 1;
         layers_.push_back(l);
@@ -394,6 +374,7 @@ class FusedDecoder {
       check_features(f, attn_norm, ffn_norm, i);
       Layer l{attn_norm, ffn_norm, {}, {}, {}, q[0], q[1], q[2], q[3], q[4], q[5], q[6]};
       l.f = f;
+      l.moe = sparse;
       add_biases(l, bias, i);
       second_rope_ = second_rope_ || f.rope == 1;
       layers_.push_back(l);
@@ -525,6 +506,14 @@ class FusedDecoder {
       const torch::Tensor& m_in = f.pre ? h : x;  // the MLP's input
       clock.mark(kFfnNorm);
       hq.valid = false;
+      if (w.moe) {
+        w.moe->forward(m_in, o, simd_);
+        clock.mark(kMoE);
+        if (f.on) residual(f, x, o, f.ffn_post, f.ffn_post_b, h);
+        else x.add_(o);
+        clock.mark(kResidual);
+        continue;
+      }
       if (w.panel) {
         if (f.gated) panel_linear(m_in, w.gu, {&g, &u});
         else panel_linear(m_in, w.gu, {&g});

@@ -7,6 +7,7 @@
 //   panel_pack / panel_linear  fp32 matmuls over panel-packed weights, any rows (panel_gemm.h)
 //   fp32_* , isa_name      the fp32 linears' kernel choice table, the ISA in use (fp32_bindings.h)
 //   FusedDecoder           a whole decode step in C++      (decoder.h)
+//   MoELayer               its mixture-of-experts feed-forward (moe.h), also callable alone
 //   rms_norm, layer_norm, rope_, silu_mul, act_mul  the fused step's row ops, for the unfused path (decoder.h;
 //                          inference/engine_ops.py)
 // Every entry point releases the GIL.
@@ -376,6 +377,7 @@ bool prefill_keys_in_lanes(int64_t set) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using scratchlm_decoder::FusedDecoder;
+  using scratchlm_decoder::MoELayer;
   m.def("skinny_linear", &skinny_linear, "y = x @ w.T for few rows of x (CPU, float32)",
         py::arg("x"), py::arg("w"), py::arg("use_simd") = true, py::call_guard<py::gil_scoped_release>());
   m.def("panel_pack", &panel_pack, "a float32 (N, K) weight as panels (ceil(N/16), K, 16)", py::arg("w"),
@@ -397,17 +399,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softcap") = 0.0, py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("kv_store", &kv_store, "write float32 K or V rows into a paged cache of any KV dtype (as the fused step does)",
         py::arg("cache"), py::arg("scales"), py::arg("slots"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
+  py::class_<MoELayer, std::shared_ptr<MoELayer>>(m, "MoELayer", "a mixture-of-experts feed-forward for the fused "
+                                                  "step (see moe.h)")
+      .def(py::init<const std::vector<torch::Tensor>&, int64_t,
+                    const std::vector<std::vector<std::vector<torch::Tensor>>>&, const std::vector<std::vector<int64_t>>&, const std::vector<std::vector<torch::Tensor>>&,
+                    const std::vector<int64_t>&, const std::vector<torch::Tensor>&, c10::optional<torch::Tensor>,
+                    const std::map<std::string, double>&>(),
+           py::arg("gate"), py::arg("gate_group_size"), py::arg("experts"), py::arg("expert_group_sizes"),
+           py::arg("shared"), py::arg("shared_group_sizes"), py::arg("shared_gate"), py::arg("score_bias"),
+           py::arg("values"))
+      .def("n_experts", &MoELayer::n_experts)
+      .def("top_k", &MoELayer::top_k)
+      .def("forward", [](const MoELayer& l, torch::Tensor h, bool use_simd) {
+             TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "h must be float32 (B, d)");
+             h = h.contiguous();
+             auto out = torch::empty_like(h);
+             l.forward(h, out, use_simd);
+             return out;
+           }, "out (B, d) = the MoE feed-forward of h (B, d)", py::arg("h"), py::arg("use_simd") = true,
+           py::call_guard<py::gil_scoped_release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool,
                     const std::vector<std::vector<std::vector<torch::Tensor>>>&,
                     const std::vector<std::vector<int64_t>>&, const std::vector<std::map<std::string, torch::Tensor>>&,
-                    const std::vector<std::map<std::string, double>>&>(),
+                    const std::vector<std::map<std::string, double>>&,
+                    const std::map<int64_t, std::shared_ptr<scratchlm_decoder::MoELayer>>&>(),
            py::arg("layers"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("rope_half"), py::arg("use_simd") = true,
            py::arg("linears") = std::vector<std::vector<std::vector<torch::Tensor>>>{},
            py::arg("group_sizes") = std::vector<std::vector<int64_t>>{},
            py::arg("tensors") = std::vector<std::map<std::string, torch::Tensor>>{},
-           py::arg("values") = std::vector<std::map<std::string, double>>{})
+           py::arg("values") = std::vector<std::map<std::string, double>>{},
+           py::arg("moe") = std::map<int64_t, std::shared_ptr<scratchlm_decoder::MoELayer>>{})
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("block_tables"), py::arg("context_lens"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("cos_local") = py::none(),

@@ -18,6 +18,7 @@ from scratchlm.inference.quantization import kernels, reference
 from scratchlm.inference.quantization.scheme import LayerFormat
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.layers import AttentionBackend, Linear
+from scratchlm.model.moe import MoE
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -148,12 +149,22 @@ class QuantEmbedding(_QuantStorage):
         return rows.view(*ids.shape, self.dim).to(self.compute_dtype)  # (..., dim)
 
 
-def linear_names(config: ModelConfig) -> list[str]:
-    """Module paths of every Linear in `TransformerLM(config)` except the head, read off the block itself (built
-    on the meta device: no memory), so every feature's linears (a plain MLP's two, a gated one's three) follow."""
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Module path -> (d_in, d_out) of every Linear `TransformerLM(config)` quantizes, read off the block itself
+    (built on the meta device: no memory), so every feature's linears (a plain MLP's two, a gated one's three, an
+    MoE's experts) follow. Not quantized: the head (its own key, `HEAD`) and an MoE's router, `gate` and
+    `shared_gate` (few bytes, and the expert choice rides on their small logit differences: kept float32, as
+    vLLM and llama.cpp keep them)."""
     with torch.device("meta"):
         model = TransformerLM(config)
-    return [n for n, m in model.named_modules() if isinstance(m, Linear) and n != "lm_head"]
+    routers = {f"{n}.{r}" for n, m in model.named_modules() if isinstance(m, MoE) for r in ("gate", "shared_gate")}
+    return {n: (m.d_in, m.d_out) for n, m in model.named_modules()
+            if isinstance(m, Linear) and n != "lm_head" and n not in routers}
+
+
+def linear_names(config: ModelConfig) -> list[str]:
+    """Module paths of every Linear `TransformerLM(config)` quantizes (`linear_shapes`)."""
+    return list(linear_shapes(config))
 
 
 HEAD = "output_head"  # the quantized head of a QuantizedTransformerLM (tied or not)

@@ -22,7 +22,7 @@ from scratchlm.inference.quantization.modules import (
     EMBEDDING,
     HEAD,
     QuantizedTransformerLM,
-    linear_names,
+    linear_shapes,
     quantize_weight,
 )
 from scratchlm.inference.quantization.scheme import LayerFormat, QuantScheme, parse_scheme
@@ -38,15 +38,15 @@ FORMAT_VERSION = 1
 
 def layout_for(config: ModelConfig, scheme: QuantScheme) -> dict[str, LayerFormat]:
     """Module path -> LayerFormat for every module `scheme` quantizes; checks every shape first."""
-    layout = {name: scheme.linear for name in linear_names(config)}
+    shapes = linear_shapes(config)
+    layout = {name: scheme.linear for name in shapes}
     if scheme.quantize_head:
         layout[HEAD] = scheme.head or scheme.linear
     if scheme.quantize_embedding:
         layout[EMBEDDING] = scheme.linear
     problems = []
     for name, fmt in layout.items():
-        d_in = config.d_ff if name.endswith(".w2") else (
-            config.n_heads * config.head_dim if name.endswith(".o_proj") else config.d_model)
+        d_in = shapes[name][0] if name in shapes else config.d_model  # the head and embedding: d_model
         try:
             fmt.check(d_in, name)
         except ValueError as e:
