@@ -9,6 +9,8 @@ Tiny MoE configs (ModelConfig with MoEFeatures, random weights) covering each ro
 - the runner's fused step gives the Python step's logits within 1e-4 over a prefill, a mixed decode + prefill
   step and decode rows; the engine's greedy ids with and without the fused step equal a plain model's
   (recomputing the whole sequence, no engine kernels);
+- the tiny HF MoE checkpoints of tests/model/families/tiny.py (`MOE_FAMILIES`) through the fused step: HF's logits
+  within 1e-4; a Q8_0 GGUF (llama.cpp's converter) with its stacked experts kept packed: the Python step's;
 - int8 and int4 experts (`quantize_model`): the router stays float32; the fused step equals the Python step of
   the quantized model within 1e-4, greedy ids equal; the int8 model agrees with float32 on the top-1 token at
   91 of 96 teacher-forced positions (stated in docs/moe.md).
@@ -30,8 +32,11 @@ from scratchlm.inference.runner import ModelInput, ModelRunner, _moe_layer, fuse
 from scratchlm.model import ModelConfig, TransformerLM
 from scratchlm.model.config import MoEFeatures
 from scratchlm.model.layers import Linear
+from scratchlm.model.loading import load
 from scratchlm.model.moe import MoE
 from tests.inference.helpers import greedy, make_engine, naive_greedy, run_all
+from tests.inference.test_fused_families import _hf_steps
+from tests.model.families.tiny import MOE_FAMILIES, save_tiny
 
 BS = 4  # KV block size
 
@@ -195,6 +200,27 @@ def test_engine_greedy_ids(ext, router: str) -> None:
         assert fused[f"r{i}"] == naive_greedy(model, prompt, 12)
 
 
+@pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
+def test_hf_moe_families(ext, name: str, tmp_path) -> None:
+    """Each tiny HF MoE checkpoint (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE; dense layers
+    between sparse ones), loaded by scratchlm: the fused step's logits are HF's within 1e-4 (HF stepping each
+    sequence alone through the same chunks) and the Python step's within 1e-4."""
+    hf = save_tiny(name, tmp_path)
+    model = load(tmp_path).model.eval()
+    vocab = model.config.vocab_size
+    a, b, xa, yb = _prompt(1, 10, vocab), _prompt(2, 16, vocab), _prompt(3, 3, vocab), _prompt(4, 1, vocab)
+    want_a = _hf_steps(hf, [a, xa[:1], xa[1:2], xa[2:]])
+    want_b = _hf_steps(hf, [b[:9], b[9:], yb])
+    want = [want_a[0], torch.cat([want_a[1], want_b[0]]), torch.cat([want_a[2], want_b[1]]),
+            torch.cat([want_a[3], want_b[2]])]
+    steps = _steps(vocab)
+    got = _run_steps(copy.deepcopy(model), steps, fused=True)
+    python = _run_steps(copy.deepcopy(model), steps, fused=False)
+    for i, (g, p, w) in enumerate(zip(got, python, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i} vs HF: {m}")
+        torch.testing.assert_close(g, p, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i} vs Python: {m}")
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_experts(ext, scheme: str) -> None:
     """int8 / int4 experts, float32 router: the fused step = the Python step of the quantized model."""
@@ -220,3 +246,32 @@ def test_int8_experts_top1_agreement(ext) -> None:
         got = q(tokens).argmax(-1)
     agree = (got == want).float().mean().item()
     assert agree >= 0.9, f"int8 experts agree with float32 on {agree:.1%} of top-1 tokens"
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tmp_path_factory):
+    """A tiny all-sparse Qwen2-MoE (shared expert behind its gate) converted to Q8_0 GGUF by llama.cpp's own
+    converter: stacked `ffn_*_exps` experts."""
+    from tests.model.families import gguf_convert
+
+    if gguf_convert.convert_dir() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is missing: no llama-cpp-python sdist in .peers/")
+    root = tmp_path_factory.mktemp("fused_moe_gguf")
+    name = "qwen2_moe_sparse"
+    hf = save_tiny(name, root / name)
+    kind = gguf_convert.write_tokenizer(name, root / name, hf.config.vocab_size)
+    out = root / f"{name}.q8_0.gguf"
+    gguf_convert.convert([{"dir": str(root / name), "out": str(out), "outtype": "q8_0",
+                           "bpe_pre": gguf_convert.BPE_PRE if kind == "bpe" else None}])
+    return out
+
+
+def test_gguf_packed_experts(ext, q8_0_gguf) -> None:
+    """Q8_0 experts kept packed (`load_gguf_packed`: each expert an int8 view of the stacked `ffn_*_exps`
+    buffer): the fused step reads them in place and gives the Python step's logits within 1e-4."""
+    from scratchlm.inference.quantization import load_gguf_packed
+
+    model = load_gguf_packed(q8_0_gguf).model.eval()
+    experts = model.layers[0].ffn.experts
+    assert experts[0].w1.qweight.untyped_storage().data_ptr() == experts[1].w1.qweight.untyped_storage().data_ptr()
+    _fused_equals_python(model)

@@ -4,7 +4,8 @@
 //   logits = h Wg^T (B, E), float32 (the router stays float32 in quantized models too)
 //   route (model/moe.py `route`): softmax or sigmoid scores; the choice = scores (+ score bias); group-limited
 //     (n_groups > 1): a group's score is its best choice (max) or the sum of its best two (top2), only the experts
-//     of the topk_groups best groups stay eligible; top_k by choice (torch.topk's own loop: its ties); the
+//     of the topk_groups best groups stay eligible (the others' choice -inf; DeepSeek-V2's max groups without a
+//     bias zero the others' scores, weights included, as HF); top_k by choice (torch.topk's own loop: its ties); the
 //     weights are the chosen scores (without the bias), / their sum when norm_topk (+ 1e-20 for sigmoid),
 //     x routed_scale
 //   the step's B tokens grouped by expert (a counting sort: experts in id order, tokens in order within one), so
@@ -164,8 +165,8 @@ class MoELayer {
 
  private:
   // One token's routing: its scores (E,) -> ids (k,) and weights (k,), as model/moe.py route.
-  void route(const float* scores, int64_t* ids, float* w) const {
-    std::vector<float> choice(E_);
+  void route(const float* sc, int64_t* ids, float* w) const {
+    std::vector<float> scores(sc, sc + E_), choice(E_);
     const float* bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
     for (int64_t e = 0; e < E_; ++e) choice[e] = bias ? scores[e] + bias[e] : scores[e];
     if (groups_ > 1) {
@@ -187,8 +188,12 @@ class MoELayer {
       torch_topk(gscore.data(), groups_, topk_groups_, best.data());
       std::vector<char> keep(groups_, 0);
       for (int64_t gi : best) keep[gi] = 1;
+      const bool zero = !top2_ && !bias;  // DeepSeek-V2 (HF's group_limited_greedy): the scores zeroed, weights too
       for (int64_t e = 0; e < E_; ++e)
-        if (!keep[e / per]) choice[e] = -std::numeric_limits<float>::infinity();
+        if (!keep[e / per]) {
+          if (zero) scores[e] = choice[e] = 0.f;
+          else choice[e] = -std::numeric_limits<float>::infinity();
+        }
     }
     torch_topk(choice.data(), E_, k_, ids);
     float sum = 0.f;
