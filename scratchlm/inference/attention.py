@@ -11,6 +11,12 @@ queries (one token each), then the prefill chunks. The backend
 
 All metadata travels in `AttentionMetadata`; nothing global.
 
+Multi-head latent attention (`model/mla.py`) calls `mla(layer, q_nope, q_rope, latent, k_rope, module, spec)`
+instead: the cache keeps each token's latent and RoPE key (kv_cache.py), decode queries attend in latent space with
+kv_b absorbed (`mla.absorbed_attention`: the gathered latents are read once, never expanded to per-head K/V), and
+a prefill chunk expands the latents of its context through kv_b (`module.expand`) and attends as usual. Written
+with torch ops only (the C++ decode kernel and the fused step take K/V heads, not latents).
+
 The cache may store float32, bfloat16, float16 or int8 with per-token-head scales (`kv_cache.py`): writes
 round/quantize through `KVCache.write`, the torch-ops reads dequantize the gathered blocks (`KVCache.gather`)
 to the query's dtype, so prefill over a cached prefix and decode read the same stored values.
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.kv_cache import KVCache
 from scratchlm.model.layers import AttentionSpec, spec_attention
+from scratchlm.model.mla import absorbed_attention, expanded_attention
 
 
 def load_kernels(verbose: bool = False):
@@ -87,6 +94,39 @@ class PagedAttention:
             rows = slice(p.query_start, p.query_start + p.query_len)
             out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], p, spec)
         return out.unsqueeze(0)  # (1, N, H, D)
+
+    def mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+            module, spec: AttentionSpec) -> torch.Tensor:
+        """Multi-head latent attention over the paged cache: q_nope (1, N, H, n), q_rope (1, N, H, r), this step's
+        latent (1, N, c) and RoPE key (1, N, r) (written to the cache first), `module` the layer's `MLAttention`
+        (its kv_b) -> (1, N, H, v)."""
+        if q_nope.shape[0] != 1:
+            raise ValueError(f"paged attention expects one flattened batch (B=1), got q of shape {tuple(q_nope.shape)}")
+        q_nope, q_rope, latent, k_rope = q_nope[0], q_rope[0], latent[0], k_rope[0]
+        meta, cache = self.meta, self.cache
+        cache.write(layer, meta.slot_mapping, latent[:, None], k_rope[:, None])  # (N, 1, c), (N, 1, r)
+        out = q_nope.new_empty(*q_nope.shape[:2], module.v_dim)  # (N, H, v)
+        nd = meta.num_decode_tokens
+        if nd:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            lat, rope = cache.gather(layer, tables, q_nope.dtype)  # (B, blocks, bs, 1, c), (B, blocks, bs, 1, r)
+            lat, rope = lat.flatten(1, 3), rope.flatten(1, 3)  # (B, L, c), (B, L, r)
+            masked = torch.arange(lat.shape[1], device=lat.device)[None, :] >= lens[:, None]  # (B, L)
+            w_uk, w_uv = module.absorbed_weights()
+            out[:nd] = absorbed_attention(q_nope[:nd], q_rope[:nd], lat, rope, w_uk, w_uv, spec.scale, masked)
+        for p in meta.prefills:
+            rows = slice(p.query_start, p.query_start + p.query_len)
+            offset = p.context_len - p.query_len
+            if offset == 0:
+                lat, rope = latent[rows], k_rope[rows]  # (T, c), (T, r): the chunk's own, as computed
+            else:
+                n_blocks = -(-p.context_len // cache.block_size)
+                lat, rope = cache.gather(layer, p.block_table[:n_blocks], q_nope.dtype)  # (blocks, bs, 1, c|r)
+                lat, rope = lat.flatten(0, 2)[: p.context_len], rope.flatten(0, 2)[: p.context_len]  # (S, c|r)
+            k_nope, value = module.expand(lat)  # (S, H, n), (S, H, v)
+            out[rows] = expanded_attention(q_nope[None, rows], q_rope[None, rows], k_nope[None], rope[None],
+                                           value[None], spec, offset)[0]
+        return out.unsqueeze(0)  # (1, N, H, v)
 
     def _decode(self, layer: int, q: torch.Tensor, spec: AttentionSpec | None = None) -> torch.Tensor:
         """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""

@@ -38,7 +38,7 @@ from scratchlm.inference.block_manager import BlockManager, max_blocks_held
 from scratchlm.inference.config import EngineConfig
 from scratchlm.inference.events import EventStream
 from scratchlm.inference.executor import Executor, UniProcExecutor, default_executor_class
-from scratchlm.inference.kv_cache import kv_shape, kv_window, num_blocks_for_budget
+from scratchlm.inference.kv_cache import kv_shape, kv_v_dim, kv_window, num_blocks_for_budget
 from scratchlm.inference.outputs import CompletionOutput, EngineStats, RequestOutput
 from scratchlm.inference.params import SamplingParams
 from scratchlm.inference.runner import build_model_input
@@ -167,7 +167,7 @@ class LLMEngine:
             log.info("KV cache: sliding-window block freeing is off under context parallelism (its attention "
                      "does not take windows)")
             window = None
-        num_blocks = num_blocks_for_budget(c.kv_cache_memory, n_layers, heads, dim, block, dtype)
+        num_blocks = num_blocks_for_budget(c.kv_cache_memory, n_layers, heads, dim, block, dtype, kv_v_dim(spec))
         reserved = 1 if window is not None else 0  # the null block of a windowed pool
         per_seq = max_blocks_held(self.max_model_len, c.max_num_batched_tokens, block, window)
         # Never more blocks than max_num_seqs sequences can use at once (saves memory on small models).

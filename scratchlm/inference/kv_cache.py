@@ -1,6 +1,12 @@
 """The paged KV cache tensors, sized from a memory budget, in float32, bfloat16, float16 or int8.
 
-Layout: k, v are (n_layers, num_blocks, block_size, n_kv_heads, head_dim); slot s = block * block_size + offset.
+Layout: k is (n_layers, num_blocks, block_size, n_kv_heads, head_dim), v the same with its own width (v_head_dim,
+= head_dim but for MLA); slot s = block * block_size + offset.
+
+Multi-head latent attention (DeepSeek; `LayerKV.latent`): per token and layer the k plane holds the compressed latent
+(n_kv_heads 1, head_dim kv_lora_rank) and the v plane the RoPE key shared by the heads (qk_rope_head_dim), e.g.
+512 + 64 numbers instead of 2 x 128 heads x 128 + 64 for DeepSeek-V3; int8 scales are per plane, so the latent and
+the key each get their own. The attention backend's `mla` call reads them (attention.py).
 
 Storage dtype policy (`EngineConfig.kv_cache_dtype`; "auto" = the model's dtype):
 
@@ -48,9 +54,12 @@ def bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim * itemsize + scale
 
 
-def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V (and int8 scales) for one block in every layer."""
-    return 2 * n_layers * block_size * n_kv_heads * bytes_per_token_head(head_dim, dtype)
+def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    v_head_dim: int | None = None) -> int:
+    """Bytes of K and V (and int8 scales) for one block in every layer (V of `v_head_dim`, default head_dim)."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    per_head = bytes_per_token_head(head_dim, dtype) + bytes_per_token_head(v, dtype)
+    return n_layers * block_size * n_kv_heads * per_head
 
 
 def kv_shape(spec: SequenceABC[Any]) -> tuple[int, int, int]:
@@ -58,13 +67,19 @@ def kv_shape(spec: SequenceABC[Any]) -> tuple[int, int, int]:
     error when the layers differ in heads or head_dim (a per-layer pool is not implemented)."""
     if not spec:
         raise ValueError("kv spec is empty: the model has no layer that stores K/V")
-    shapes = {(s.n_kv_heads, s.head_dim) for s in spec}
+    shapes = {(s.n_kv_heads, s.head_dim, s.value_dim) for s in spec}
     if len(shapes) > 1:
         per_layer = ", ".join(f"{i}: {s.n_kv_heads}x{s.head_dim}" for i, s in enumerate(spec))
         raise ValueError(f"the KV cache is one tensor for all layers, but the layers store different KV heads x "
                          f"head_dim ({per_layer}): per-layer KV shapes are not supported yet")
-    ((heads, dim),) = shapes
+    ((heads, dim, _),) = shapes
     return len(spec), heads, dim
+
+
+def kv_v_dim(spec: SequenceABC[Any]) -> int:
+    """Width of the v plane of the cache that stores `spec` (head_dim, or an MLA layer's RoPE key width)."""
+    kv_shape(spec)  # one shape for every layer
+    return spec[0].value_dim
 
 
 def kv_window(spec: SequenceABC[Any]) -> int | None:
@@ -80,18 +95,19 @@ def kv_window(spec: SequenceABC[Any]) -> int | None:
 def bytes_per_block_spec(spec: SequenceABC[Any], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V (and int8 scales) for one block in every layer of `spec`."""
     n_layers, heads, dim = kv_shape(spec)
-    return bytes_per_block(n_layers, heads, dim, block_size, dtype)
+    return bytes_per_block(n_layers, heads, dim, block_size, dtype, kv_v_dim(spec))
 
 
 def num_blocks_for_budget(memory_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
-                          dtype: torch.dtype) -> int:
+                          dtype: torch.dtype, v_head_dim: int | None = None) -> int:
     """How many blocks fit in `memory_bytes`; a clear error when not even one does."""
-    per_block = bytes_per_block(n_layers, n_kv_heads, head_dim, block_size, dtype)
+    per_block = bytes_per_block(n_layers, n_kv_heads, head_dim, block_size, dtype, v_head_dim)
     n = memory_bytes // per_block
     if n < 1:
+        dims = f"{head_dim} dims x K,V" if v_head_dim in (None, head_dim) else f"{head_dim} + {v_head_dim} dims"
         raise ValueError(
             f"kv_cache_memory={memory_bytes} bytes holds no KV block: one block of {block_size} tokens "
-            f"needs {per_block} bytes ({n_layers} layers x {n_kv_heads} kv heads x {head_dim} dims x K,V, "
+            f"needs {per_block} bytes ({n_layers} layers x {n_kv_heads} kv heads x {dims}, "
             f"{dtype})"
         )
     return int(n)
@@ -108,8 +124,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class KVCache:
-    """k, v: (n_layers, num_blocks, block_size, n_kv_heads, head_dim). Slot s = block * block_size + offset.
-    k_scale, v_scale: (n_layers, num_blocks, block_size, n_kv_heads) float32 for an int8 cache, else None."""
+    """k: (n_layers, num_blocks, block_size, n_kv_heads, head_dim), v: likewise with v's width (MLA: the latent
+    and the RoPE key). Slot s = block * block_size + offset. k_scale, v_scale: (n_layers, num_blocks, block_size,
+    n_kv_heads) float32 for an int8 cache, else None."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -118,12 +135,14 @@ class KVCache:
 
     @classmethod
     def allocate(cls, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        """A zeroed cache storing `dtype` (float32, bfloat16, float16, or int8 with per-token-head scales)."""
+                 dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None) -> KVCache:
+        """A zeroed cache storing `dtype` (float32, bfloat16, float16, or int8 with per-token-head scales); v of
+        `v_head_dim` (default head_dim)."""
         if dtype not in KV_STORAGE_DTYPES:
             raise ValueError(f"KV cache dtype {dtype} is not one of {[str(d) for d in KV_STORAGE_DTYPES]}")
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        k, v = huge_pages.zeros(shape, dtype, device), huge_pages.zeros(shape, dtype, device)  # 2 MiB pages on CPU
+        v_shape = shape[:-1] + (head_dim if v_head_dim is None else v_head_dim,)
+        k, v = huge_pages.zeros(shape, dtype, device), huge_pages.zeros(v_shape, dtype, device)  # 2 MiB pages on CPU
         if dtype != torch.int8:
             return cls(k, v)
         scales = [torch.zeros(shape[:-1], dtype=INT8_SCALE_DTYPE, device=device) for _ in range(2)]
@@ -134,7 +153,7 @@ class KVCache:
                  device: torch.device | str) -> KVCache:
         """A zeroed cache for the layers of `spec` (`ModelConfig.kv_spec()`; equal heads and head_dim required)."""
         n_layers, heads, dim = kv_shape(spec)
-        return cls.allocate(n_layers, num_blocks, block_size, heads, dim, dtype, device)
+        return cls.allocate(n_layers, num_blocks, block_size, heads, dim, dtype, device, kv_v_dim(spec))
 
     @property
     def num_blocks(self) -> int:
@@ -161,9 +180,10 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (N, Hkv, D) of N tokens at cache slots (N,) of `layer`, rounded or quantized."""
-        hkv, d = self.k.shape[-2:]
-        kc, vc = self.k[layer].view(-1, hkv, d), self.v[layer].view(-1, hkv, d)  # (slots, Hkv, D)
+        """Store k, v (N, Hkv, D) of N tokens at cache slots (N,) of `layer`, rounded or quantized (MLA: the
+        latent (N, 1, c) and the RoPE key (N, 1, r))."""
+        hkv = self.k.shape[-2]
+        kc, vc = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # (slots, Hkv, D), (slots, Hkv, Dv)
         if not self.quantized:
             kc.index_copy_(0, slots, k.to(kc.dtype))
             vc.index_copy_(0, slots, v.to(vc.dtype))

@@ -54,6 +54,12 @@ class RopeFeatures:
     beta_slow: float = field(default=1.0, metadata={"help": "yarn: rotations below which dims are interpolated"})
     attention_factor: float | None = field(
         default=None, metadata={"help": "yarn/longrope: cos/sin multiplier; None = the method's default formula"})
+    mscale: float | None = field(
+        default=None, metadata={"help": "yarn (DeepSeek): with mscale_all_dim, the cos/sin multiplier is "
+                                        "(0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1)"})
+    mscale_all_dim: float | None = field(
+        default=None, metadata={"help": "yarn (DeepSeek): MLA's query scale is multiplied by "
+                                        "(0.1 mscale_all_dim ln f + 1)^2 (HF yarn_apply_mscale)"})
     short_factor: list[float] | None = field(
         default=None, metadata={"help": "longrope: per-frequency divisors within the original context"})
     long_factor: list[float] | None = field(
@@ -163,11 +169,27 @@ _GROUPS = {"rope": RopeFeatures, "attn": AttentionFeatures, "norm": NormFeatures
 
 @dataclass(frozen=True)
 class LayerKV:
-    """What one layer keeps in the KV cache: heads, width and the window (None = the whole context)."""
+    """What one layer keeps in the KV cache per token: `n_kv_heads` keys of `head_dim` and as many values of
+    `v_dim` (None = head_dim), and the window (None = the whole context).
+
+    A multi-head latent attention layer (`latent`) keeps no per-head K/V: per token one latent of `head_dim` =
+    kv_lora_rank (the cache's k plane) and one RoPE key of `v_dim` = qk_rope_head_dim shared by all heads (the v
+    plane), `n_kv_heads` 1; the heads' keys and values are expanded from the latent (`model/mla.py`)."""
 
     n_kv_heads: int
     head_dim: int
     window: int | None
+    v_dim: int | None = None
+    latent: bool = False
+
+    @property
+    def value_dim(self) -> int:
+        """Width of one cached "value" vector (the RoPE key of an MLA layer)."""
+        return self.head_dim if self.v_dim is None else self.v_dim
+
+    def elements_per_token(self) -> int:
+        """Numbers this layer caches per token (K and V of every KV head; latent + RoPE key for MLA)."""
+        return self.n_kv_heads * (self.head_dim + self.value_dim)
 
 
 @dataclass
@@ -275,6 +297,7 @@ class ModelConfig:
         if m.act not in ("silu", "gelu_tanh", "gelu"):
             problems.append(f"mlp.act={m.act!r} must be 'silu', 'gelu_tanh' or 'gelu'")
         problems += self._moe_problems()
+        problems += self._mla_problems()
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -299,6 +322,37 @@ class ModelConfig:
             out.append(f"moe.dense_layers={e.dense_layers} names layers outside 0..{self.n_layers - 1}")
         if not self.mlp.gated or self.mlp.bias:
             out.append("moe experts are gated MLPs without biases (mlp.gated=True, mlp.bias=False)")
+        return out
+
+    def _mla_problems(self) -> list[str]:
+        m = self.mla
+        if m.kv_lora_rank == 0:
+            return []
+        out = []
+        dims = {"kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
+        out += [f"mla.{k}={v!r} must be a positive int" for k, v in dims.items() if not isinstance(v, int) or v <= 0]
+        if m.qk_nope_head_dim < 0 or m.q_lora_rank is not None and m.q_lora_rank <= 0:
+            out.append(f"mla.qk_nope_head_dim={m.qk_nope_head_dim} must be >= 0 and mla.q_lora_rank="
+                       f"{m.q_lora_rank} None or > 0")
+        if self.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+            out.append(f"head_dim={self.head_dim} must be mla.qk_nope_head_dim + mla.qk_rope_head_dim = "
+                       f"{m.qk_nope_head_dim + m.qk_rope_head_dim} (the q/k width of a head)")
+        if self.rotary_dim != m.qk_rope_head_dim:
+            out.append(f"rope.rotary_dim={self.rope.rotary_dim} must be mla.qk_rope_head_dim={m.qk_rope_head_dim}")
+        if m.qk_rope_head_dim % 2:
+            out.append(f"mla.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+        if self.n_kv_heads != self.n_heads:
+            out.append(f"n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} with MLA (every head "
+                       "expands its own key and value from the latent)")
+        a = self.attn
+        unsupported = [name for name, on in (("qkv_bias", self.qkv_bias), ("attn.o_bias", a.o_bias),
+                                             ("attn.qk_norm", a.qk_norm != "none"),
+                                             ("attn.logit_softcap", a.logit_softcap is not None),
+                                             ("attn.sliding_window", a.sliding_window is not None),
+                                             ("rope.nope_layers", bool(self.rope.nope_layers)),
+                                             ("rope.local_theta", self.rope.local_theta is not None)) if on]
+        if unsupported:
+            out.append(f"multi-head latent attention does not implement {', '.join(unsupported)}")
         return out
 
     # ------------------------------------------------------------------ derived, per layer
@@ -336,11 +390,24 @@ class ModelConfig:
         return self.rope_layout != "none" and layer not in self.rope.nope_layers
 
     def query_scale(self) -> float:
-        """The multiplier of q.k in attention."""
-        return self.attn.query_scale if self.attn.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        """The multiplier of q.k in attention. MLA (DeepSeek): head_dim^-0.5 (head_dim = qk_nope + qk_rope), times
+        (0.1 mscale_all_dim ln factor + 1)^2 under a RoPE scaling with mscale_all_dim (HF `yarn_apply_mscale`)."""
+        if self.attn.query_scale is not None:
+            return self.attn.query_scale
+        if not self.mla.kv_lora_rank:
+            return 1.0 / math.sqrt(self.head_dim)
+        scale = self.head_dim ** (-0.5)
+        r = self.rope
+        if r.scaling != "none" and r.mscale_all_dim and r.factor > 1:
+            m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+            scale = scale * m * m
+        return scale
 
     def kv_spec(self) -> list[LayerKV]:
-        """Per layer: what it stores in the KV cache (heads, head dim, window)."""
+        """Per layer: what it stores in the KV cache (heads, head dim, window; MLA: the latent and the RoPE key)."""
+        m = self.mla
+        if m.kv_lora_rank:
+            return [LayerKV(1, m.kv_lora_rank, None, m.qk_rope_head_dim, latent=True) for _ in range(self.n_layers)]
         return [LayerKV(self.n_kv_heads, self.head_dim, self.window(i)) for i in range(self.n_layers)]
 
     def is_plain_llama(self) -> bool:

@@ -444,9 +444,10 @@ AttentionBackend = Callable[[int, Tensor, Tensor, Tensor, AttentionSpec], Tensor
 def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offset: int = 0) -> Tensor:
     """Causal GQA attention under `spec` (any scale, soft-cap, window): q (B, T, H, D), k/v (B, S, Hkv, D), query t
     at position q_offset + t -> (B, T, H, D). Plain specs take `causal_attention` (its fused backward); the rest
-    is written with torch ops, scores in float32."""
-    d = q.shape[-1]
-    if spec.is_plain(d):
+    is written with torch ops, scores in float32. v may be narrower or wider than q/k (MLA: v_head_dim): the output
+    is (B, T, H, Dv)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if spec.is_plain(d) and dv == d:
         return causal_attention(q, k, v, q_offset)
     b, t, h, _ = q.shape
     s, hkv = k.shape[1], k.shape[2]
@@ -463,7 +464,7 @@ def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offse
         masked = masked | (kpos <= qpos - spec.window)
     probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
     out = probs @ vg  # (B, Hkv, G, T, D)
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d).to(q.dtype)  # (B, T, H, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, dv).to(q.dtype)  # (B, T, H, Dv)
 
 
 class Attention(nn.Module):

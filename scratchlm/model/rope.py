@@ -11,7 +11,8 @@ oracle in the tests):
 - llama3: low frequencies (wavelength > L0 / low_freq_factor) divided by factor, high ones
   (wavelength < L0 / high_freq_factor) kept, a smooth blend between;
 - yarn: extrapolated and interpolated frequencies blended by a linear ramp over the dims whose rotation count
-  in L0 lies between beta_slow and beta_fast; attention factor 0.1 ln(factor) + 1;
+  in L0 lies between beta_slow and beta_fast; attention factor 0.1 ln(factor) + 1 (DeepSeek: the ratio
+  mscale(mscale) / mscale(mscale_all_dim) when both are given);
 - longrope (Phi-3): per-frequency divisors, the short set within L0 and the long set beyond; attention factor
   sqrt(1 + ln(factor) / ln(L0)).
 
@@ -69,9 +70,12 @@ def inv_freq(dim: int, theta: float, scaling, seq_len: int = 0, device=None) -> 
 
 def _yarn(dim: int, theta: float, s, device) -> tuple[Tensor, float]:
     factor, orig = s.factor, s.original_max_seq_len
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
     attention = s.attention_factor
-    if attention is None:
-        attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    if attention is None:  # DeepSeek's mscale / mscale_all_dim ratio when both are set, as HF
+        attention = mscale(s.mscale) / mscale(s.mscale_all_dim) if s.mscale and s.mscale_all_dim else mscale()
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))

@@ -7,9 +7,10 @@ A block is attention then MLP, each a residual branch; the norms sit where `conf
     sandwich  h = x + m * attn_post_norm(attn(attn_norm(x)));  likewise for the MLP              (Gemma 2 / 3)
 
 with m the residual multiplier (1 but for Granite). The MLP is a mixture of experts (`model/moe.py`) in the layers
-`config.is_moe_layer` names. The model adds embedding scale, learned positions, the final
-norm, logit scale and soft-cap. Per layer, the config decides the RoPE (theta, scaling, none for NoPE layers) and
-the attention spec (scale, soft-cap, window). Families (`model/families/`) only translate names and configs.
+`config.is_moe_layer` names; the attention is multi-head latent attention (`model/mla.py`) when `config.mla` is
+set. The model adds embedding scale, learned positions, the final norm, logit scale and soft-cap. Per layer, the
+config decides the RoPE (theta, scaling, none for NoPE layers) and the attention spec (scale, soft-cap, window).
+Families (`model/families/`) only translate names and configs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from scratchlm.model.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from scratchlm.model.mla import MLAttention
 from scratchlm.model.moe import MoE
 
 
@@ -56,9 +58,10 @@ class TransformerBlock(nn.Module):
         self.placement, self.residual_multiplier = c.norm.placement, c.residual_multiplier
         pre, post = c.norm.placement in ("pre", "sandwich"), c.norm.placement in ("post", "sandwich")
         self.attn_norm = make_norm(c, device=device, dtype=dtype) if pre else None
-        self.attn = Attention(c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.qkv_bias, device=device, dtype=dtype,
-                              o_bias=c.attn.o_bias, qk_norm=c.attn.qk_norm, norm_eps=c.norm_eps,
-                              spec=attention_spec(c, layer))
+        self.attn = (MLAttention(c, device=device, dtype=dtype, spec=attention_spec(c, layer)) if c.mla.kv_lora_rank
+                     else Attention(c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.qkv_bias, device=device,
+                                    dtype=dtype, o_bias=c.attn.o_bias, qk_norm=c.attn.qk_norm, norm_eps=c.norm_eps,
+                                    spec=attention_spec(c, layer)))
         self.attn_post_norm = make_norm(c, device=device, dtype=dtype) if post else None
         self.ffn_norm = make_norm(c, device=device, dtype=dtype) if pre else None
         self.ffn = (MoE(c, device=device, dtype=dtype) if c.is_moe_layer(layer) else

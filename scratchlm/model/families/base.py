@@ -115,6 +115,10 @@ class Family:
     hf_rules: Callable[[ModelConfig], list[Rule]] | None = None
     config_from_gguf: Callable[[dict[str, Any], dict[str, Any], str], ModelConfig] | None = None
     gguf_rules: Callable[[ModelConfig], list[Rule]] | None = None
+    hf_unused: Callable[[dict[str, Any]], dict[str, str]] | None = field(default=None, metadata={
+        "help": "{tensor-name prefix: why} of an HF checkpoint's tensors the model does not use (DeepSeek-V3's "
+                "multi-token-prediction layer); the loader skips them and logs why, every other unread tensor "
+                "is an error"})
     export_rank: int = field(default=50, metadata={
         "help": "the exporter tries families in this order and takes the first whose HF config reproduces the "
                 "ModelConfig: the plainest (Llama 0, Qwen2 10) come first, so a plain model is exported as Llama"})
@@ -179,8 +183,8 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
         raise FamilyError(f"{source}: RoPE parameters {unknown} are not supported")
     if params.get("truncate", True) is False:
         raise FamilyError(f"{source}: YaRN with truncate=false is not supported")
-    if params.get("mscale") or params.get("mscale_all_dim"):
-        raise FamilyError(f"{source}: YaRN mscale / mscale_all_dim are not supported")
+    if (params.get("mscale") or params.get("mscale_all_dim")) and _SCALINGS[kind] != "yarn":
+        raise FamilyError(f"{source}: mscale / mscale_all_dim with RoPE scaling {kind!r} are not supported (YaRN only)")
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
     rotary_dim = int(head_dim * partial) if partial != 1.0 else None
     scaling = _SCALINGS[kind]
@@ -203,6 +207,8 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
         short_factor=list(params["short_factor"]) if params.get("short_factor") is not None else None,
         long_factor=list(params["long_factor"]) if params.get("long_factor") is not None else None,
         rotary_dim=rotary_dim,
+        mscale=float(params["mscale"]) if params.get("mscale") is not None else None,
+        mscale_all_dim=float(params["mscale_all_dim"]) if params.get("mscale_all_dim") is not None else None,
     )
     return feats
 
@@ -275,6 +281,7 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
         params.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
     if r.scaling in ("yarn", "longrope") and r.attention_factor is not None:
         params["attention_factor"] = r.attention_factor
+    params.update({k: getattr(r, k) for k in ("mscale", "mscale_all_dim") if getattr(r, k) is not None})
     if r.scaling == "longrope":
         params.update(short_factor=r.short_factor, long_factor=r.long_factor)
     if r.rotary_dim is not None:

@@ -4,7 +4,8 @@ The target family is the first of `model/families/` whose HF config translates b
 `ModelConfig` (`families.for_export`): plain models become Llama, q/k/v biases Qwen2, q/k-norm Qwen3, Gemma's
 features Gemma, and so on; the family's tensor rules write the names and inverse transforms (fused tensors joined,
 Conv1D weights transposed, norm offsets taken back out). Adjacent-layout (llama2.c / CS336) RoPE weights are
-permuted to HF's rotate-half layout first, so `transformers.AutoModelForCausalLM` gives equal logits.
+permuted to HF's rotate-half layout first (not MLA's: DeepSeek's HF models rotate adjacent pairs), so
+`transformers.AutoModelForCausalLM` gives equal logits.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from scratchlm.model.transformer import TransformerLM
 
 
 def _half_layout(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """An adjacent-pair RoPE model as the equal rotate-half one (q/k rows permuted per head)."""
-    if config.rope_layout != "adjacent":
+    """An adjacent-pair RoPE model as the equal rotate-half one (q/k rows permuted per head). MLA models stay as
+    they are: DeepSeek's HF checkpoints rotate interleaved (adjacent) pairs themselves."""
+    if config.rope_layout != "adjacent" or config.mla.kv_lora_rank:
         return config, state
     out = dict(state)
     for name, t in state.items():
@@ -39,8 +41,7 @@ def _half_layout(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[M
 def hf_config(config: ModelConfig, tokenizer: Any = None, family: families.Family | None = None) -> dict[str, Any]:
     """The config.json dict of the HF model that equals `config` (see the module docstring); `family`: the one
     `families.for_export` chose, when the caller already has it."""
-    if config.rope_layout == "adjacent":
-        config = dataclasses.replace(config, rope_layout="half")
+    config, _ = _half_layout(config, {})
     cfg = (family or families.for_export(config)).hf_config(config)
     if tokenizer is not None:
         for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):

@@ -141,6 +141,13 @@ def checked_rules(directory: Path, cfg: dict[str, Any], config: ModelConfig, sou
         raise CheckpointError(f"{directory}: tensors missing from the checkpoint: {missing[:8]}")
     used = {r.theirs for r in rules}
     ignorable = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers old exports carry
+    family = family_of(cfg)
+    unused = family.hf_unused(cfg) if family.hf_unused is not None else {}
+    for prefix, why in unused.items():
+        skipped = [n for n in files if n.startswith(prefix) and n not in used]
+        if skipped:
+            log.info("%s: skipping %d tensors %s* (%s)", directory, len(skipped), prefix, why)
+            used.update(skipped)
     extra = sorted(n for n in files if n not in used and not n.endswith(ignorable)
                    and not (config.tie_embeddings and n == "lm_head.weight"))
     if extra:

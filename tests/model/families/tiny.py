@@ -117,6 +117,23 @@ def _smollm3():
                          bos_token_id=1, eos_token_id=2)  # layer 3 has no RoPE
 
 
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+MOE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+           first_k_dense_replace=1)
+
+
+def _deepseek_v2(**kw):
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**(BASE | dict(num_key_value_heads=4) | MLA | MOE | kw))
+
+
+def _deepseek_v3(**kw):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**(BASE | dict(num_key_value_heads=4) | MLA | MOE | kw))
+
+
 FAMILIES = {
     "llama": lambda: _llama(tie_word_embeddings=False),
     "llama_tied": lambda: _llama(tie_word_embeddings=True),
@@ -137,6 +154,22 @@ FAMILIES = {
     "granite": _granite,
     "gpt2": _gpt2,
     "smollm3": _smollm3,
+}
+
+#: DeepSeek-V2/V3 (MLA + MoE), kept apart from FAMILIES: the backends that FAMILIES' other tests run (the fused
+#: step, TP, GGUF through llama.cpp's converter, the planner) do not take MLA yet; tests/model/families/
+#: test_deepseek.py runs these through the HF loader, the engine and the exporter.
+MLA_FAMILIES = {
+    # MLA + MoE: q through q_lora_rank or straight from x, greedy or group-limited routing, V3's sigmoid router with
+    # groups and its correction bias, a YaRN with DeepSeek's mscale (query scale and cos/sin factor)
+    "deepseek_v2": lambda: _deepseek_v2(q_lora_rank=None, topk_method="greedy"),
+    "deepseek_v2_groups": lambda: _deepseek_v2(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                                               topk_group=2, routed_scaling_factor=1.5),
+    "deepseek_v3": lambda: _deepseek_v3(q_lora_rank=24, n_group=4, topk_group=2),
+    "deepseek_v3_yarn": lambda: _deepseek_v3(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
+                                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                              "original_max_position_embeddings": 64, "mscale": 0.8,
+                                                              "mscale_all_dim": 1.0}),
 }
 
 
@@ -208,19 +241,27 @@ MOE_FAMILIES = {
 
 
 def hf_model(name: str):
-    """A seeded random HF model of case `name` (of `FAMILIES` or `MOE_FAMILIES`), in float32 eval mode, norms
-    perturbed."""
+    """A seeded random HF model of case `name` (of `FAMILIES`, `MOE_FAMILIES` or `MLA_FAMILIES`), in float32 eval
+    mode, norms perturbed."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = (FAMILIES | MOE_FAMILIES)[name]()
+    config = (FAMILIES | MOE_FAMILIES | MLA_FAMILIES)[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    deepseek = config.model_type.startswith("deepseek")
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or "ln_" in pname or pname.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
             elif "embed" in pname or "wte" in pname or "wpe" in pname:
                 p.normal_(0.0, 0.5)
+            elif deepseek and (pname.endswith("gate.weight") or "experts" in pname and p.dim() == 3):
+                p.normal_(0.0, 0.2)  # the router and the fused experts start at zeros / tiny: make routing matter
+            elif deepseek and "self_attn" in pname:
+                p.normal_(0.0, 0.15)  # MLA: attention strong enough that a wrong RoPE layout or scale shows
+        for bname, b in model.named_buffers():
+            if deepseek and "correction_bias" in bname:  # DeepSeek-V3's router bias (a buffer): choices it changes
+                b.normal_(0.0, 0.1)
     return model
 
 

@@ -1,0 +1,204 @@
+"""DeepSeek-V2 (and -V2-Lite): multi-head latent attention (`model/mla.py`) and a mixture of experts with shared
+experts after `first_k_dense_replace` dense layers (HF `DeepseekV2ForCausalLM`). The helpers here serve DeepSeek-V3
+too (`deepseek_v3.py`), which differs in its router only.
+
+Config (HF config.json <-> ModelConfig):
+
+- MLA: kv_lora_rank, q_lora_rank (None: q straight from x), qk_nope_head_dim, qk_rope_head_dim, v_head_dim ->
+  `config.mla`; head_dim = qk_nope + qk_rope (HF's `head_dim` key is the RoPE width, ignored), n_kv_heads = n_heads
+  (num_key_value_heads is ignored: MLA has no KV heads), rope.rotary_dim = qk_rope_head_dim. The RoPE pairs are
+  interleaved (DeepSeek-V2's complex rotation; V3's `rope_interleave`, default true): rope_layout "adjacent".
+  YaRN with mscale / mscale_all_dim (the real checkpoints) is supported (`ModelConfig.query_scale`).
+- MoE: n_routed_experts, num_experts_per_tok, moe_intermediate_size -> d_expert; n_shared_experts x
+  moe_intermediate_size -> d_shared; first_k_dense_replace (and DeepSeek's `moe_layer_freq`) -> dense_layers of
+  width intermediate_size; V2's router is a softmax: topk_method greedy (n_groups 1) or group_limited_greedy
+  (n_group, topk_group; a group scores its best expert); routed_scaling_factor multiplies the weights unless
+  norm_topk_prob renormalises them (DeepSeek's MoEGate; HF 5.24's V2 router ignores norm_topk_prob, which every
+  published V2 config has false).
+- Not implemented (an error naming the field): attention_bias, mlp_bias, other activations than SiLU, other
+  scoring_func / topk_method values.
+
+Tensors: HF's per-expert names (`mlp.experts.{e}.gate_proj`, what transformers 5.24's save_pretrained writes and
+the Hub holds), `mlp.gate.weight` (+ V3's `mlp.gate.e_score_correction_bias`), `mlp.shared_experts.*`,
+`self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
+`o_proj`. The multi-token-prediction layers the V3 checkpoints carry after the last layer
+(`num_nextn_predict_layers`) are not used for decoding and are skipped (logged), as HF does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scratchlm.model.config import MLAFeatures, MLPFeatures, ModelConfig, MoEFeatures
+from scratchlm.model.families.base import (
+    Family,
+    FamilyError,
+    Rule,
+    base_config,
+    base_hf_config,
+    check_act,
+    need,
+    rename,
+    rope_features,
+    rope_parameters,
+)
+
+
+def _int(cfg: dict[str, Any], key: str, source: str) -> int:
+    return int(need(cfg, key, source))
+
+
+def deepseek_config(cfg: dict[str, Any], source: str, *, v3: bool) -> ModelConfig:
+    """`ModelConfig` of a DeepSeek-V2 (`v3` False) or -V3 / Kimi K2 config.json (see the module docstring)."""
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise FamilyError(f"{source}: {key}=true is not supported with multi-head latent attention")
+    n_layers = _int(cfg, "num_hidden_layers", source)
+    nope, rope_dim = int(cfg.get("qk_nope_head_dim", 128)), _int(cfg, "qk_rope_head_dim", source)
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLAFeatures(kv_lora_rank=_int(cfg, "kv_lora_rank", source),
+                      q_lora_rank=None if q_lora is None else int(q_lora), qk_nope_head_dim=nope,
+                      qk_rope_head_dim=rope_dim, v_head_dim=_int(cfg, "v_head_dim", source))
+    rope = rope_features(rope_parameters(cfg), cfg, rope_dim, source)
+    if rope.rotary_dim is not None:
+        raise FamilyError(f"{source}: partial_rotary_factor is not supported (MLA rotates qk_rope_head_dim dims)")
+    rope.rotary_dim = rope_dim
+    interleaved = bool(cfg.get("rope_interleave", True)) if v3 else True
+    return base_config(cfg, source, head_dim=nope + rope_dim, n_kv_heads=int(need(cfg, "num_attention_heads", source)),
+                       rope=rope, rope_layout="adjacent" if interleaved else "half", mla=mla,
+                       moe=_moe(cfg, source, n_layers, v3), mlp=MLPFeatures(act=check_act(cfg, source)))
+
+
+def _moe(cfg: dict[str, Any], source: str, n_layers: int, v3: bool) -> MoEFeatures:
+    experts = cfg.get("n_routed_experts")
+    if not experts:
+        raise FamilyError(f"{source}: n_routed_experts is missing (a DeepSeek model has routed experts)")
+    d_expert = _int(cfg, "moe_intermediate_size", source)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    dense = [i for i in range(n_layers) if i < first_dense or i % freq]
+    top_k = _int(cfg, "num_experts_per_tok", source)
+    norm = bool(cfg.get("norm_topk_prob")) and top_k > 1
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    method, scoring = cfg.get("topk_method"), cfg.get("scoring_func")
+    if v3:
+        if method not in (None, "noaux_tc") or scoring not in (None, "sigmoid"):
+            raise FamilyError(f"{source}: topk_method {method!r} / scoring_func {scoring!r} is not DeepSeek-V3's "
+                              "(noaux_tc / sigmoid, the only router HF's DeepseekV3 implements)")
+        groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        router = dict(scoring="sigmoid", group_score="top2", score_bias=True, routed_scale=scale, norm_topk=norm)
+    else:
+        method = method or "greedy"
+        if method not in ("greedy", "group_limited_greedy") or scoring not in (None, "softmax"):
+            raise FamilyError(f"{source}: topk_method {method!r} / scoring_func {scoring!r} is not supported for "
+                              "DeepSeek-V2 (greedy or group_limited_greedy over a softmax)")
+        grouped = method == "group_limited_greedy"
+        groups = int(need(cfg, "n_group", source)) if grouped else 1
+        topk_groups = int(need(cfg, "topk_group", source)) if grouped else 1
+        router = dict(scoring="softmax", group_score="max", norm_topk=norm, routed_scale=1.0 if norm else scale)
+    shared = int(cfg.get("n_shared_experts") or 0)
+    return MoEFeatures(n_experts=int(experts), top_k=top_k, d_expert=d_expert, n_groups=groups,
+                       topk_groups=topk_groups, d_shared=shared * d_expert, dense_layers=dense, **router)
+
+
+def deepseek_hf_config(config: ModelConfig, *, v3: bool) -> dict[str, Any]:
+    """The inverse of `deepseek_config`; a ValueError for what the HF config cannot express."""
+    m, e = config.mla, config.moe
+    if not m.kv_lora_rank or not e.n_experts:
+        raise ValueError("a DeepSeek model has multi-head latent attention and routed experts")
+    k = next((i for i in range(config.n_layers) if i not in e.dense_layers), config.n_layers)
+    if e.dense_layers != list(range(k)):
+        raise ValueError(f"dense layers {e.dense_layers} are not the first k layers (first_k_dense_replace)")
+    if e.d_shared % config.d_expert:
+        raise ValueError(f"d_shared={e.d_shared} is not a multiple of d_expert={config.d_expert}")
+    want = ("sigmoid", "top2", True) if v3 else ("softmax", "max", False)
+    if (e.scoring, e.group_score, e.score_bias) != want or (not v3 and e.norm_topk and e.routed_scale != 1.0):
+        raise ValueError(f"the router is not DeepSeek-{'V3' if v3 else 'V2'}'s")
+    if config.rope_layout == "half" and not v3:
+        raise ValueError("DeepSeek-V2 rotates interleaved RoPE pairs (rope_layout 'adjacent')")
+    model_type, arch = ("deepseek_v3", "DeepseekV3ForCausalLM") if v3 else ("deepseek_v2", "DeepseekV2ForCausalLM")
+    out = base_hf_config(config, model_type, arch)
+    params = dict(out["rope_parameters"])
+    params.pop("partial_rotary_factor", None)  # MLA: the rotated dims are qk_rope_head_dim, not a fraction
+    out["rope_parameters"] = params
+    if "rope_scaling" in out:
+        out["rope_scaling"] = {key: v for key, v in params.items() if key != "rope_theta"}
+    out.pop("head_dim")  # HF derives it (= qk_rope_head_dim)
+    out |= {
+        "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "attention_bias": False,
+        "n_routed_experts": e.n_experts, "num_experts_per_tok": e.top_k, "moe_intermediate_size": config.d_expert,
+        "n_shared_experts": e.d_shared // config.d_expert, "first_k_dense_replace": k,
+        "norm_topk_prob": e.norm_topk, "routed_scaling_factor": e.routed_scale, "n_group": e.n_groups,
+        "topk_group": e.topk_groups,
+    }
+    if v3:
+        out |= {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+                "rope_interleave": config.rope_layout == "adjacent"}
+    else:
+        out |= {"topk_method": "greedy" if e.n_groups == 1 else "group_limited_greedy", "mlp_bias": False}
+    return out
+
+
+def deepseek_rules(config: ModelConfig, *, prefix: str = "model.") -> list[Rule]:
+    """HF tensor names of `TransformerLM(config)` for a DeepSeek-V2/V3 checkpoint (see the module docstring)."""
+    rules = [rename("tok_embeddings.weight", f"{prefix}embed_tokens.weight"),
+             rename("norm.weight", f"{prefix}norm.weight")]
+    if not config.tie_embeddings:
+        rules.append(rename("lm_head.weight", "lm_head.weight"))
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"{prefix}layers.{i}."
+        a, sa = f"{ours}attn.", f"{theirs}self_attn."
+        q = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+        pairs = [(p, p) for p in q + ["kv_a_proj", "kv_b_proj", "o_proj"]]
+        pairs = [(o, "kv_a_proj_with_mqa" if o == "kv_a_proj" else t) for o, t in pairs]
+        rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in pairs]
+        norms = [("kv_a_norm", "kv_a_layernorm")] + ([("q_a_norm", "q_a_layernorm")] if config.mla.q_lora_rank else [])
+        rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in norms]
+        rules += [rename(f"{ours}attn_norm.weight", f"{theirs}input_layernorm.weight"),
+                  rename(f"{ours}ffn_norm.weight", f"{theirs}post_attention_layernorm.weight")]
+        f, mlp = f"{ours}ffn.", f"{theirs}mlp."
+        if not config.is_moe_layer(i):
+            rules += mlp_rules(f, mlp)
+            continue
+        rules.append(rename(f"{f}gate.weight", f"{mlp}gate.weight"))
+        if config.moe.score_bias:
+            rules.append(rename(f"{f}score_bias", f"{mlp}gate.e_score_correction_bias"))
+        for e in range(config.moe.n_experts):
+            rules += mlp_rules(f"{f}experts.{e}.", f"{mlp}experts.{e}.")
+        if config.moe.d_shared:
+            rules += mlp_rules(f"{f}shared.", f"{mlp}shared_experts.")
+    return rules
+
+
+def mlp_rules(ours: str, theirs: str) -> list[Rule]:
+    """A gated MLP's w1/w2/w3 <-> HF's gate_proj/down_proj/up_proj under the two prefixes."""
+    return [rename(f"{ours}{w}.weight", f"{theirs}{p}.weight")
+            for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+
+
+def unused_hf_tensors(cfg: dict[str, Any]) -> dict[str, str]:
+    """{tensor-name prefix: why} of the tensors a DeepSeek checkpoint carries that decoding does not use: the
+    multi-token-prediction layers after the last one (`num_nextn_predict_layers`, DeepSeek-V3's layer 61)."""
+    n, extra = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("num_nextn_predict_layers") or 0)
+    return {f"model.layers.{n + j}.": "a multi-token-prediction layer (num_nextn_predict_layers), not used to decode"
+            for j in range(extra)}
+
+
+def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    return deepseek_config(cfg, source, v3=False)
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    return deepseek_hf_config(config, v3=False)
+
+
+FAMILY = Family(
+    name="deepseek_v2",
+    hf_model_types=("deepseek_v2",),
+    hf_architectures=("DeepseekV2ForCausalLM",),
+    config_from_hf=config_from_hf,
+    hf_config=hf_config,
+    hf_rules=deepseek_rules,
+    hf_unused=unused_hf_tensors,
+)
