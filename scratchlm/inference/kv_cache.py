@@ -183,7 +183,8 @@ class KVCache:
         """Store k, v (N, Hkv, D) of N tokens at cache slots (N,) of `layer`, rounded or quantized (MLA: the
         latent (N, 1, c) and the RoPE key (N, 1, r))."""
         hkv = self.k.shape[-2]
-        kc, vc = self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)  # (slots, Hkv, D), (slots, Hkv, Dv)
+        kc = self.k[layer].view(-1, hkv, self.k.shape[-1])  # (slots, Hkv, D): a view, writes land in the cache
+        vc = self.v[layer].view(-1, hkv, self.v.shape[-1])  # (slots, Hkv, Dv)
         if not self.quantized:
             kc.index_copy_(0, slots, k.to(kc.dtype))
             vc.index_copy_(0, slots, v.to(vc.dtype))

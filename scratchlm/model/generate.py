@@ -11,6 +11,7 @@ from torch import Tensor
 
 from scratchlm.model.functional import softmax
 from scratchlm.model.layers import AttentionSpec, spec_attention
+from scratchlm.model.mla import expanded_attention
 from scratchlm.model.transformer import TransformerLM
 
 
@@ -23,19 +24,35 @@ class ContiguousKVCache:
     def __init__(self, model: TransformerLM, batch_size: int, max_len: int):
         c = model.config
         p = next(model.parameters())
-        shape = (batch_size, max_len, c.n_kv_heads, c.head_dim)
-        self.k = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
-        self.v = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(c.n_layers)]
+        spec = c.kv_spec()  # per layer: heads and widths (MLA: the latent and the RoPE key)
+        self.k = [torch.empty(batch_size, max_len, s.n_kv_heads, s.head_dim, dtype=p.dtype, device=p.device)
+                  for s in spec]
+        self.v = [torch.empty(batch_size, max_len, s.n_kv_heads, s.value_dim, dtype=p.dtype, device=p.device)
+                  for s in spec]
         self.length = 0
         self.max_len = max_len
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
-        start, end = self.length, self.length + q.shape[1]
+    def _span(self, t: int) -> tuple[int, int]:
+        start, end = self.length, self.length + t
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
+        return start, end
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Tensor:
+        start, end = self._span(q.shape[1])
         self.k[layer_idx][:, start:end] = k
         self.v[layer_idx][:, start:end] = v
         return spec_attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end], spec, q_offset=start)
+
+    def mla(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, module,
+            spec: AttentionSpec) -> Tensor:
+        """Multi-head latent attention (`model/mla.py`): caches the latent (B, T, c) and RoPE key (B, T, r), expands
+        the cached latents through the layer's kv_b -> (B, T, H, v)."""
+        start, end = self._span(q_nope.shape[1])
+        self.k[layer_idx][:, start:end, 0] = latent
+        self.v[layer_idx][:, start:end, 0] = k_rope
+        k_nope, value = module.expand(self.k[layer_idx][:, :end, 0])  # (B, S, H, n), (B, S, H, v)
+        return expanded_attention(q_nope, q_rope, k_nope, self.v[layer_idx][:, :end, 0], value, spec, start)
 
     def advance(self, n: int) -> None:
         self.length += n
