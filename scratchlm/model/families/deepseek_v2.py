@@ -19,7 +19,8 @@ Config (HF config.json <-> ModelConfig):
   scoring_func / topk_method values.
 
 Tensors: HF's per-expert names (`mlp.experts.{e}.gate_proj`, what transformers 5.24's save_pretrained writes and
-the Hub holds), `mlp.gate.weight` (+ V3's `mlp.gate.e_score_correction_bias`), `mlp.shared_experts.*`,
+the Hub holds; a file in transformers 5's fused 3D layout is read too: `base.moe_hf_rules`), `mlp.gate.weight`
+(+ V3's `mlp.gate.e_score_correction_bias`), `mlp.shared_experts.*`,
 `self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
 `o_proj`. The multi-token-prediction layers the V3 checkpoints carry after the last layer
 (`num_nextn_predict_layers`) are not used for decoding and are skipped (logged), as HF does.
@@ -27,21 +28,26 @@ the Hub holds), `mlp.gate.weight` (+ V3's `mlp.gate.e_score_correction_bias`), `
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from scratchlm.model.config import MLAFeatures, MLPFeatures, ModelConfig, MoEFeatures
 from scratchlm.model.families.base import (
     Family,
     FamilyError,
+    MoENames,
     Rule,
     base_config,
     base_hf_config,
     check_act,
+    moe_hf_rules,
     need,
     rename,
     rope_features,
     rope_parameters,
 )
+
+MOE_NAMES = MoENames(shared="shared_experts")  # mlp.gate, mlp.experts.{e}.*_proj, mlp.shared_experts.*_proj
 
 
 def _int(cfg: dict[str, Any], key: str, source: str) -> int:
@@ -140,8 +146,10 @@ def deepseek_hf_config(config: ModelConfig, *, v3: bool) -> dict[str, Any]:
     return out
 
 
-def deepseek_rules(config: ModelConfig, *, prefix: str = "model.") -> list[Rule]:
-    """HF tensor names of `TransformerLM(config)` for a DeepSeek-V2/V3 checkpoint (see the module docstring)."""
+def deepseek_rules(config: ModelConfig, *, prefix: str = "model.",
+                   present: Collection[str] | None = None) -> list[Rule]:
+    """HF tensor names of `TransformerLM(config)` for a DeepSeek-V2/V3 checkpoint (see the module docstring); the
+    experts per expert, or transformers 5's fused 3D tensors when `present` (the file's names) holds them."""
     rules = [rename("tok_embeddings.weight", f"{prefix}embed_tokens.weight"),
              rename("norm.weight", f"{prefix}norm.weight")]
     if not config.tie_embeddings:
@@ -150,31 +158,18 @@ def deepseek_rules(config: ModelConfig, *, prefix: str = "model.") -> list[Rule]
         ours, theirs = f"layers.{i}.", f"{prefix}layers.{i}."
         a, sa = f"{ours}attn.", f"{theirs}self_attn."
         q = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
-        pairs = [(p, p) for p in q + ["kv_a_proj", "kv_b_proj", "o_proj"]]
-        pairs = [(o, "kv_a_proj_with_mqa" if o == "kv_a_proj" else t) for o, t in pairs]
+        pairs = [(p, p) for p in q + ["kv_b_proj", "o_proj"]] + [("kv_a_proj", "kv_a_proj_with_mqa")]
         rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in pairs]
         norms = [("kv_a_norm", "kv_a_layernorm")] + ([("q_a_norm", "q_a_layernorm")] if config.mla.q_lora_rank else [])
         rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in norms]
         rules += [rename(f"{ours}attn_norm.weight", f"{theirs}input_layernorm.weight"),
                   rename(f"{ours}ffn_norm.weight", f"{theirs}post_attention_layernorm.weight")]
-        f, mlp = f"{ours}ffn.", f"{theirs}mlp."
-        if not config.is_moe_layer(i):
-            rules += mlp_rules(f, mlp)
-            continue
-        rules.append(rename(f"{f}gate.weight", f"{mlp}gate.weight"))
-        if config.moe.score_bias:
-            rules.append(rename(f"{f}score_bias", f"{mlp}gate.e_score_correction_bias"))
-        for e in range(config.moe.n_experts):
-            rules += mlp_rules(f"{f}experts.{e}.", f"{mlp}experts.{e}.")
-        if config.moe.d_shared:
-            rules += mlp_rules(f"{f}shared.", f"{mlp}shared_experts.")
+        if config.is_moe_layer(i):
+            rules += moe_hf_rules(config, ours, theirs, MOE_NAMES, present)
+        else:
+            rules += [rename(f"{ours}ffn.{w}.weight", f"{theirs}mlp.{p}.weight")
+                      for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
     return rules
-
-
-def mlp_rules(ours: str, theirs: str) -> list[Rule]:
-    """A gated MLP's w1/w2/w3 <-> HF's gate_proj/down_proj/up_proj under the two prefixes."""
-    return [rename(f"{ours}{w}.weight", f"{theirs}{p}.weight")
-            for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
 
 
 def unused_hf_tensors(cfg: dict[str, Any]) -> dict[str, str]:
@@ -200,5 +195,6 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     hf_config=hf_config,
     hf_rules=deepseek_rules,
+    hf_file_rules=lambda c, names: deepseek_rules(c, present=names),
     hf_unused=unused_hf_tensors,
 )

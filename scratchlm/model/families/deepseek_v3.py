@@ -29,5 +29,6 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     hf_config=hf_config,
     hf_rules=deepseek_rules,
+    hf_file_rules=lambda c, names: deepseek_rules(c, present=names),
     hf_unused=unused_hf_tensors,
 )

@@ -154,3 +154,22 @@ def test_mtp_layer_is_skipped(root, tmp_path):
         load(out)
     (out / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
     assert load(out).config.n_layers == n
+
+
+@torch.no_grad()
+def test_fused_3d_experts_layout(root, tmp_path):
+    """A file holding transformers 5's in-memory layout (experts fused into `gate_up_proj` (E, 2F, D) and
+    `down_proj` (E, D, F)) loads to the same model."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory, hf = _checkpoint("deepseek_v3", root)
+    out = tmp_path / "fused"
+    out.mkdir()
+    shutil.copy(directory / "config.json", out / "config.json")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, out / "model.safetensors")
+    ids = torch.tensor([PROMPTS[0]])
+    assert (load(out).model(ids) - hf(ids).logits).abs().max().item() < 1e-4
