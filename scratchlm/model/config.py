@@ -334,11 +334,9 @@ class ModelConfig:
         if m.qk_nope_head_dim < 0 or m.q_lora_rank is not None and m.q_lora_rank <= 0:
             out.append(f"mla.qk_nope_head_dim={m.qk_nope_head_dim} must be >= 0 and mla.q_lora_rank="
                        f"{m.q_lora_rank} None or > 0")
-        if self.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
-            out.append(f"head_dim={self.head_dim} must be mla.qk_nope_head_dim + mla.qk_rope_head_dim = "
-                       f"{m.qk_nope_head_dim + m.qk_rope_head_dim} (the q/k width of a head)")
-        if self.rotary_dim != m.qk_rope_head_dim:
-            out.append(f"rope.rotary_dim={self.rope.rotary_dim} must be mla.qk_rope_head_dim={m.qk_rope_head_dim}")
+        if self.head_dim != m.qk_rope_head_dim or self.rotary_dim != m.qk_rope_head_dim:
+            out.append(f"head_dim={self.head_dim} (rope.rotary_dim={self.rope.rotary_dim}) must be "
+                       f"mla.qk_rope_head_dim={m.qk_rope_head_dim}: with MLA head_dim is the RoPE width, as HF's")
         if m.qk_rope_head_dim % 2:
             out.append(f"mla.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
         if self.n_kv_heads != self.n_heads:
@@ -390,13 +388,13 @@ class ModelConfig:
         return self.rope_layout != "none" and layer not in self.rope.nope_layers
 
     def query_scale(self) -> float:
-        """The multiplier of q.k in attention. MLA (DeepSeek): head_dim^-0.5 (head_dim = qk_nope + qk_rope), times
+        """The multiplier of q.k in attention. MLA (DeepSeek): (qk_nope + qk_rope)^-0.5, times
         (0.1 mscale_all_dim ln factor + 1)^2 under a RoPE scaling with mscale_all_dim (HF `yarn_apply_mscale`)."""
         if self.attn.query_scale is not None:
             return self.attn.query_scale
         if not self.mla.kv_lora_rank:
             return 1.0 / math.sqrt(self.head_dim)
-        scale = self.head_dim ** (-0.5)
+        scale = (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** (-0.5)
         r = self.rope
         if r.scaling != "none" and r.mscale_all_dim and r.factor > 1:
             m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0

@@ -78,7 +78,7 @@ class MLAttention(nn.Module):
         m, d, h = config.mla, config.d_model, config.n_heads
         self.n_heads, self.nope, self.rope_dim, self.v_dim, self.rank = (h, m.qk_nope_head_dim, m.qk_rope_head_dim,
                                                                          m.v_head_dim, m.kv_lora_rank)
-        self.head_dim = self.nope + self.rope_dim
+        self.head_dim = self.nope + self.rope_dim  # q/k width of a head (config.head_dim is the RoPE part's)
         self.spec = spec
         kw = dict(device=device, dtype=dtype)
         if m.q_lora_rank:

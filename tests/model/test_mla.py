@@ -16,8 +16,8 @@ from scratchlm.model.transformer import TransformerLM
 def _config(**kw) -> ModelConfig:
     mla = MLAFeatures(kv_lora_rank=16, q_lora_rank=kw.pop("q_lora_rank", 12), qk_nope_head_dim=8, qk_rope_head_dim=4,
                       v_head_dim=6)
-    return ModelConfig(**(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=12, rope_layout="adjacent",
-                               rope=RopeFeatures(rotary_dim=4), mla=mla) | kw))
+    return ModelConfig(**(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=4, rope_layout="adjacent",
+                               mla=mla) | kw))
 
 
 @torch.no_grad()
@@ -57,8 +57,8 @@ def test_config_validation_and_kv_spec():
     assert [s.latent for s in c.kv_spec()] == [True, True]
     assert c.kv_spec()[0].elements_per_token() == 16 + 4
     assert c.query_scale() == 12 ** -0.5
-    with pytest.raises(ValueError, match="head_dim=16 must be mla.qk_nope_head_dim"):
-        _config(head_dim=16, rope=RopeFeatures(rotary_dim=4))
+    with pytest.raises(ValueError, match="head_dim=12 .* must be mla.qk_rope_head_dim=4"):
+        _config(head_dim=12, rope=RopeFeatures(rotary_dim=4))
     with pytest.raises(ValueError, match="n_kv_heads=2 must equal n_heads=4"):
         _config(n_kv_heads=2)
     with pytest.raises(ValueError, match="does not implement qkv_bias"):

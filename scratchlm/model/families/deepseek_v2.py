@@ -5,8 +5,8 @@ too (`deepseek_v3.py`), which differs in its router only.
 Config (HF config.json <-> ModelConfig):
 
 - MLA: kv_lora_rank, q_lora_rank (None: q straight from x), qk_nope_head_dim, qk_rope_head_dim, v_head_dim ->
-  `config.mla`; head_dim = qk_nope + qk_rope (HF's `head_dim` key is the RoPE width, ignored), n_kv_heads = n_heads
-  (num_key_value_heads is ignored: MLA has no KV heads), rope.rotary_dim = qk_rope_head_dim. The RoPE pairs are
+  `config.mla`; head_dim = qk_rope_head_dim (the RoPE width, as HF's config.head_dim), n_kv_heads = n_heads
+  (num_key_value_heads is ignored: MLA has no KV heads). The RoPE pairs are
   interleaved (DeepSeek-V2's complex rotation; V3's `rope_interleave`, default true): rope_layout "adjacent".
   YaRN with mscale / mscale_all_dim (the real checkpoints) is supported (`ModelConfig.query_scale`).
 - MoE: n_routed_experts, num_experts_per_tok, moe_intermediate_size -> d_expert; n_shared_experts x
@@ -68,9 +68,8 @@ def deepseek_config(cfg: dict[str, Any], source: str, *, v3: bool) -> ModelConfi
     rope = rope_features(rope_parameters(cfg), cfg, rope_dim, source)
     if rope.rotary_dim is not None:
         raise FamilyError(f"{source}: partial_rotary_factor is not supported (MLA rotates qk_rope_head_dim dims)")
-    rope.rotary_dim = rope_dim
     interleaved = bool(cfg.get("rope_interleave", True)) if v3 else True
-    return base_config(cfg, source, head_dim=nope + rope_dim, n_kv_heads=int(need(cfg, "num_attention_heads", source)),
+    return base_config(cfg, source, head_dim=rope_dim, n_kv_heads=int(need(cfg, "num_attention_heads", source)),
                        rope=rope, rope_layout="adjacent" if interleaved else "half", mla=mla,
                        moe=_moe(cfg, source, n_layers, v3), mlp=MLPFeatures(act=check_act(cfg, source)))
 
@@ -124,11 +123,6 @@ def deepseek_hf_config(config: ModelConfig, *, v3: bool) -> dict[str, Any]:
         raise ValueError("DeepSeek-V2 rotates interleaved RoPE pairs (rope_layout 'adjacent')")
     model_type, arch = ("deepseek_v3", "DeepseekV3ForCausalLM") if v3 else ("deepseek_v2", "DeepseekV2ForCausalLM")
     out = base_hf_config(config, model_type, arch)
-    params = dict(out["rope_parameters"])
-    params.pop("partial_rotary_factor", None)  # MLA: the rotated dims are qk_rope_head_dim, not a fraction
-    out["rope_parameters"] = params
-    if "rope_scaling" in out:
-        out["rope_scaling"] = {key: v for key, v in params.items() if key != "rope_theta"}
     out.pop("head_dim")  # HF derives it (= qk_rope_head_dim)
     out |= {
         "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,

@@ -99,14 +99,14 @@ def test_config_round_trip(name):
 
 
 def test_config_translation():
-    """What the DeepSeek fields become: MLA widths, head_dim = nope + rope, the router, the dense first layers, the
+    """What the DeepSeek fields become: MLA widths, head_dim = the RoPE width, the router, the dense first layers, the
     YaRN mscale in the query scale and the cos/sin factor, Kimi K2 answered by the V3 family."""
     import math
 
     from scratchlm.model.rope import inv_freq
 
     c = families.config_from_hf(MLA_FAMILIES["deepseek_v3_yarn"]().to_dict())
-    assert (c.head_dim, c.rotary_dim, c.n_kv_heads, c.rope_layout) == (12, 4, 4, "half")
+    assert (c.head_dim, c.rotary_dim, c.n_kv_heads, c.rope_layout) == (4, 4, 4, "half")
     assert c.moe.dense_layers == [0] and c.moe.d_shared == 64 and c.moe.scoring == "sigmoid" and c.moe.score_bias
     m = 0.1 * math.log(4.0) + 1
     assert c.query_scale() == pytest.approx(12 ** -0.5 * m * m)
