@@ -133,3 +133,29 @@ def test_gguf_moe_metadata_errors(converted, tmp_path):
     for key, value in (("qwen3moe.expert_gating_func", 2), ("qwen3moe.expert_group_count", 4)):
         with pytest.raises(FamilyError, match=key):
             config_from_gguf(meta | {key: value}, tensors, "t")
+
+
+@pytest.mark.parametrize("name", CASES)
+@torch.no_grad()
+def test_llamacpp_logits_equal_ours(name, converted):
+    """llama.cpp (built by benchmarks/llamacpp_decode.py --setup-peers) on the same F32 GGUF, its own MoE graph
+    (its routing, its top-k renormalisation per arch): logits equal ours within 2e-4 of the largest (measured
+    1.8e-7 Mixtral, 1.2e-7 Qwen2-MoE, 2.4e-7 Qwen3-MoE, of logits up to 0.56)."""
+    import json
+    import os
+    import subprocess
+
+    from benchmarks.llamacpp_decode import LIB_DIR, VENV
+    from tests.model.families.test_gguf_families import LLAMA_CPP
+
+    python = VENV / "bin" / "python"
+    if not (python.exists() and LIB_DIR.exists()):
+        pytest.skip("llama.cpp is not built in .peers/ (python -m benchmarks.llamacpp_decode --setup-peers)")
+    path = converted / f"{name}.f32.gguf"
+    ids = [5, 17, 3, 99, 42, 7, 150, 8]
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(LIB_DIR))
+    proc = subprocess.run([str(python), "-c", LLAMA_CPP, str(path), json.dumps(ids)], capture_output=True,
+                          text=True, env=env, timeout=120, check=True)
+    theirs = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    ours = load(path).model(torch.tensor([ids]))[0]
+    assert (ours - theirs).abs().max().item() < 2e-4 * max(1.0, theirs.abs().max().item())

@@ -192,7 +192,8 @@ def _qwen2_moe_all_sparse():
     from transformers import Qwen2MoeConfig
 
     return Qwen2MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=True)
+                          shared_expert_intermediate_size=48, norm_topk_prob=False,
+                          tie_word_embeddings=False)  # llama.cpp's qwen2moe needs output.weight
 
 
 def _qwen3_moe():
