@@ -1,8 +1,10 @@
 """Hugging Face directories: config.json + model.safetensors (or a sharded *.safetensors.index.json).
 
-Every family of `model/families/` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo-2, Granite, GPT-2): its
-config translation and tensor rules (renames, fused-tensor splits, transposes, norm offsets) do the work; this
-module only reads files. HF stores q/k in the rotate-half RoPE layout, so the model uses rope_layout="half".
+Every family of `model/families/` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo-2, Granite, GPT-2, Mixtral,
+Qwen2/3-MoE): its config translation and tensor rules (renames, fused-tensor splits, transposes, norm offsets,
+stacked experts) do the work; this module only reads files. A family whose files come in more than one layout
+(MoE experts per expert, or transformers 5's fused 3D tensors) picks its rules from the file's tensor names
+(`Family.hf_rules_for`). HF stores q/k in the rotate-half RoPE layout, so the model uses rope_layout="half".
 """
 
 from __future__ import annotations
