@@ -13,8 +13,8 @@ All metadata travels in `AttentionMetadata`; nothing global.
 
 Multi-head latent attention (`model/mla.py`) calls `mla(layer, q_nope, q_rope, latent, k_rope, module, spec)`
 instead: the cache keeps each token's latent and RoPE key (kv_cache.py), decode queries attend in latent space with
-kv_b absorbed (`mla.absorbed_attention`: the gathered latents are read once, never expanded to per-head K/V), and
-a prefill chunk expands the latents of its context through kv_b (`module.expand`) and attends as usual. Written
+k_b / v_b absorbed (`mla.absorbed_attention`: the gathered latents are read once, never expanded to per-head K/V), and
+a prefill chunk expands the latents of its context through k_b / v_b (`module.expand`) and attends as usual. Written
 with torch ops only (the C++ decode kernel and the fused step take K/V heads, not latents).
 
 The cache may store float32, bfloat16, float16 or int8 with per-token-head scales (`kv_cache.py`): writes
@@ -99,7 +99,7 @@ class PagedAttention:
             module, spec: AttentionSpec) -> torch.Tensor:
         """Multi-head latent attention over the paged cache: q_nope (1, N, H, n), q_rope (1, N, H, r), this step's
         latent (1, N, c) and RoPE key (1, N, r) (written to the cache first), `module` the layer's `MLAttention`
-        (its kv_b) -> (1, N, H, v)."""
+        (its k_b / v_b) -> (1, N, H, v)."""
         if q_nope.shape[0] != 1:
             raise ValueError(f"paged attention expects one flattened batch (B=1), got q of shape {tuple(q_nope.shape)}")
         q_nope, q_rope, latent, k_rope = q_nope[0], q_rope[0], latent[0], k_rope[0]

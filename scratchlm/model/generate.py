@@ -47,7 +47,7 @@ class ContiguousKVCache:
     def mla(self, layer_idx: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, module,
             spec: AttentionSpec) -> Tensor:
         """Multi-head latent attention (`model/mla.py`): caches the latent (B, T, c) and RoPE key (B, T, r), expands
-        the cached latents through the layer's kv_b -> (B, T, H, v)."""
+        the cached latents through the layer's k_b / v_b -> (B, T, H, v)."""
         start, end = self._span(q_nope.shape[1])
         self.k[layer_idx][:, start:end, 0] = latent
         self.v[layer_idx][:, start:end, 0] = k_rope

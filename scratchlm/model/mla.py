@@ -7,13 +7,15 @@ Per token x (d_model), with H heads, n = qk_nope_head_dim, r = qk_rope_head_dim,
     latent   = kv_a_norm(kv_a_proj(x)[:c])                                  (c,)  shared by all heads
     k_rope   = kv_a_proj(x)[c:]                                             (r,)  one RoPE key for all heads
     q_rope, k_rope rotated by RoPE (r dims; the pair layout is `config.rope_layout`)
-    k_nope, value = kv_b_proj(latent) per head                                 (H, n), (H, v)
+    k_nope, value = k_b_proj(latent), v_b_proj(latent) per head               (H, n), (H, v)
     score_h  = scale * (q_nope_h . k_nope_h + q_rope_h . k_rope),  out_h = softmax(score_h) @ value_h,  o_proj(out)
 
 with scale = (n + r)^-0.5 times DeepSeek's YaRN mscale^2 (`ModelConfig.query_scale`). What a token leaves in the
 KV cache is therefore `latent` and `k_rope` (c + r numbers per layer, `ModelConfig.kv_spec`), not H keys and values.
 
-Two equal ways to attend over cached tokens (`kv_b_proj`'s weight W is (H, n + v, c): W_uk = W[:, :n], W_uv = W[:, n:]):
+Two equal ways to attend over cached tokens, with W_uk = k_b_proj's weight as (H, n, c) and W_uv = v_b_proj's as
+(H, v, c) (HF's one `kv_b_proj`, (H, n + v, c), is split at load; llama.cpp's files hold them split,
+`attn_k_b` / `attn_v_b`):
 
 - expanded (`expanded_attention`; prefill, and the model without a backend): k_nope, value of every context token
   from its latent, then ordinary attention over (H, n + r) keys and (H, v) values;
@@ -54,9 +56,9 @@ def expanded_attention(q_nope: Tensor, q_rope: Tensor, k_nope: Tensor, k_rope: T
 
 def absorbed_attention(q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, w_uk: Tensor, w_uv: Tensor,
                        scale: float, masked: Tensor | None = None) -> Tensor:
-    """One query per row over its cached latents, kv_b absorbed: q_nope (N, H, n), q_rope (N, H, r), latent (N, S, c),
-    k_rope (N, S, r), w_uk (H, n, c), w_uv (H, v, c), `masked` (N, S) True where a key is not attended -> (N, H, v).
-    Scores and the softmax in float32."""
+    """One query per row over its cached latents, k_b / v_b absorbed: q_nope (N, H, n), q_rope (N, H, r), latent
+    (N, S, c), k_rope (N, S, r), w_uk (H, n, c), w_uv (H, v, c), `masked` (N, S) True where a key is not attended
+    -> (N, H, v). Scores and the softmax in float32."""
     dtype = q_nope.dtype
     q_lat = torch.einsum("nhd,hdc->nhc", q_nope.float(), w_uk.float())  # (N, H, c): the query in latent space
     lat = latent.float()
@@ -70,8 +72,8 @@ def absorbed_attention(q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: T
 
 class MLAttention(nn.Module):
     """Multi-head latent attention (see the module docstring): x (B, T, d_model) -> (B, T, d_model). Parameters:
-    `q_proj` or `q_a_proj` / `q_a_norm` / `q_b_proj`, `kv_a_proj` (d_model -> c + r), `kv_a_norm`, `kv_b_proj`
-    (c -> H (n + v)), `o_proj` (H v -> d_model)."""
+    `q_proj` or `q_a_proj` / `q_a_norm` / `q_b_proj`, `kv_a_proj` (d_model -> c + r), `kv_a_norm`, `k_b_proj`
+    (c -> H n), `v_b_proj` (c -> H v), `o_proj` (H v -> d_model)."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None, *, spec: AttentionSpec):
         super().__init__()
@@ -91,26 +93,32 @@ class MLAttention(nn.Module):
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
         self.kv_a_proj = Linear(d, self.rank + self.rope_dim, **kw)
         self.kv_a_norm = RMSNorm(self.rank, MLA_NORM_EPS, **kw)
-        self.kv_b_proj = Linear(self.rank, h * (self.nope + self.v_dim), **kw)
+        self.k_b_proj = Linear(self.rank, h * self.nope, **kw)
+        self.v_b_proj = Linear(self.rank, h * self.v_dim, **kw)
         self.o_proj = Linear(h * self.v_dim, d, **kw)
-        self._unpacked: tuple[nn.Module, Tensor] | None = None  # kv_b_proj's weight when it is not a plain tensor
+        self._unpacked: dict[str, tuple[nn.Module, Tensor]] = {}  # k_b / v_b weights of linears that pack theirs
 
     def expand(self, latent: Tensor) -> tuple[Tensor, Tensor]:
         """latent (..., S, c) -> each head's k_nope (..., S, H, n) and value (..., S, H, v)."""
-        kv = self.kv_b_proj(latent).view(*latent.shape[:-1], self.n_heads, self.nope + self.v_dim)  # (..., S, H, n+v)
-        return kv.split((self.nope, self.v_dim), dim=-1)
+        shape = (*latent.shape[:-1], self.n_heads, -1)
+        return self.k_b_proj(latent).view(shape), self.v_b_proj(latent).view(shape)  # (..., S, H, n), (..., S, H, v)
+
+    def _plain_weight(self, name: str) -> Tensor:
+        """The (d_out, d_in) weight of linear `name`: its parameter, or (an engine linear that packs its weight) an
+        unpacked copy made once and kept."""
+        lin = getattr(self, name)
+        w = lin._parameters.get("weight")
+        if w is not None:
+            return w.detach()
+        if name not in self._unpacked or self._unpacked[name][0] is not lin:
+            self._unpacked[name] = (lin, lin.weight.detach())
+        return self._unpacked[name][1]
 
     def absorbed_weights(self) -> tuple[Tensor, Tensor]:
-        """(W_uk (H, n, c), W_uv (H, v, c)): kv_b_proj's weight per head, split into its key and value parts (views
-        of a plain weight; an engine linear that packs its weight is unpacked once and the copy kept)."""
-        lin = self.kv_b_proj
-        w = lin._parameters.get("weight")
-        if w is None:
-            if self._unpacked is None or self._unpacked[0] is not lin:
-                self._unpacked = (lin, lin.weight.detach())
-            w = self._unpacked[1]
-        w = w.detach().view(self.n_heads, self.nope + self.v_dim, self.rank)  # (H, n + v, c)
-        return w[:, : self.nope], w[:, self.nope:]
+        """(W_uk (H, n, c), W_uv (H, v, c)): k_b_proj's and v_b_proj's weights per head."""
+        h, c = self.n_heads, self.rank
+        return (self._plain_weight("k_b_proj").view(h, self.nope, c),
+                self._plain_weight("v_b_proj").view(h, self.v_dim, c))
 
     def forward(self, x: Tensor, rope: RotaryEmbedding | None = None, cos: Tensor | None = None,
                 sin: Tensor | None = None, attn=None, layer_idx: int = 0) -> Tensor:

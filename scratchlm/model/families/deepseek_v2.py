@@ -21,15 +21,18 @@ Config (HF config.json <-> ModelConfig):
 Tensors: HF's per-expert names (`mlp.experts.{e}.gate_proj`, what transformers 5.24's save_pretrained writes and
 the Hub holds; a file in transformers 5's fused 3D layout is read too: `base.moe_hf_rules`), `mlp.gate.weight`
 (+ V3's `mlp.gate.e_score_correction_bias`), `mlp.shared_experts.*`,
-`self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
-`o_proj`. The multi-token-prediction layers the V3 checkpoints carry after the last layer
-(`num_nextn_predict_layers`) are not used for decoding and are skipped (logged), as HF does.
+`self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` (split
+per head into our `k_b_proj` / `v_b_proj`), `o_proj`. The multi-token-prediction layers the V3 checkpoints carry
+after the last layer (`num_nextn_predict_layers`) are not used for decoding and are skipped (logged), as HF does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from scratchlm.model.config import MLAFeatures, MLPFeatures, ModelConfig, MoEFeatures
 from scratchlm.model.families.base import (
@@ -152,8 +155,9 @@ def deepseek_rules(config: ModelConfig, *, prefix: str = "model.",
         ours, theirs = f"layers.{i}.", f"{prefix}layers.{i}."
         a, sa = f"{ours}attn.", f"{theirs}self_attn."
         q = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
-        pairs = [(p, p) for p in q + ["kv_b_proj", "o_proj"]] + [("kv_a_proj", "kv_a_proj_with_mqa")]
+        pairs = [(p, p) for p in q + ["o_proj"]] + [("kv_a_proj", "kv_a_proj_with_mqa")]
         rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in pairs]
+        rules.append(kv_b_split(config, f"{sa}kv_b_proj.weight", a))
         norms = [("kv_a_norm", "kv_a_layernorm")] + ([("q_a_norm", "q_a_layernorm")] if config.mla.q_lora_rank else [])
         rules += [rename(f"{a}{o}.weight", f"{sa}{t}.weight") for o, t in norms]
         rules += [rename(f"{ours}attn_norm.weight", f"{theirs}input_layernorm.weight"),
@@ -164,6 +168,22 @@ def deepseek_rules(config: ModelConfig, *, prefix: str = "model.",
             rules += [rename(f"{ours}ffn.{w}.weight", f"{theirs}mlp.{p}.weight")
                       for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
     return rules
+
+
+def kv_b_split(config: ModelConfig, theirs: str, ours: str) -> Rule:
+    """HF's `kv_b_proj` (H (n + v), c), per head its key rows then its value rows <-> `k_b_proj` (H n, c) and
+    `v_b_proj` (H v, c) (rows only move: a row-blocked quantized tensor's planes split alike)."""
+    m, h = config.mla, config.n_heads
+
+    def load(t: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = t.reshape(h, m.qk_nope_head_dim + m.v_head_dim, -1).split((m.qk_nope_head_dim, m.v_head_dim), dim=1)
+        return k.reshape(h * m.qk_nope_head_dim, -1), v.reshape(h * m.v_head_dim, -1)  # (H n, c), (H v, c)
+
+    def save(k: Tensor, v: Tensor) -> Tensor:
+        per_head = (k.reshape(h, m.qk_nope_head_dim, -1), v.reshape(h, m.v_head_dim, -1))
+        return torch.cat(per_head, dim=1).reshape(h * (m.qk_nope_head_dim + m.v_head_dim), -1)
+
+    return Rule(theirs, (f"{ours}k_b_proj.weight", f"{ours}v_b_proj.weight"), load, save)
 
 
 def unused_hf_tensors(cfg: dict[str, Any]) -> dict[str, str]:
