@@ -1,6 +1,7 @@
 """DeepSeek-V2 (and -V2-Lite): multi-head latent attention (`model/mla.py`) and a mixture of experts with shared
 experts after `first_k_dense_replace` dense layers (HF `DeepseekV2ForCausalLM`). The helpers here serve DeepSeek-V3
-too (`deepseek_v3.py`), which differs in its router only.
+too (`deepseek_v3.py`), which differs in its router only. llama.cpp's GGUF arch `deepseek2` (V2, V3 and Kimi K2
+alike) is read here too (`config_from_gguf`).
 
 Config (HF config.json <-> ModelConfig):
 
@@ -43,6 +44,10 @@ from scratchlm.model.families.base import (
     base_config,
     base_hf_config,
     check_act,
+    gguf_base_config,
+    gguf_meta,
+    gguf_rope,
+    moe_gguf_rules,
     moe_hf_rules,
     need,
     rename,
@@ -194,6 +199,101 @@ def unused_hf_tensors(cfg: dict[str, Any]) -> dict[str, str]:
             for j in range(extra)}
 
 
+# ---------------------------------------------------------------------------------------------- GGUF
+GGUF_ARCH = "deepseek2"
+_GATING = {None: "softmax", 0: "softmax", 1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
+    """llama.cpp's `deepseek2` (DeepSeek-V2/V3, Kimi K2 as convert_hf_to_gguf writes them), read as llama.cpp's graph
+    computes it (src/models/deepseek2.cpp): MLA from `attention.kv_lora_rank`, `attention.q_lora_rank` (absent: q
+    from x), `attention.key_length_mla` (nope + rope), `attention.value_length_mla`, `rope.dimension_count`; RoPE on
+    adjacent pairs (LLAMA_ROPE_TYPE_NORM); `leading_dense_block_count` dense layers; the router's gating function
+    (softmax, sigmoid), `expert_weights_norm`, `expert_weights_scale` (after the renormalisation, as llama.cpp
+    does), `expert_group_count` / `expert_group_used_count` with a group scored by its best two (llama.cpp's only
+    group rule, DeepSeek-V3's) and `exp_probs_b.bias` (V3's correction bias); the shared experts
+    (`expert_shared_count` x `expert_feed_forward_length`). YaRN's `rope.scaling.yarn_log_multiplier` is
+    0.1 x mscale_all_dim (the query scale's factor); llama.cpp keeps no separate mscale, i.e. mscale =
+    mscale_all_dim (every published DeepSeek config). Files from converters before the k_b / v_b split (one
+    `attn_kv_b`) are not supported."""
+    arch = GGUF_ARCH
+    if f"{arch}.attention.key_length_mla" not in meta:
+        raise FamilyError(f"{source}: no {arch}.attention.key_length_mla: a GGUF from a converter before the MLA "
+                          "k_b / v_b split is not supported (reconvert it with a current convert_hf_to_gguf.py)")
+    rope_dim = int(gguf_meta(meta, arch, "rope.dimension_count", source))
+    nope = int(meta[f"{arch}.attention.key_length_mla"]) - rope_dim
+    q_lora = int(meta.get(f"{arch}.attention.q_lora_rank", 0) or 0)
+    mla = MLAFeatures(kv_lora_rank=int(gguf_meta(meta, arch, "attention.kv_lora_rank", source)),
+                      q_lora_rank=q_lora or None, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+                      v_head_dim=int(gguf_meta(meta, arch, "attention.value_length_mla", source)))
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10_000.0))
+    rope = gguf_rope(meta, tensors, arch, rope_dim, theta, source)
+    log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        rope.mscale = rope.mscale_all_dim = float(log_mul) / 0.1
+    n_heads = int(gguf_meta(meta, arch, "attention.head_count", source))
+    return gguf_base_config(meta, tensors, arch, source, head_dim=rope_dim, n_kv_heads=n_heads, rope=rope,
+                            rope_layout="adjacent", mla=mla, moe=_gguf_moe(meta, tensors, source))
+
+
+def _gguf_moe(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> MoEFeatures:
+    arch = GGUF_ARCH
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in _GATING:
+        raise FamilyError(f"{source}: {arch}.expert_gating_func={gating} is not supported (softmax or sigmoid)")
+    n_layers = int(gguf_meta(meta, arch, "block_count", source))
+    dense = int(meta.get(f"{arch}.leading_dense_block_count", 0) or 0)
+    d_expert = int(gguf_meta(meta, arch, "expert_feed_forward_length", source))
+    groups = int(meta.get(f"{arch}.expert_group_count", 1) or 1)
+    scoring = _GATING[gating]
+    return MoEFeatures(
+        n_experts=int(gguf_meta(meta, arch, "expert_count", source)),
+        top_k=int(gguf_meta(meta, arch, "expert_used_count", source)), d_expert=d_expert,
+        scoring=scoring, norm_topk=bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        routed_scale=float(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0), n_groups=groups,
+        topk_groups=int(meta.get(f"{arch}.expert_group_used_count", 1) or 1) if groups > 1 else 1,
+        group_score="top2" if groups > 1 or scoring == "sigmoid" else "max",
+        score_bias=f"blk.{dense}.exp_probs_b.bias" in tensors,
+        d_shared=int(meta.get(f"{arch}.expert_shared_count", 0) or 0) * d_expert,
+        dense_layers=list(range(min(dense, n_layers))))
+
+
+def gguf_rules(config: ModelConfig) -> list[Rule]:
+    """llama.cpp's `deepseek2` tensor names: `attn_q` or `attn_q_a` / `attn_q_a_norm` / `attn_q_b`,
+    `attn_kv_a_mqa`, `attn_kv_a_norm`, `attn_k_b` (H, c, n: each head's key part transposed), `attn_v_b`
+    (H, v, c), `attn_output`; the dense layers' `ffn_*`, the MoE layers' `base.moe_gguf_rules`."""
+    m, h = config.mla, config.n_heads
+    rules = [rename("tok_embeddings.weight", "token_embd.weight"), rename("norm.weight", "output_norm.weight")]
+    if not config.tie_embeddings:
+        rules.append(rename("lm_head.weight", "output.weight"))
+    c = m.kv_lora_rank
+
+    def k_b(theirs: str, ours: str) -> Rule:  # (H, c, n) <-> (H n, c)
+        return Rule(theirs, (ours,), lambda t: (t.reshape(h, c, -1).transpose(1, 2).reshape(-1, c),),
+                    lambda w: w.reshape(h, -1, c).transpose(1, 2).contiguous(), rows=False)
+
+    def v_b(theirs: str, ours: str) -> Rule:  # (H, v, c) <-> (H v, c)
+        return Rule(theirs, (ours,), lambda t: (t.reshape(-1, t.shape[-1]),), lambda w: w.reshape(h, -1, c))
+
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"blk.{i}."
+        a = f"{ours}attn."
+        q = [("q_proj", "attn_q")] if m.q_lora_rank is None else [("q_a_proj", "attn_q_a"), ("q_b_proj", "attn_q_b"),
+                                                                  ("q_a_norm", "attn_q_a_norm")]
+        named = q + [("kv_a_proj", "attn_kv_a_mqa"), ("kv_a_norm", "attn_kv_a_norm"), ("o_proj", "attn_output")]
+        rules += [rename(f"{a}{o}.weight", f"{theirs}{t}.weight") for o, t in named]
+        rules += [k_b(f"{theirs}attn_k_b.weight", f"{a}k_b_proj.weight"),
+                  v_b(f"{theirs}attn_v_b.weight", f"{a}v_b_proj.weight")]
+        rules += [rename(f"{ours}attn_norm.weight", f"{theirs}attn_norm.weight"),
+                  rename(f"{ours}ffn_norm.weight", f"{theirs}ffn_norm.weight")]
+        if config.is_moe_layer(i):
+            rules += moe_gguf_rules(config, ours, theirs)
+        else:
+            rules += [rename(f"{ours}ffn.{w}.weight", f"{theirs}{g}.weight")
+                      for w, g in (("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up"))]
+    return rules
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     return deepseek_config(cfg, source, v3=False)
 
@@ -211,4 +311,7 @@ FAMILY = Family(
     hf_rules=deepseek_rules,
     hf_file_rules=lambda c, names: deepseek_rules(c, present=names),
     hf_unused=unused_hf_tensors,
+    gguf_archs=(GGUF_ARCH,),
+    config_from_gguf=config_from_gguf,
+    gguf_rules=gguf_rules,
 )

@@ -8,7 +8,7 @@ Each tiny HF checkpoint (`tiny.save_tiny`) gets a tokenizer the converter accept
 - SentencePiece families (llama, mistral, qwen2/qwen3, gemma 1-3, phi3, granite: convert tries `tokenizer.model`
   first): a SentencePiece BPE model of exactly `vocab_size` pieces trained here (~30 ms). Gemma's has no dummy
   prefix, as Google's, since convert writes `add_space_prefix = false` for Gemma.
-- byte-level BPE families (gpt2, olmo2, qwen2_moe / qwen3_moe: convert only reads `tokenizer.json` through
+- byte-level BPE families (gpt2, olmo2, qwen2_moe / qwen3_moe, deepseek: convert only reads `tokenizer.json` through
   `AutoTokenizer`): a
   `tokenizers` byte-level BPE of `vocab_size` tokens with GPT-2's pre-tokenizer. convert identifies the
   pre-tokenizer by hashing the ids of a fixed text and refuses unknown hashes (a trained tiny vocabulary never
@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 #: Families whose converter reads a byte-level BPE `tokenizer.json` only.
-BPE_CASES = {"gpt2", "olmo2", "qwen2_moe", "qwen2_moe_sparse", "qwen3_moe", "qwen3_moe_sparse"}
+BPE_CASES = {"gpt2", "olmo2", "qwen2_moe", "qwen2_moe_sparse", "qwen3_moe", "qwen3_moe_sparse", "deepseek_v2",
+             "deepseek_v2_groups", "deepseek_v3", "deepseek_v3_yarn"}
 #: SentencePiece models without the dummy space prefix (Gemma's; convert writes add_space_prefix = false).
 NO_DUMMY_PREFIX = {"gemma", "gemma2", "gemma3"}
 #: The pre-tokenizer name given to convert for the tiny byte-level BPEs (their pre-tokenizer is GPT-2's).
