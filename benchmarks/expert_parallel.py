@@ -1,0 +1,286 @@
+"""Expert parallelism (EP=2, gloo) against one process on the same MoE model and requests, with the time of a step
+split into route, dispatch (all-to-all), experts, combine and the rest, and the all-to-all bytes per step.
+
+    python -m benchmarks.expert_parallel                     # a synthetic Qwen3-MoE-shaped model (random weights)
+    python -m benchmarks.expert_parallel --repeats 5 --layers 8
+
+Contenders, each in its own warm client process, run interleaved (A B C D A B C D ...), medians reported:
+one process with 1 thread, one process with 2 threads, TP=2 (the MoE split by hidden unit, 1 thread per rank)
+and EP=2 (experts split in two ranges, data-parallel attention, 1 thread per rank). Workloads: batch-1 decode
+and 32 requests at once.
+
+The split of a step (rank 0, median over rounds, per engine step):
+- EP: `route` (router GEMM, top-k, the rows' order), `dispatch` (the counts' all-gather + the rows' all-to-all),
+  `experts` (the rank's experts on the rows it received), `combine` (the reverse all-to-all + the weighted sum),
+  `kv gather` (data-parallel attention: the new K/V rows of the other replica) and `rest` (attention, dense
+  layers, head, sampling, the scheduler). An all-to-all's time on rank 0 includes waiting for the other rank to
+  reach it (its share of the step's imbalance);
+- one process: `moe` (the model's MoE layers, by forward hooks: route + experts + combine) and `rest`.
+The all-to-all bytes are what rank 0 sends to the other rank (`Comm.bytes`); they are also written as JSON
+(results/DATE-expert_parallel.json) for the planner's validation (scratchlm/plan/cost.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import Report, set_threads
+
+LAYOUTS = {  # name: (ep, tp, threads per rank)
+    "1 process, 1 thread": (1, 1, 1),
+    "1 process, 2 threads": (1, 1, 2),
+    "TP=2 (1 thread/rank)": (1, 2, 1),
+    "EP=2 (1 thread/rank)": (2, 1, 1),
+}
+BASELINE = "1 process, 1 thread"
+
+
+def model_config(args):
+    from scratchlm.model.config import ModelConfig, MoEFeatures
+
+    return ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
+                       d_ff=4 * args.d_model, max_seq_len=512, tie_embeddings=False,
+                       moe=MoEFeatures(n_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert))
+
+
+def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, gen: int) -> None:
+    import torch
+
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.model.moe import MoE
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine.from_pretrained(path, EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp,
+                                                          max_num_seqs=32, max_num_batched_tokens=1024))
+    runner = engine.runner
+    moe_s = [0.0]
+    if ep * tp == 1:  # one process: time the model's MoE layers with forward hooks
+        starts: list[float] = []
+        for m in engine.executor.model.modules():
+            if isinstance(m, MoE):
+                m.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+                m.register_forward_hook(lambda *_: moe_s.__setitem__(0, moe_s[0] + time.perf_counter()
+                                                                      - starts.pop()))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    conn.send("ready")
+    n = 0
+    while (cmd := conn.recv()) is not None:
+        if hasattr(runner, "comm"):
+            runner.comm.reset_stats()
+        if hasattr(runner, "reset_expert_stats"):
+            runner.reset_expert_stats()
+        moe_s[0] = 0.0
+        steps = tokens = 0
+        outs: dict[str, list[int]] = {}
+        t0 = time.perf_counter()
+        for p in prompts[: 1 if cmd == "batch1" else 32]:
+            n += 1
+            engine.add_request(f"q{n}", p, params)
+        per_step = []  # (seconds, {kind: (seconds, bytes)}) of each step: the first one is the prefill
+        while engine.has_unfinished_requests():
+            ts = time.perf_counter()
+            before = _exchanges(runner)
+            for r in engine.step():
+                if r.finished:
+                    outs[r.request_id] = r.outputs[0].token_ids
+            after = _exchanges(runner)
+            per_step.append((time.perf_counter() - ts, {k: (after[k][0] - before.get(k, (0.0, 0))[0],
+                                                            after[k][1] - before.get(k, (0.0, 0))[1]) for k in after}))
+            steps += 1
+        wall = time.perf_counter() - t0
+        tokens = sum(len(v) for v in outs.values())
+        comm = {k: (runner.comm.seconds[k], runner.comm.calls[k], runner.comm.bytes[k])
+                for k in runner.comm.seconds} if hasattr(runner, "comm") else {}
+        expert = runner.expert_seconds() if hasattr(runner, "expert_seconds") else {}
+        load = runner.expert_load() if hasattr(runner, "expert_load") else None
+        conn.send({"wall": wall, "steps": steps, "tokens": tokens, "comm": comm, "expert": expert,
+                   "moe": moe_s[0], "ids": [outs[k] for k in sorted(outs)], "load": load, "per_step": per_step})
+    if hasattr(runner, "shutdown"):
+        runner.shutdown()
+
+
+def _exchanges(runner) -> dict[str, tuple[float, int]]:
+    """{kind: (seconds, bytes sent)} of rank 0's EP exchanges so far."""
+    comm = getattr(runner, "comm", None)
+    if comm is None:
+        return {}
+    return {k: (comm.seconds[k], comm.bytes[k]) for k in ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv")}
+
+
+def _split(res: dict, ep: int) -> dict[str, float]:
+    """Seconds per step of each part on rank 0 (see the module docstring)."""
+    steps, comm, ex = res["steps"], res["comm"], res["expert"]
+    c = {k: v[0] for k, v in comm.items()}
+    if ep == 1 and not ex:
+        parts = {"moe": res["moe"]}
+    else:
+        parts = {"route": ex.get("route", 0.0), "dispatch": c.get("ep_counts", 0.0) + c.get("ep_dispatch", 0.0),
+                 "experts": ex.get("experts", 0.0), "combine": c.get("ep_combine", 0.0) + ex.get("combine", 0.0),
+                 "kv gather": c.get("ep_kv", 0.0), "all-reduce (TP)": c.get("all_reduce", 0.0)}
+    parts["rest"] = res["wall"] - sum(parts.values())
+    return {k: v / steps for k, v in parts.items()}
+
+
+def _measured(runs: list[dict], kind: str, args) -> dict:
+    """The prefill step's and the median decode step's exchanges (seconds and bytes per kind) over the rounds."""
+    nreq = 1 if kind == "batch1" else 32
+    kinds = ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv")
+    out = {"expert_load": runs[0]["load"], "steps": runs[0]["steps"]}
+    for phase in ("prefill", "decode"):
+        rows = [step for x in runs for step in (x["per_step"][:1] if phase == "prefill" else x["per_step"][1:])]
+        out[phase] = {"tokens": nreq * args.prompt_len if phase == "prefill" else nreq,
+                      "step_seconds": statistics.median(r[0] for r in rows),
+                      "seconds": {k: statistics.median(r[1][k][0] for r in rows) for k in kinds},
+                      "bytes": {k: statistics.median(r[1][k][1] for r in rows) for k in kinds}}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=32, help="tokens generated per request")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--d-expert", type=int, default=384)
+    args = ap.parse_args(argv)
+    set_threads(1)
+    import torch
+
+    from scratchlm.model.loading.checkpoint import save_model
+    from scratchlm.model.transformer import TransformerLM
+
+    cfg = model_config(args)
+    tmp = tempfile.TemporaryDirectory(prefix="ep-bench-")
+    path = Path(tmp.name) / "moe.pt"
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    save_model(path, model)
+    total = sum(p.numel() for p in model.parameters())
+    per_layer_experts = sum(p.numel() for p in model.layers[0].ffn.experts.parameters())
+    del model
+    ctx = mp.get_context("spawn")
+    clients = {}
+    for name, (ep, tp, threads) in LAYOUTS.items():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_client, args=(child, str(path), ep, tp, threads, args.prompt_len, args.gen))
+        proc.start()
+        clients[name] = (proc, parent)
+        print(f"{name}: {parent.recv()}", file=sys.stderr)
+    results: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in LAYOUTS}
+    try:
+        for kind in ("batch1", "batch32"):
+            for r in range(args.repeats + 1):  # the first round is a warm-up
+                for name, (_, conn) in clients.items():
+                    conn.send(kind)
+                    res = conn.recv()
+                    if r:
+                        results[name][kind].append(res)
+                    print(f"  {kind} round {r}: {name} {res['wall']:.3f} s", file=sys.stderr)
+    finally:
+        for _, conn in clients.values():
+            conn.send(None)
+        for proc, _ in clients.values():
+            proc.join(60)
+        tmp.cleanup()
+    for kind in ("batch1", "batch32"):  # every contender generated the same greedy ids
+        ref = results[BASELINE][kind][0]["ids"]
+        same = {name: all(x["ids"] == ref for x in results[name][kind]) for name in LAYOUTS}
+        print(f"{kind}: greedy ids equal to {BASELINE}: {same}", file=sys.stderr)
+    load = os.getloadavg()
+    rep = Report("expert_parallel", "Expert parallelism (EP=2, gloo) vs one process on a MoE model (CPU)",
+                 argv or sys.argv[1:])
+    f = cfg.moe
+    rep.add(f"Model: synthetic Qwen3-MoE-shaped, random weights (std 0.02), fp32: {cfg.n_layers} layers, d_model "
+            f"{cfg.d_model}, {cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, {f.n_experts} experts of width "
+            f"{cfg.d_expert}, top-{f.top_k} (softmax, normalised), every layer MoE; {total / 1e6:.0f} M parameters "
+            f"({per_layer_experts * cfg.n_layers / 1e6:.0f} M in experts). Prompts of {args.prompt_len} random "
+            f"tokens, {args.gen} greedy tokens each; median of {args.repeats} interleaved rounds after a warm-up "
+            f"round. Load average at the end: {load[0]:.2f} / {load[1]:.2f} (2 cores, shared with other work: "
+            f"EP=2 and TP=2 use both, as does the 2-thread process).")
+    same_text = []
+    for kind in ("batch1", "batch32"):
+        ref = results[BASELINE][kind][0]["ids"]
+        ok = [name for name in LAYOUTS if all(x["ids"] == ref for x in results[name][kind])]
+        same_text.append(f"{kind}: {len(ok)}/{len(LAYOUTS)} contenders generated exactly the greedy ids of "
+                         f"'{BASELINE}'" + ("" if len(ok) == len(LAYOUTS) else f" (only {ok})"))
+    rep.add("Agreement: " + "; ".join(same_text) + ".")
+    base = {k: statistics.median(x["wall"] for x in results[BASELINE][k]) for k in ("batch1", "batch32")}
+    rows = []
+    for name in LAYOUTS:
+        b1 = statistics.median(x["wall"] for x in results[name]["batch1"])
+        b32 = statistics.median(x["wall"] for x in results[name]["batch32"])
+        tok1 = results[name]["batch1"][0]["tokens"]
+        tok32 = results[name]["batch32"][0]["tokens"]
+        rows.append([name, f"{b1 / tok1 * 1e3:.1f} ms", f"{base['batch1'] / b1:.2f}x", f"{tok32 / b32:.1f} tok/s",
+                     f"{base['batch32'] / b32:.2f}x"])
+    rep.table(["layout", "batch-1 time / token", "batch-1 speed-up", "32 requests: throughput", "speed-up"], rows,
+              f"Latency and throughput (speed-up: ratio to '{BASELINE}', same model and requests)")
+    srows, measured = [], {}
+    for name, (ep, tp, _) in LAYOUTS.items():
+        if tp > 1:
+            continue
+        for kind in ("batch1", "batch32"):
+            runs = results[name][kind]
+            splits = [_split(x, ep) for x in runs]
+            parts = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+            step = statistics.median(x["wall"] / x["steps"] for x in runs)
+            srows.append([name, kind, f"{step * 1e3:.2f} ms",
+                          ", ".join(f"{k} {v * 1e3:.2f} ms ({v / step:.0%})" for k, v in parts.items() if v)])
+            if ep > 1:
+                measured[kind] = _measured(runs, kind, args)
+    rep.table(["layout", "workload", "step time", "per step on rank 0 (share of the step)"], srows,
+              "Where a step's time goes (rank 0; an all-to-all includes waiting for the other rank)")
+    brow = []
+    for kind, m in measured.items():
+        for phase in ("prefill", "decode"):
+            ph = m[phase]
+            for k in ("ep_dispatch", "ep_combine", "ep_counts", "ep_kv"):
+                sec, nbytes = ph["seconds"][k], ph["bytes"][k]
+                brow.append([kind, phase, ph["tokens"], k, f"{nbytes / 1e3:.1f} kB", f"{sec * 1e3:.3f} ms",
+                             f"{nbytes / sec / 1e6:.0f} MB/s" if sec else "-"])
+    rep.table(["workload", "step", "tokens in the step", "exchange", "bytes sent by rank 0 / step", "time / step",
+               "effective"], brow, "EP=2 exchanges per engine step on rank 0, measured (prefill: the first step, "
+              f"all prompts at once; decode: median over the other steps); {cfg.n_layers} MoE layers, "
+              "one call of each per layer")
+    imb = []
+    for kind, m in measured.items():
+        if m["expert_load"]:
+            from scratchlm.server.metrics import expert_imbalance
+
+            vals = [expert_imbalance(c) for c in m["expert_load"].values()]
+            imb.append(f"{kind}: max/mean per layer {min(vals):.2f}..{max(vals):.2f}")
+    if imb:
+        rep.add("Expert load imbalance (routed rows, max / mean, over the layers): " + "; ".join(imb) + ".")
+    data = {"model": cfg.to_dict(), "prompt_len": args.prompt_len, "gen": args.gen, "ep": 2, "tp": 1,
+            "threads_per_rank": 1, "backend": "gloo", "elem_bytes": 4, "measured": measured,
+            "note": "bytes: what rank 0 sends to the other rank per engine step (Comm.bytes); ep_dispatch and "
+                    "ep_combine: the all_to_all_single of the token rows (tokens x top_k x d_model x 4 x (ep-1)/ep "
+                    "on average), ep_counts: the per-expert counts' all-gather, ep_kv: the data-parallel "
+                    "attention's K/V all-gather (padded to the larger replica)"}
+    rep.add("Machine-readable (also in the .json next to this file): per-step all-to-all bytes and times, "
+            "for the planner's validation:\n\n```json\n" + json.dumps(data["measured"], indent=1, default=str)[:6000]
+            + "\n```")
+    out = rep.write()
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
