@@ -12,7 +12,7 @@ and 32 requests at once.
 The split of a step (rank 0, median over rounds, per engine step):
 - EP: `route` (router GEMM, top-k, the rows' order), `dispatch` (the counts' all-gather + the rows' all-to-all),
   `experts` (the rank's experts on the rows it received), `combine` (the reverse all-to-all + the weighted sum),
-  `kv gather` (data-parallel attention: the new K/V rows of the other replica) and `rest` (attention, dense
+  `kv exchange` (data-parallel attention: the new K/V rows to and from the other replica) and `rest` (attention, dense
   layers, head, sampling, the scheduler). An all-to-all's time on rank 0 includes waiting for the other rank to
   reach it (its share of the step's imbalance);
 - one process: `moe` (the model's MoE layers, by forward hooks: route + experts + combine) and `rest`.
@@ -69,6 +69,7 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, ge
                 m.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
                 m.register_forward_hook(lambda *_: moe_s.__setitem__(0, moe_s[0] + time.perf_counter()
                                                                       - starts.pop()))
+    n_moe = sum(engine.model_config.is_moe_layer(i) for i in range(engine.model_config.n_layers))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(32)]
@@ -84,9 +85,13 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, ge
         steps = tokens = 0
         outs: dict[str, list[int]] = {}
         t0 = time.perf_counter()
-        for p in prompts[: 1 if cmd == "batch1" else 32]:
+        rid = {}
+        for i, p in enumerate(prompts[: 1 if cmd == "batch1" else 32]):
             n += 1
+            rid[f"q{n}"] = i
             engine.add_request(f"q{n}", p, params)
+        if ep > 1:
+            runner.trace_command(True)  # the other ranks record their exchanges (kind, start, end, bytes)
         per_step = []  # (seconds, {kind: (seconds, bytes)}) of each step: the first one is the prefill
         while engine.has_unfinished_requests():
             ts = time.perf_counter()
@@ -99,13 +104,15 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, ge
                                                             after[k][1] - before.get(k, (0.0, 0))[1]) for k in after}))
             steps += 1
         wall = time.perf_counter() - t0
+        others = _per_step_of_rank1(runner.trace_command(False), steps, n_moe) if ep > 1 else None
         tokens = sum(len(v) for v in outs.values())
         comm = {k: (runner.comm.seconds[k], runner.comm.calls[k], runner.comm.bytes[k])
                 for k in runner.comm.seconds} if hasattr(runner, "comm") else {}
         expert = runner.expert_seconds() if hasattr(runner, "expert_seconds") else {}
         load = runner.expert_load() if hasattr(runner, "expert_load") else None
         conn.send({"wall": wall, "steps": steps, "tokens": tokens, "comm": comm, "expert": expert,
-                   "moe": moe_s[0], "ids": [outs[k] for k in sorted(outs)], "load": load, "per_step": per_step})
+                   "moe": moe_s[0], "ids": [outs[k] for k in sorted(outs, key=rid.get)], "load": load,
+                   "per_step": per_step, "rank1_per_step": others})
     if hasattr(runner, "shutdown"):
         runner.shutdown()
 
@@ -118,6 +125,19 @@ def _exchanges(runner) -> dict[str, tuple[float, int]]:
     return {k: (comm.seconds[k], comm.bytes[k]) for k in ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv")}
 
 
+def _per_step_of_rank1(traced: dict, steps: int, n_moe: int) -> list[dict[str, tuple[float, int]]]:
+    """Rank 1's {kind: (seconds, bytes)} per step, from its traced calls: every step makes `n_moe` calls of each EP
+    kind (one per MoE layer; ep_kv one per layer, every layer here being MoE), so the i-th chunk is step i."""
+    calls = traced.get(1, [])
+    out: list[dict[str, tuple[float, int]]] = [{} for _ in range(steps)]
+    for kind in ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv"):
+        mine = [c for c in calls if c[0] == kind]
+        for i in range(steps):
+            chunk = mine[i * n_moe:(i + 1) * n_moe]
+            out[i][kind] = (sum(c[2] - c[1] for c in chunk), sum(c[3] for c in chunk))
+    return out
+
+
 def _split(res: dict, ep: int) -> dict[str, float]:
     """Seconds per step of each part on rank 0 (see the module docstring)."""
     steps, comm, ex = res["steps"], res["comm"], res["expert"]
@@ -127,7 +147,7 @@ def _split(res: dict, ep: int) -> dict[str, float]:
     else:
         parts = {"route": ex.get("route", 0.0), "dispatch": c.get("ep_counts", 0.0) + c.get("ep_dispatch", 0.0),
                  "experts": ex.get("experts", 0.0), "combine": c.get("ep_combine", 0.0) + ex.get("combine", 0.0),
-                 "kv gather": c.get("ep_kv", 0.0), "all-reduce (TP)": c.get("all_reduce", 0.0)}
+                 "kv exchange": c.get("ep_kv", 0.0), "all-reduce (TP)": c.get("all_reduce", 0.0)}
     parts["rest"] = res["wall"] - sum(parts.values())
     return {k: v / steps for k, v in parts.items()}
 
@@ -139,10 +159,14 @@ def _measured(runs: list[dict], kind: str, args) -> dict:
     out = {"expert_load": runs[0]["load"], "steps": runs[0]["steps"]}
     for phase in ("prefill", "decode"):
         rows = [step for x in runs for step in (x["per_step"][:1] if phase == "prefill" else x["per_step"][1:])]
+        ones = [step for x in runs for step in (x["rank1_per_step"][:1] if phase == "prefill"
+                                                 else x["rank1_per_step"][1:])]
         out[phase] = {"tokens": nreq * args.prompt_len if phase == "prefill" else nreq,
                       "step_seconds": statistics.median(r[0] for r in rows),
                       "seconds": {k: statistics.median(r[1][k][0] for r in rows) for k in kinds},
-                      "bytes": {k: statistics.median(r[1][k][1] for r in rows) for k in kinds}}
+                      "bytes": {k: statistics.median(r[1][k][1] for r in rows) for k in kinds},
+                      "rank1_seconds": {k: statistics.median(r[k][0] for r in ones) for k in kinds},
+                      "rank1_bytes": {k: statistics.median(r[k][1] for r in ones) for k in kinds}}
     return out
 
 
@@ -254,12 +278,13 @@ def main(argv: list[str] | None = None) -> None:
             ph = m[phase]
             for k in ("ep_dispatch", "ep_combine", "ep_counts", "ep_kv"):
                 sec, nbytes = ph["seconds"][k], ph["bytes"][k]
-                brow.append([kind, phase, ph["tokens"], k, f"{nbytes / 1e3:.1f} kB", f"{sec * 1e3:.3f} ms",
-                             f"{nbytes / sec / 1e6:.0f} MB/s" if sec else "-"])
-    rep.table(["workload", "step", "tokens in the step", "exchange", "bytes sent by rank 0 / step", "time / step",
-               "effective"], brow, "EP=2 exchanges per engine step on rank 0, measured (prefill: the first step, "
-              f"all prompts at once; decode: median over the other steps); {cfg.n_layers} MoE layers, "
-              "one call of each per layer")
+                sec1, nbytes1 = ph["rank1_seconds"][k], ph["rank1_bytes"][k]
+                brow.append([kind, phase, ph["tokens"], k, f"{nbytes / 1e3:.1f} / {nbytes1 / 1e3:.1f} kB",
+                             f"{sec * 1e3:.3f} / {sec1 * 1e3:.3f} ms"])
+    rep.table(["workload", "step", "tokens in the step", "exchange", "bytes sent / step (rank 0 / rank 1)",
+               "time / step (rank 0 / rank 1)"], brow,
+              "EP=2 exchanges per engine step, measured on each rank (prefill: the first step, all prompts at once; "
+              f"decode: median over the other steps); {cfg.n_layers} MoE layers, one call of each per layer")
     imb = []
     for kind, m in measured.items():
         if m["expert_load"]:
@@ -274,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             "note": "bytes: what rank 0 sends to the other rank per engine step (Comm.bytes); ep_dispatch and "
                     "ep_combine: the all_to_all_single of the token rows (tokens x top_k x d_model x 4 x (ep-1)/ep "
                     "on average), ep_counts: the per-expert counts' all-gather, ep_kv: the data-parallel "
-                    "attention's K/V all-gather (padded to the larger replica)"}
+                    "attention's new K/V rows sent to the other replica (all_to_all_single)"}
     rep.add("Machine-readable (also in the .json next to this file): per-step all-to-all bytes and times, "
             "for the planner's validation:\n\n```json\n" + json.dumps(data["measured"], indent=1, default=str)[:6000]
             + "\n```")

@@ -10,7 +10,7 @@
   point-to-point activations of the pipeline;
 - one tensor-parallel group per pipeline stage (same short timeout) for the all-reduces/gathers;
 - under expert parallelism, one EP group per tp rank (the ranks with that tp rank, one per EP replica; same
-  short timeout) for the all-to-alls of the MoE layers and the gathers of new K/V rows.
+  short timeout) for the all-to-alls of the MoE layers and of the new K/V rows.
 
 So a dead or hung peer turns any step collective into an error within the timeout, never a hang.
 Every collective is timed (wall clock, seconds and call counts per kind) for the benchmarks, and counts the

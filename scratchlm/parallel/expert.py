@@ -23,8 +23,9 @@ A step (rank 0 broadcasts the scheduler's `ModelInput` to every rank, as under T
    count; the same on every rank); replica r runs group r through the model: embedding, attention, dense
    layers and the head on its own tokens only (data-parallel attention). A replica with no sequence in the
    step (batch 1 at E = 2) runs zero rows but still takes part in every exchange.
-2. attention: each replica computes q/k/v for its tokens; the new K/V rows are all-gathered over the EP group
-   (the ranks with the same KV heads, one per replica) and written into every replica's cache, then each
+2. attention: each replica computes q/k/v for its tokens; the new K/V rows are sent to the other replicas over
+   the EP group (the ranks with the same KV heads, one per replica; an `all_to_all_single` in which each rank
+   sends its rows to every other) and written into every replica's cache, then each
    replica attends for its own rows. So any replica can run any sequence in any later step (no sticky
    assignment; prefix caching, preemption and copy-on-write work as with one rank), for the price of
    2 x rows x kv_heads x head_dim values per layer and step on the wire and a replicated KV pool.
@@ -188,15 +189,13 @@ class DataParallelAttention:
     def __init__(self, local: PagedAttention, comm: Comm, rows: list[int], other_slots: Tensor):
         self.local, self.comm, self.rows = local, comm, rows
         self.other_slots = other_slots  # (sum of the other replicas' rows,): their slots, replica order
-        self.width = max(rows)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec=None) -> Tensor:
-        me = self.comm.layout.ep_rank
-        kv = torch.stack((k[0], v[0]), dim=1)  # (n, 2, Hkv, D)
-        if kv.shape[0] < self.width:  # all_gather needs equal shapes: pad to the largest replica's rows
-            kv = torch.cat((kv, kv.new_zeros(self.width - kv.shape[0], *kv.shape[1:])))
-        everyone = self.comm.ep_all_gather(kv, "ep_kv")  # (ep, width, 2, Hkv, D)
-        others = torch.cat([everyone[r, :n] for r, n in enumerate(self.rows) if r != me])  # (rows, 2, Hkv, D)
+        me, ep = self.comm.layout.ep_rank, self.comm.layout.ep
+        kv = torch.stack((k[0], v[0]), dim=1)  # (n, 2, Hkv, D): this replica's new rows
+        send = [0 if r == me else kv.shape[0] for r in range(ep)]  # to every other replica, nothing to itself
+        recv = [0 if r == me else n for r, n in enumerate(self.rows)]
+        others = self.comm.all_to_all(kv.repeat(ep - 1, 1, 1, 1), send, recv, "ep_kv")  # (rows, 2, Hkv, D)
         if others.shape[0]:
             self.local.cache.write(layer, self.other_slots, others[:, 0], others[:, 1])
         if q.shape[1] == 0:  # no sequence of this replica in the step
