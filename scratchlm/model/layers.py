@@ -516,9 +516,8 @@ class Attention(nn.Module):
                         "o_bias": "replicated", "q_norm.weight": norm_split, "k_norm.weight": norm_split}
 
     def _project(self, x: Tensor, proj: Linear, bias: Tensor | None, heads: int) -> Tensor:
-        y = proj(x) if bias is None else torch.addmm(bias, x.flatten(0, -2), proj.weight.t()).view(
-            *x.shape[:-1], -1)
-        return y.view(*x.shape[:-1], heads, self.head_dim)  # (B, T, heads, D)
+        y = proj(x) if bias is None else torch.addmm(bias, x.flatten(0, -2), proj.weight.t())  # (..., heads * D)
+        return y.view(*x.shape[:-1], heads, self.head_dim)  # (B, T, heads, D); also for T = 0
 
     def _project_fused(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, T, H, D), k, v (B, T, Hkv, D) from one GEMM on the concatenated weights."""
