@@ -113,6 +113,8 @@ BENCHES: dict[str, Bench] = {
     "diffusion": Bench(why="samples the trained pipeline and measures parallel variants with real processes (minutes)"),
     "fold": Bench(why="Pairformer blocks against Boltz at Boltz-2 widths, memory in fresh processes (minutes)"),
     "threads": Bench(why="measures torch threads against deliberately spinning neighbour processes"),
+    "moe_step": Bench(full=("--repeats", "5"),
+                      why="a 1 GB Qwen3-MoE in HF and scratchlm, HF generate at three batch sizes (minutes)"),
 }
 # benchmarks/serve.py runs twice: its throughput figures, then the inspector's overhead (full, quick arguments)
 SERVE_INSPECTOR = ("serve", ("--inspector-overhead", "--repeats", "10", "--num-requests", "4", "--prompt-len", "16",
