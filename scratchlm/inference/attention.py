@@ -25,8 +25,9 @@ Decode on a CPU cache (any of those dtypes) with float32 queries runs the C++ ke
 `csrc/paged_attention.h`, which reads K/V rows in place through the block table instead of gathering them
 (the gather copied every context once per layer and step: about a third of a 32-sequence decode step) and
 converts bf16/fp16/int8 to float32 in registers; the layer's scale, soft-cap and sliding window go with it (the
-kernel skips the blocks before a window). `PagedAttention(..., use_kernel=False)` and any other
-device/dtype (CUDA included) take the torch-ops path above, which the tests compare the kernel against.
+kernel skips the blocks before a window). `PagedAttention(..., use_kernel=False)` and any other device/dtype (CUDA
+included) take the torch-ops path above, which the tests compare the kernel against. Attention sinks (gpt-oss: a
+per-head logit in each softmax denominator) are not in the kernel: a layer with sinks takes the torch-ops path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from scratchlm.inference.cpp_extensions import load_engine_kernels
 from scratchlm.inference.kv_cache import KVCache
-from scratchlm.model.layers import AttentionSpec, spec_attention
+from scratchlm.model.layers import AttentionSpec, sink_softmax, spec_attention
 from scratchlm.model.mla import absorbed_attention, expanded_attention
 
 
@@ -132,7 +133,7 @@ class PagedAttention:
         """q (B, H, D), one query per sequence at the end of its context -> (B, H, D)."""
         meta, cache = self.meta, self.cache
         spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
-        if self._kernel is not None and q.dtype == torch.float32:
+        if self._kernel is not None and q.dtype == torch.float32 and spec.sinks is None:
             scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
             return self._kernel.paged_decode_attention(q, cache.k[layer], cache.v[layer], meta.decode_block_tables,
                                                        meta.decode_context_lens, spec.scale, True, *scales,
@@ -154,7 +155,8 @@ class PagedAttention:
         if spec.window is not None:
             mask = mask | (pos[None, :] < lens - spec.window)  # the query sits at lens - 1
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
+        sinks = None if spec.sinks is None else spec.sinks.view(hkv, h // hkv, 1)  # (Hkv, G, 1)
+        probs = sink_softmax(scores, sinks)
         return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # (B, H, D)
 
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillChunk,

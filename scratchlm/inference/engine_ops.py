@@ -88,8 +88,8 @@ class EngineMLP(MLP):
 
     def forward(self, x: Tensor) -> Tensor:
         ext = load_engine_kernels()
-        if ext is None or torch.is_grad_enabled() or not _cpu_f32(x) or x.numel() == 0:
-            return super().forward(x)
+        if ext is None or torch.is_grad_enabled() or not _cpu_f32(x) or x.numel() == 0 or not self.plain_glu:
+            return super().forward(x)  # gpt-oss's clamped SwiGLU: the torch ops (not in decoder.h)
         if self.act == "silu" and self.gated and self.b1 is None:
             gate, up = self.w1(x), self.w3(x)
             if not _cpu_f32(gate, up):
@@ -153,7 +153,8 @@ class RowPagedAttention(PagedAttention):
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec | None = None) -> Tensor:
         spec = spec if spec is not None else AttentionSpec(1.0 / math.sqrt(q.shape[-1]))
-        if self._kernel is None or q.dtype != torch.float32 or q.shape[0] != 1 or q.shape[1] != self.lens.numel():
+        if (self._kernel is None or q.dtype != torch.float32 or q.shape[0] != 1 or q.shape[1] != self.lens.numel()
+                or spec.sinks is not None):  # attention sinks: not in the kernel, PagedAttention's torch ops
             return super().__call__(layer, q, k, v, spec)
         cache = self.cache
         cache.write(layer, self.meta.slot_mapping, k[0], v[0])

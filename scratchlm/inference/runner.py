@@ -243,11 +243,23 @@ def fused_step_unsupported(config) -> list[str]:
     layer); the embedding (scale, learned positions), the final norm, logit scale and final soft-cap stay in
     Python around it (`TransformerLM.embed` / `finish_logits`), and sequence-length dependent RoPE (dynamic,
     LongRoPE) gets per-row cos/sin tables (`ModelRunner._rope_lengths`). What is left: an odd head dim or an odd
-    number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide). The mixture-of-experts
-    feed-forward runs there too (csrc/moe.h, `_moe_layer`)."""
+    number of rotated dims (without RoPE too: the kernel's cos/sin tables are R/2 wide), and gpt-oss's features
+    (attention sinks, the clamped SwiGLU, expert biases, its router). The mixture-of-experts feed-forward runs there
+    too (csrc/moe.h, `_moe_layer`)."""
     missing = []
     if config.mla.kv_lora_rank:
         missing.append("multi-head latent attention")
+    if config.attn.sinks:
+        missing.append("attention sinks (attn.sinks)")
+    m, e = config.mlp, config.moe
+    if m.swiglu_limit is not None or m.swiglu_alpha != 1.0:
+        missing.append("gpt-oss's clamped SwiGLU (mlp.swiglu_alpha / swiglu_limit)")
+    if e.n_experts and m.bias:
+        missing.append("MoE experts with biases (mlp.bias)")
+    if e.n_experts and e.scoring == "topk_softmax":
+        missing.append("the top-k-then-softmax router (moe.scoring='topk_softmax')")
+    if e.n_experts and e.router_bias:
+        missing.append("a router bias (moe.router_bias)")
     if config.head_dim % 2 or config.rotary_dim % 2:
         missing.append(f"an odd head dim or rotary dims ({config.head_dim}, {config.rotary_dim})")
     return missing

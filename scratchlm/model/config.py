@@ -5,15 +5,16 @@ RoPE base and pair layout, norm epsilon, q/k/v biases, tied head). Everything th
 lives in four grouped sub-configs that the one `TransformerBlock` (and every backend: the C++ fused step,
 tensor parallelism, the planner, the KV cache through `kv_spec()`) reads:
 
-- `rope`: RoPE scaling (none / linear / dynamic NTK / llama3 / YaRN / LongRoPE), partial rotary dims, the theta
-  of sliding-window layers (Gemma 3), layers without RoPE (NoPE);
+- `rope`: RoPE scaling (none / linear / dynamic NTK / llama3 / YaRN with or without truncation / LongRoPE), partial
+  rotary dims, the theta of sliding-window layers (Gemma 3), layers without RoPE (NoPE);
 - `attn`: o-projection bias, q/k-norm (per head or over the full width), the query scale, the logit soft-cap,
-  sliding windows with a per-layer pattern;
+  sliding windows with a per-layer pattern, attention sinks (gpt-oss);
 - `norm`: RMSNorm or LayerNorm (with bias), pre / post / both ("sandwich") placement, the (1 + w) offset;
-- `mlp`: SiLU or GELU-tanh, gated (SwiGLU / GeGLU) or plain, biases;
-- `moe`: a mixture-of-experts feed-forward in place of the MLP (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3): the
-  router (softmax or sigmoid scores, top-k with or without renormalisation, group-limited choice, the score
-  correction bias, the routed scale), shared experts, and which layers stay dense;
+- `mlp`: SiLU or GELU-tanh, gated (SwiGLU / GeGLU) or plain, biases, gpt-oss's clamped SwiGLU;
+- `moe`: a mixture-of-experts feed-forward in place of the MLP (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss): the
+  router (softmax or sigmoid scores or gpt-oss's softmax over the top-k logits, a router bias, top-k with or
+  without renormalisation, group-limited choice, the score correction bias, the routed scale), shared experts,
+  and which layers stay dense;
 - `mla`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2): low-rank q, a compressed KV latent plus a decoupled
   RoPE key, which is what the KV cache stores;
 
@@ -52,6 +53,8 @@ class RopeFeatures:
     high_freq_factor: float = field(default=4.0, metadata={"help": "llama3: wavelengths below orig/high are kept"})
     beta_fast: float = field(default=32.0, metadata={"help": "yarn: rotations above which dims are extrapolated"})
     beta_slow: float = field(default=1.0, metadata={"help": "yarn: rotations below which dims are interpolated"})
+    truncate: bool = field(default=True, metadata={"help": "yarn: the ramp's ends are rounded to whole dims (floor/"
+                                                           "ceil); False keeps them fractional (gpt-oss)"})
     attention_factor: float | None = field(
         default=None, metadata={"help": "yarn/longrope: cos/sin multiplier; None = the method's default formula"})
     mscale: float | None = field(
@@ -91,6 +94,8 @@ class AttentionFeatures:
         default=None, metadata={"help": "a query sees itself and the window - 1 tokens before it; None = full"})
     sliding_layers: list[int] | None = field(
         default=None, metadata={"help": "layers that use the window; None = every layer (when a window is set)"})
+    sinks: bool = field(default=False, metadata={"help": "a learned logit per query head joins each query's softmax "
+                                                         "denominator (gpt-oss attention sinks; no value)"})
 
 
 @dataclass
@@ -112,7 +117,12 @@ class MLPFeatures:
     act: Literal["silu", "gelu_tanh", "gelu"] = field(default="silu", metadata={"help": "activation"})
     gated: bool = field(default=True, metadata={"help": "act(x W1) * (x W3), then W2 (SwiGLU / GeGLU); "
                                                         "False: act(x W1) W2 (GPT-2)"})
-    bias: bool = field(default=False, metadata={"help": "biases on every MLP linear"})
+    bias: bool = field(default=False, metadata={"help": "biases on every MLP linear (MoE experts included)"})
+    swiglu_alpha: float = field(default=1.0, metadata={"help": "gated silu as gate * sigmoid(alpha * gate) (gpt-oss: "
+                                                               "1.702); 1 = SwiGLU"})
+    swiglu_limit: float | None = field(
+        default=None, metadata={"help": "gpt-oss's clamped SwiGLU: gate clamped to max=limit, up to [-limit, limit], "
+                                        "and the product taken with (up + 1); None = plain"})
 
 
 @dataclass
@@ -124,9 +134,11 @@ class MoEFeatures:
     n_experts: int = field(default=0, metadata={"help": "routed experts per sparse layer; 0 = no MoE"})
     top_k: int = field(default=2, metadata={"help": "experts each token is routed to"})
     d_expert: int | None = field(default=None, metadata={"help": "hidden size of one routed expert; None = d_ff"})
-    scoring: Literal["softmax", "sigmoid"] = field(
-        default="softmax", metadata={"help": "router scores: softmax over all experts (Mixtral, Qwen, DeepSeek-V2) "
-                                             "or an independent sigmoid per expert (DeepSeek-V3)"})
+    scoring: Literal["softmax", "sigmoid", "topk_softmax"] = field(
+        default="softmax", metadata={"help": "router scores: softmax over all experts (Mixtral, Qwen, DeepSeek-V2), "
+                                             "an independent sigmoid per expert (DeepSeek-V3), or top-k of the logits "
+                                             "then a softmax over the chosen k (gpt-oss)"})
+    router_bias: bool = field(default=False, metadata={"help": "the router linear has a bias (gpt-oss)"})
     norm_topk: bool = field(default=True, metadata={"help": "renormalise the chosen experts' scores to sum to 1 "
                                                             "(Mixtral, Qwen3-MoE; Qwen2-MoE norm_topk_prob)"})
     routed_scale: float = field(default=1.0, metadata={"help": "the routed experts' sum is multiplied by this "
@@ -296,6 +308,10 @@ class ModelConfig:
             problems.append("norm.bias needs norm.kind='layer'")
         if m.act not in ("silu", "gelu_tanh", "gelu"):
             problems.append(f"mlp.act={m.act!r} must be 'silu', 'gelu_tanh' or 'gelu'")
+        if (m.swiglu_alpha != 1.0 or m.swiglu_limit is not None) and (m.act != "silu" or not m.gated):
+            problems.append("mlp.swiglu_alpha / swiglu_limit need a gated silu MLP (mlp.act='silu', gated=True)")
+        if m.swiglu_limit is not None and not m.swiglu_limit > 0:
+            problems.append(f"mlp.swiglu_limit={m.swiglu_limit!r} must be > 0 or None")
         problems += self._moe_problems()
         problems += self._mla_problems()
         if problems:
@@ -308,9 +324,11 @@ class ModelConfig:
         out = []
         if not 0 < e.top_k <= e.n_experts:
             out.append(f"moe.top_k={e.top_k} must be in 1..moe.n_experts={e.n_experts}")
-        if e.scoring not in ("softmax", "sigmoid") or e.group_score not in ("max", "top2"):
-            out.append(f"moe.scoring={e.scoring!r} / group_score={e.group_score!r} not one of softmax|sigmoid / "
-                       "max|top2")
+        if e.scoring not in ("softmax", "sigmoid", "topk_softmax") or e.group_score not in ("max", "top2"):
+            out.append(f"moe.scoring={e.scoring!r} / group_score={e.group_score!r} not one of softmax|sigmoid|"
+                       "topk_softmax / max|top2")
+        if e.scoring == "topk_softmax" and (e.n_groups > 1 or e.score_bias):
+            out.append("moe.scoring='topk_softmax' takes no expert groups or score_bias")
         if e.n_groups < 1 or e.n_experts % e.n_groups or not 0 < e.topk_groups <= e.n_groups:
             out.append(f"moe.n_groups={e.n_groups} must divide n_experts={e.n_experts} and 1 <= topk_groups="
                        f"{e.topk_groups} <= n_groups")
@@ -320,8 +338,8 @@ class ModelConfig:
             out.append(f"moe.d_expert={e.d_expert} / d_shared={e.d_shared} must be positive / >= 0")
         if not all(0 <= i < self.n_layers for i in e.dense_layers):
             out.append(f"moe.dense_layers={e.dense_layers} names layers outside 0..{self.n_layers - 1}")
-        if not self.mlp.gated or self.mlp.bias:
-            out.append("moe experts are gated MLPs without biases (mlp.gated=True, mlp.bias=False)")
+        if not self.mlp.gated:
+            out.append("moe experts are gated MLPs (mlp.gated=True)")
         return out
 
     def _mla_problems(self) -> list[str]:
@@ -346,6 +364,7 @@ class ModelConfig:
         unsupported = [name for name, on in (("qkv_bias", self.qkv_bias), ("attn.o_bias", a.o_bias),
                                              ("attn.qk_norm", a.qk_norm != "none"),
                                              ("attn.logit_softcap", a.logit_softcap is not None),
+                                             ("attn.sinks", a.sinks),
                                              ("attn.sliding_window", a.sliding_window is not None),
                                              ("rope.nope_layers", bool(self.rope.nope_layers)),
                                              ("rope.local_theta", self.rope.local_theta is not None)) if on]
@@ -484,12 +503,12 @@ class ModelConfig:
             kv_b = m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + m.kv_lora_rank  # and the latent's norm
             return q + kv_a + kv_b + h * m.v_head_dim * d + (d if self.attn.o_bias else 0)
         attn = d * hd * h * 2 + d * hd * kv * 2 + (hd * (h + 2 * kv) if self.qkv_bias else 0)
-        attn += d if self.attn.o_bias else 0
+        attn += (d if self.attn.o_bias else 0) + (h if self.attn.sinks else 0)
         return attn + {"none": 0, "head": 2 * hd, "full": hd * (h + kv)}[self.attn.qk_norm]
 
     def expert_parameters(self) -> int:
-        """Parameters of one routed expert (a gated MLP of width d_expert)."""
-        return 3 * self.d_model * self.d_expert
+        """Parameters of one routed expert (a gated MLP of width d_expert, with its biases when mlp.bias)."""
+        return 3 * self.d_model * self.d_expert + (2 * self.d_expert + self.d_model if self.mlp.bias else 0)
 
     def ffn_parameters(self, layer: int | None = None, active: bool = False) -> int:
         """Parameters of block `layer`'s feed-forward: the dense MLP, or the router, the routed experts (all, or
@@ -498,7 +517,7 @@ class ModelConfig:
         if not self.is_moe_layer(self._layer_arg(layer, "ffn_parameters")):
             return (3 if self.mlp.gated else 2) * d * f + ((2 * f if self.mlp.gated else f) + d if self.mlp.bias else 0)
         e = self.moe
-        router = d * e.n_experts + (e.n_experts if e.score_bias else 0)
+        router = d * e.n_experts + (e.n_experts if e.score_bias else 0) + (e.n_experts if e.router_bias else 0)
         shared = 3 * d * e.d_shared + (d if e.shared_gate else 0)
         return router + (e.top_k if active else e.n_experts) * self.expert_parameters() + shared
 

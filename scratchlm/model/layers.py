@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -251,7 +251,10 @@ def activation(name: str, x: Tensor) -> Tensor:
 
 class MLP(nn.Module):
     """The feed-forward network: gated, w2( act(w1 x + b1) * (w3 x + b3) ) + b2 (SwiGLU, GeGLU), or plain,
-    w2( act(w1 x + b1) ) + b2 (GPT-2). w1 = gate (or up when plain), w3 = up, w2 = down; biases optional."""
+    w2( act(w1 x + b1) ) + b2 (GPT-2). w1 = gate (or up when plain), w3 = up, w2 = down; biases optional.
+
+    gpt-oss's experts (`swiglu_alpha`, `swiglu_limit`): with g = min(gate, limit) and u = clamp(up, -limit, limit),
+    the gated product is g * sigmoid(alpha * g) * (u + 1) (`gated_act`)."""
 
     # How tensor parallelism splits each parameter (read by scratchlm.parallel only; see `Attention.tp_plan`):
     # w1/w3 (and b1/b3) by hidden unit, w2 by its input columns (all-reduced, then b2 added once).
@@ -259,9 +262,10 @@ class MLP(nn.Module):
                "b2": "replicated"}
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, act: str = "silu", gated: bool = True,
-                 bias: bool = False):
+                 bias: bool = False, swiglu_alpha: float = 1.0, swiglu_limit: float | None = None):
         super().__init__()
         self.act, self.gated = act, gated
+        self.alpha, self.limit = swiglu_alpha, swiglu_limit
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype) if gated else None
@@ -276,17 +280,29 @@ class MLP(nn.Module):
     def _plus(y: Tensor, b: Tensor | None) -> Tensor:
         return y if b is None else y + b
 
+    @property
+    def plain_glu(self) -> bool:
+        """Whether the gated product is act(gate) * up (not gpt-oss's clamped SwiGLU)."""
+        return self.alpha == 1.0 and self.limit is None
+
+    def gated_act(self, gate: Tensor, up: Tensor) -> Tensor:
+        """act(gate) * up, or gpt-oss's clamped SwiGLU (see the class docstring)."""
+        if self.plain_glu:
+            return activation(self.act, gate) * up
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit) + 1
+        return gate * torch.sigmoid(gate * self.alpha) * up
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.act == "silu" and self.gated and self.b1 is None:
+        if self.act == "silu" and self.gated and self.b1 is None and self.plain_glu:
             # (A gate/up GEMM on concatenated weights was measured slower: the elementwise work on the
             # strided halves costs more than the GEMM saves.)
             gate, up = self.w1(x), self.w3(x)
             if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
                 return self.w2(_SiluMulFunction.apply(gate, up))
             return self.w2(torch.sigmoid(gate).mul_(gate).mul_(up))
-        h = activation(self.act, self._plus(self.w1(x), self.b1))
-        if self.gated:
-            h = h * self._plus(self.w3(x), self.b3)
+        h = self._plus(self.w1(x), self.b1)
+        h = self.gated_act(h, self._plus(self.w3(x), self.b3)) if self.gated else activation(self.act, h)
         return self._plus(self.w2(h), self.b2)
 
 
@@ -425,16 +441,29 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0) -> Tens
 @dataclass(frozen=True)
 class AttentionSpec:
     """How one layer's attention scores are made: q.k * scale, then cap * tanh(s / cap) when `softcap` is set, then
-    the causal mask, narrowed to the last `window` keys (the query's own included) when `window` is set. Every
-    attention backend takes it with the layer's q, k, v: `attn(layer_idx, q, k, v, spec)`."""
+    the causal mask, narrowed to the last `window` keys (the query's own included) when `window` is set; `sinks`
+    (H,): one more logit per query head in each softmax denominator, with no value (gpt-oss; the layer's parameter,
+    set per call by `Attention`). Every attention backend takes it with the layer's q, k, v:
+    `attn(layer_idx, q, k, v, spec)`."""
 
     scale: float
     softcap: float | None = None
     window: int | None = None
+    sinks: Tensor | None = field(default=None, compare=False)
 
     def is_plain(self, head_dim: int) -> bool:
         """Whether this is plain causal softmax(q.k / sqrt(D)) attention."""
-        return self.softcap is None and self.window is None and self.scale == 1.0 / math.sqrt(head_dim)
+        return (self.softcap is None and self.window is None and self.sinks is None
+                and self.scale == 1.0 / math.sqrt(head_dim))
+
+
+def sink_softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
+    """Softmax over the last dim of `scores`; with `sinks` (broadcastable to scores[..., :1]: one logit per row) that
+    logit joins each row's denominator and is dropped from the result (HF gpt-oss's eager attention)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
 
 
 # attn(layer_idx, q (B, T, H, D), k (B, T, Hkv, D), v (B, T, Hkv, D), spec) -> (B, T, H, D); q/k already rotated.
@@ -442,9 +471,9 @@ AttentionBackend = Callable[[int, Tensor, Tensor, Tensor, AttentionSpec], Tensor
 
 
 def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offset: int = 0) -> Tensor:
-    """Causal GQA attention under `spec` (any scale, soft-cap, window): q (B, T, H, D), k/v (B, S, Hkv, D), query t
-    at position q_offset + t -> (B, T, H, D). Plain specs take `causal_attention` (its fused backward); the rest
-    is written with torch ops, scores in float32. v may be narrower or wider than q/k (MLA: v_head_dim): the output
+    """Causal GQA attention under `spec` (any scale, soft-cap, window, sinks): q (B, T, H, D), k/v (B, S, Hkv, D),
+    query t at position q_offset + t -> (B, T, H, D). Plain specs take `causal_attention` (its fused backward); the
+    rest is written with torch ops, scores in float32. v may be narrower or wider than q/k (MLA: v_head_dim): the output
     is (B, T, H, Dv)."""
     d, dv = q.shape[-1], v.shape[-1]
     if spec.is_plain(d) and dv == d:
@@ -462,7 +491,8 @@ def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offse
     masked = kpos > qpos  # (T, S)
     if spec.window is not None:
         masked = masked | (kpos <= qpos - spec.window)
-    probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
+    sinks = None if spec.sinks is None else spec.sinks.view(hkv, h // hkv, 1, 1)  # (Hkv, G, 1, 1)
+    probs = sink_softmax(scores.masked_fill(masked, float("-inf")), sinks)
     out = probs @ vg  # (B, Hkv, G, T, D)
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, dv).to(q.dtype)  # (B, T, H, Dv)
 
@@ -470,7 +500,8 @@ def spec_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, q_offse
 class Attention(nn.Module):
     """Causal multi-head self-attention with grouped-query heads, RoPE and the attention features of
     `model.config.AttentionFeatures`: q/k/v and o biases, q/k-norm (per head or full width), and the scale /
-    soft-cap / window of its `AttentionSpec`.
+    soft-cap / window of its `AttentionSpec`; `sinks`: a learned logit per query head (`sinks` (H,)) that each
+    call's spec carries to the backend.
 
     `Attention(d_model, num_heads)` is CS336's multi-head self-attention (n_kv_heads = num_heads, head_dim =
     d_model // num_heads); its `output_proj` is `o_proj` here (see `scratchlm.model.loading.cs336`).
@@ -478,7 +509,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
                  qkv_bias: bool = False, device=None, dtype=None, *, o_bias: bool = False, qk_norm: str = "none",
-                 norm_eps: float = 1e-6, spec: AttentionSpec | None = None):
+                 norm_eps: float = 1e-6, spec: AttentionSpec | None = None, sinks: bool = False):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if head_dim is None:
@@ -499,6 +530,7 @@ class Attention(nn.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype)) if o_bias else None
+        self.sinks = nn.Parameter(torch.zeros(n_heads, device=device, dtype=dtype)) if sinks else None  # (H,)
         self.qk_norm = qk_norm
         if qk_norm == "none":
             self.q_norm = self.k_norm = None
@@ -513,7 +545,8 @@ class Attention(nn.Module):
         norm_split = "column" if qk_norm == "full" else "replicated"
         self.tp_plan = {"q_proj.weight": "column", "k_proj.weight": "column", "v_proj.weight": "column",
                         "q_bias": "column", "k_bias": "column", "v_bias": "column", "o_proj.weight": "row",
-                        "o_bias": "replicated", "q_norm.weight": norm_split, "k_norm.weight": norm_split}
+                        "o_bias": "replicated", "q_norm.weight": norm_split, "k_norm.weight": norm_split,
+                        "sinks": "column"}
 
     def _project(self, x: Tensor, proj: Linear, bias: Tensor | None, heads: int) -> Tensor:
         y = proj(x) if bias is None else torch.addmm(bias, x.flatten(0, -2), proj.weight.t())  # (..., heads * D)
@@ -565,9 +598,10 @@ class Attention(nn.Module):
         q, k = self._norm_qk(q, k)
         if rope is not None:
             q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        spec = self.spec if self.sinks is None else replace(self.spec, sinks=self.sinks)
         if attn is not None:
-            out = attn(layer_idx, q, k, v, self.spec)  # (B, T, H, D)
+            out = attn(layer_idx, q, k, v, spec)  # (B, T, H, D)
         else:
-            out = spec_attention(q, k, v, self.spec)
+            out = spec_attention(q, k, v, spec)
         y = self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
         return y if self.o_bias is None else y + self.o_bias

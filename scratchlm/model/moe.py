@@ -3,8 +3,10 @@ are summed with the router's weights, plus shared experts every token uses (`con
 
 Routing (`route`), in float32 whatever the model's dtype, as the HF models do:
 
-    logits = x Wg^T                                                    (N, E)
+    logits = x Wg^T (+ router bias: gpt-oss)                           (N, E)
     scores = softmax(logits) | sigmoid(logits)                         (N, E)
+             (gpt-oss's topk_softmax: ids = topk(logits, top_k), weights = softmax of those k logits; nothing
+             below but norm_topk and routed_scale applies)
     choice = scores (+ score_bias: DeepSeek-V3's correction, for the choice only)
     groups (n_groups > 1): a group's score is its best choice (V2) or the sum of its best two (V3); only the experts
              of the `topk_groups` best groups stay eligible (the others' choice is -inf; V2, as HF, zeroes their
@@ -28,9 +30,19 @@ from scratchlm.model.config import ModelConfig, MoEFeatures
 from scratchlm.model.layers import MLP, Linear
 
 
-def route(logits: Tensor, f: MoEFeatures, score_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Router logits (N, E) -> (weights (N, top_k) float32, expert ids (N, top_k) int64); see the module docstring."""
+def route(logits: Tensor, f: MoEFeatures, score_bias: Tensor | None = None,
+          router_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Router logits x Wg^T (N, E) -> (weights (N, top_k) float32, expert ids (N, top_k) int64); `router_bias` (E,)
+    is added to the logits first; see the module docstring."""
+    if router_bias is not None:
+        logits = logits + router_bias
     logits = logits.float()
+    if f.scoring == "topk_softmax":  # gpt-oss: the chosen k logits' own softmax
+        top, ids = logits.topk(f.top_k, dim=-1)
+        weights = top.softmax(dim=-1)
+        if f.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * f.routed_scale if f.routed_scale != 1.0 else weights), ids
     scores = logits.softmax(dim=-1) if f.scoring == "softmax" else logits.sigmoid()
     choice = scores if score_bias is None else scores + score_bias.float()
     if f.n_groups > 1:
@@ -56,8 +68,9 @@ def route(logits: Tensor, f: MoEFeatures, score_bias: Tensor | None = None) -> t
 
 class MoE(nn.Module):
     """Routed experts plus optional shared expert: x (..., d_model) -> (..., d_model). Parameters: `gate.weight`
-    (E, d_model), `score_bias` (E,) when `features.score_bias`, `experts.{e}` (MLP of width d_expert),
-    `shared` (MLP of width d_shared) and `shared_gate.weight` (1, d_model) when the features have them."""
+    (E, d_model), `router_bias` (E,) and `score_bias` (E,) when the features have them, `experts.{e}` (MLP of width
+    d_expert, with the `mlp` features' activation, biases and clamped SwiGLU), `shared` (MLP of width d_shared) and
+    `shared_gate.weight` (1, d_model) when the features have them."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -66,14 +79,18 @@ class MoE(nn.Module):
         self.gate = Linear(c.d_model, f.n_experts, device=device, dtype=dtype)
         self.score_bias = (nn.Parameter(torch.zeros(f.n_experts, device=device, dtype=torch.float32),
                                         requires_grad=False) if f.score_bias else None)
-        self.experts = nn.ModuleList(MLP(c.d_model, c.d_expert, device=device, dtype=dtype, act=c.mlp.act)
-                                     for _ in range(f.n_experts))
-        self.shared = MLP(c.d_model, f.d_shared, device=device, dtype=dtype, act=c.mlp.act) if f.d_shared else None
+        self.router_bias = (nn.Parameter(torch.zeros(f.n_experts, device=device, dtype=dtype))
+                            if f.router_bias else None)
+        m = c.mlp  # the experts' activation, biases and gpt-oss's clamped SwiGLU
+        kw = dict(device=device, dtype=dtype, act=m.act, bias=m.bias, swiglu_alpha=m.swiglu_alpha,
+                  swiglu_limit=m.swiglu_limit)
+        self.experts = nn.ModuleList(MLP(c.d_model, c.d_expert, **kw) for _ in range(f.n_experts))
+        self.shared = MLP(c.d_model, f.d_shared, **kw) if f.d_shared else None
         self.shared_gate = Linear(c.d_model, 1, device=device, dtype=dtype) if f.shared_gate else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x (N, d_model) -> (weights (N, top_k) float32, ids (N, top_k))."""
-        return route(self.gate(x), self.features, self.score_bias)
+        return route(self.gate(x), self.features, self.score_bias, self.router_bias)
 
     def routed(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The routed experts' weighted sum for x (N, d_model) and its routing: (N, d_model)."""

@@ -11,8 +11,9 @@ oracle in the tests):
 - llama3: low frequencies (wavelength > L0 / low_freq_factor) divided by factor, high ones
   (wavelength < L0 / high_freq_factor) kept, a smooth blend between;
 - yarn: extrapolated and interpolated frequencies blended by a linear ramp over the dims whose rotation count
-  in L0 lies between beta_slow and beta_fast; attention factor 0.1 ln(factor) + 1 (DeepSeek: the ratio
-  mscale(mscale) / mscale(mscale_all_dim) when both are given);
+  in L0 lies between beta_slow and beta_fast (its ends rounded to whole dims unless `truncate` is off, as
+  gpt-oss); attention factor 0.1 ln(factor) + 1 (DeepSeek: the ratio mscale(mscale) / mscale(mscale_all_dim)
+  when both are given);
 - longrope (Phi-3): per-frequency divisors, the short set within L0 and the long set beyond; attention factor
   sqrt(1 + ln(factor) / ln(L0)).
 
@@ -80,8 +81,10 @@ def _yarn(dim: int, theta: float, s, device) -> tuple[Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:  # the ramp's ends on whole dims (HF's default; gpt-oss: truncate false keeps them fractional)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no singular ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)

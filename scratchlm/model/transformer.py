@@ -61,12 +61,12 @@ class TransformerBlock(nn.Module):
         self.attn = (MLAttention(c, device=device, dtype=dtype, spec=attention_spec(c, layer)) if c.mla.kv_lora_rank
                      else Attention(c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.qkv_bias, device=device,
                                     dtype=dtype, o_bias=c.attn.o_bias, qk_norm=c.attn.qk_norm, norm_eps=c.norm_eps,
-                                    spec=attention_spec(c, layer)))
+                                    spec=attention_spec(c, layer), sinks=c.attn.sinks))
         self.attn_post_norm = make_norm(c, device=device, dtype=dtype) if post else None
         self.ffn_norm = make_norm(c, device=device, dtype=dtype) if pre else None
         self.ffn = (MoE(c, device=device, dtype=dtype) if c.is_moe_layer(layer) else
                     MLP(c.d_model, c.d_ff, device=device, dtype=dtype, act=c.mlp.act, gated=c.mlp.gated,
-                        bias=c.mlp.bias))
+                        bias=c.mlp.bias, swiglu_alpha=c.mlp.swiglu_alpha, swiglu_limit=c.mlp.swiglu_limit))
         self.ffn_post_norm = make_norm(c, device=device, dtype=dtype) if post else None
 
     def _residual(self, x: Tensor, y: Tensor) -> Tensor:

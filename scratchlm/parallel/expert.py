@@ -80,6 +80,8 @@ def moe_shards(prefix: str, moe: MoE, config: ModelConfig, layout: RankLayout) -
     out = {prefix + "gate.weight": WHOLE}
     if moe.score_bias is not None:
         out[prefix + "score_bias"] = WHOLE
+    if moe.router_bias is not None:
+        out[prefix + "router_bias"] = WHOLE
     if moe.shared_gate is not None:
         out[prefix + "shared_gate.weight"] = WHOLE
     for e in range(*layout.experts):
@@ -97,7 +99,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, layout: RankLayout, comm: Comm):
         super().__init__()
         self.features, self.layout, self.comm = moe.features, layout, comm
-        self.gate, self.score_bias = moe.gate, moe.score_bias
+        self.gate, self.score_bias, self.router_bias = moe.gate, moe.score_bias, moe.router_bias
         self.shared, self.shared_gate = moe.shared, moe.shared_gate
         self.first, self.stop = layout.experts
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.stop)})
@@ -117,7 +119,7 @@ class ExpertParallelMoE(nn.Module):
         t = time.perf_counter()
         k, n_exp, ep = f.top_k, f.n_experts, lay.ep
         if x.shape[0]:
-            weights, ids = route(self.gate(x), f, self.score_bias)  # (N, k) each
+            weights, ids = route(self.gate(x), f, self.score_bias, self.router_bias)  # (N, k) each
         else:  # a replica with no sequence in the step still takes part in the exchanges
             weights = torch.empty(0, k, device=x.device)
             ids = torch.empty(0, k, dtype=torch.long, device=x.device)

@@ -181,8 +181,9 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
     unknown = sorted(set(params) - _KNOWN_ROPE_KEYS)
     if unknown:
         raise FamilyError(f"{source}: RoPE parameters {unknown} are not supported")
-    if params.get("truncate", True) is False:
-        raise FamilyError(f"{source}: YaRN with truncate=false is not supported")
+    truncate = params.get("truncate", True)
+    if truncate is not True and (truncate is not False or _SCALINGS[kind] != "yarn"):
+        raise FamilyError(f"{source}: RoPE truncate={truncate!r} is not supported (YaRN's true or false only)")
     if (params.get("mscale") or params.get("mscale_all_dim")) and _SCALINGS[kind] != "yarn":
         raise FamilyError(f"{source}: mscale / mscale_all_dim with RoPE scaling {kind!r} are not supported (YaRN only)")
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
@@ -209,6 +210,7 @@ def rope_features(params: dict[str, Any], cfg: dict[str, Any], head_dim: int, so
         rotary_dim=rotary_dim,
         mscale=float(params["mscale"]) if params.get("mscale") is not None else None,
         mscale_all_dim=float(params["mscale_all_dim"]) if params.get("mscale_all_dim") is not None else None,
+        truncate=truncate,
     )
     return feats
 
@@ -279,6 +281,8 @@ def rope_to_hf(config: ModelConfig) -> dict[str, Any]:
         params.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
     if r.scaling == "yarn":
         params.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        if not r.truncate:
+            params["truncate"] = False
     if r.scaling in ("yarn", "longrope") and r.attention_factor is not None:
         params["attention_factor"] = r.attention_factor
     params.update({k: getattr(r, k) for k in ("mscale", "mscale_all_dim") if getattr(r, k) is not None})

@@ -1,0 +1,183 @@
+"""gpt-oss (HF `GptOssForCausalLM`) exact against transformers on a tiny random checkpoint of its own config class:
+four layers with alternating sliding windows (window 6, prompts longer), attention sinks, q/k/v/o biases, YaRN
+without truncation, six experts with biases, top-2 of the router's biased logits softmaxed, the clamped SwiGLU
+(limit lowered to 1.5 so the clamps act on these activations).
+
+HF's logits within 1e-4 (HF safetensors as transformers' save_pretrained writes them), `scratchlm.model.generate`
+and `scratchlm.LLM` (the engine's Python step: paged attention with the sinks, prefill in chunks over a cached
+prefix) greedy ids equal to HF `generate`, the export loads in transformers with equal logits, the config round
+trip, and the pieces against HF's own modules: the router, YaRN with truncate false.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scratchlm.model import families, load
+from scratchlm.model.loading import export_hf
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 150, 8, 23, 61, 2, 77, 9, 31, 44, 12, 100, 6, 59], [11, 4, 120],
+           [90, 91, 92, 93, 94, 95, 96, 97, 98, 1, 2, 3]]
+NEW_TOKENS = 12
+
+
+def _hf_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=160, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=6,
+                        num_experts_per_tok=2, sliding_window=6, max_position_embeddings=256, swiglu_limit=1.5)
+
+
+@functools.cache
+def _checkpoint(root: str):
+    """The HF model (seeded, weights scaled so routing, sinks, clamps and biases all matter) and its directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
+                p.add_(torch.randn_like(p) * 0.5)
+            elif "embed" in name:
+                p.normal_(0.0, 0.5)
+            elif "experts" in name or "router" in name:
+                p.normal_(0.0, 0.2)
+            elif "self_attn" in name:
+                p.normal_(0.0, 0.15)
+    directory = Path(root) / "gpt_oss"
+    hf.save_pretrained(directory)
+    return directory, hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(str(tmp_path_factory.mktemp("gpt_oss")))
+
+
+def _hf_greedy(hf, prompt: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def test_hf_load_logits(checkpoint):
+    directory, hf = checkpoint
+    loaded = load(directory)
+    c = loaded.config
+    assert c.attn.sinks and c.attn.sliding_layers == [0, 2] and c.attn.sliding_window == 6
+    assert c.moe.scoring == "topk_softmax" and c.moe.router_bias and c.mlp.bias and c.mlp.swiglu_limit == 1.5
+    assert c.rope.scaling == "yarn" and not c.rope.truncate
+    assert loaded.model.layers[0].attn.sinks.abs().min() > 0
+    ids = torch.randint(0, 160, (2, 40), generator=torch.Generator().manual_seed(1))
+    want = hf(ids).logits
+    assert (loaded.model(ids) - want).abs().max().item() < 1e-4
+
+
+def test_generate_equals_hf_generate(checkpoint):
+    from scratchlm.model.generate import generate
+
+    directory, hf = checkpoint
+    model = load(directory).model
+    for p in PROMPTS:
+        assert generate(model, p, NEW_TOKENS) == _hf_greedy(hf, p), p
+
+
+def test_llm_greedy_equals_hf_generate(checkpoint):
+    """The engine's Python step (the fused C++ step names gpt-oss's features as unsupported): decode through
+    PagedAttention's torch ops with the sinks, prompts in chunks of 8 so later chunks read a cached prefix."""
+    from scratchlm.inference import LLM, SamplingParams
+    from scratchlm.inference.runner import fused_step_unsupported
+
+    directory, hf = checkpoint
+    missing = " ".join(fused_step_unsupported(load(directory).config))
+    assert all(k in missing for k in ("sinks", "swiglu", "biases", "topk_softmax", "router_bias"))
+    with LLM(str(directory), threads=1, block_size=4, kv_cache_memory=8 << 20, max_model_len=64,
+             max_num_batched_tokens=8) as llm:
+        assert llm.engine.executor.runner.fused_decoder is None
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    for p, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p), p
+
+
+@torch.no_grad()
+def test_export_loads_equal_in_transformers(checkpoint, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    directory, hf = checkpoint
+    loaded = load(directory)
+    out = export_hf(loaded.model, out_dir=tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt_oss"
+    with safe_open(out / "model.safetensors", "pt") as f, safe_open(directory / "model.safetensors", "pt") as g:
+        names = set(g.keys())
+        assert set(f.keys()) == names
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in names)  # the layouts, bit for bit
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])
+    assert (back(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    assert load(out).config == loaded.config
+
+
+def test_config_round_trip():
+    cfg = _hf_config().to_dict()
+    family = families.for_hf_config(cfg)
+    config = family.config_from_hf(cfg, "gpt_oss")
+    assert family.name == "gpt_oss" and family.config_from_hf(family.hf_config(config), "x") == config
+    assert families.for_export(config) is family
+    # GptOssConfig's defaults when config.json leaves them out: YaRN x32 untruncated, theta 150000, every other layer
+    bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "layer_types")}
+    config = family.config_from_hf(bare, "bare")
+    assert config.rope_theta == 150_000.0 and config.rope.factor == 32.0 and not config.rope.truncate
+    assert config.attn.sliding_layers == [0, 2]
+
+
+def test_mxfp4_checkpoint_is_an_error():
+    cfg = _hf_config().to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(families.FamilyError, match="mxfp4"):
+        families.config_from_hf(cfg)
+
+
+@torch.no_grad()
+def test_router_equals_hf():
+    """Top-k of the biased logits, softmax over the chosen k (HF `GptOssTopKRouter`), ties included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    from scratchlm.model.config import MoEFeatures
+    from scratchlm.model.moe import route
+
+    torch.manual_seed(0)
+    router = GptOssTopKRouter(_hf_config())
+    router.weight.normal_(0.0, 0.5)
+    router.bias.normal_(0.0, 0.5)
+    x = torch.randn(64, 64)
+    x[:4] = 0.0  # logits = the bias alone
+    router.bias[1] = router.bias[3] = router.bias.max() + 1  # a tie for the first choice
+    _, weights, ids = router(x)
+    f = MoEFeatures(n_experts=6, top_k=2, scoring="topk_softmax", norm_topk=False, router_bias=True)
+    ours_w, ours_ids = route(x @ router.weight.t(), f, router_bias=router.bias)
+    assert torch.equal(ours_ids, ids)
+    assert torch.allclose(ours_w, weights, atol=1e-6)
+
+
+def test_yarn_untruncated_equals_hf():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from scratchlm.model.config import RopeFeatures
+    from scratchlm.model.rope import inv_freq
+
+    for truncate in (False, True):
+        cfg = _hf_config()
+        cfg.rope_parameters = cfg.rope_parameters | {"truncate": truncate}
+        want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        rope = RopeFeatures(scaling="yarn", factor=32.0, original_max_seq_len=4096, truncate=truncate)
+        got, ours_factor = inv_freq(16, 150_000.0, rope)
+        assert torch.equal(got, want) and ours_factor == factor
