@@ -47,7 +47,9 @@ def _meta_model(config: ModelConfig) -> TransformerLM:
 
 def _attention_units(name: str, config: ModelConfig, layout: RankLayout) -> tuple[int, int]:
     """Rows (column split) or columns (row split) of `Attention` parameter `name` this rank holds: q/o by query
-    head, k/v by KV head."""
+    head, k/v by KV head; the attention sinks (one per query head) by query head."""
+    if name == "sinks":
+        return layout.q_heads
     d = config.head_dim
     heads = {"q": layout.q_heads, "o": layout.q_heads, "k": layout.kv_heads, "v": layout.kv_heads}.get(name[0])
     if heads is None:
