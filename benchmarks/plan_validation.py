@@ -18,6 +18,16 @@
    communication per step (`comm_stats` on rank 0) against the alpha-beta prediction. Wall figures as info.
 4. Projections: a 16-node CPU cluster on 25 GbE, 8 x H100 NVLink, 1,000 H100s; the best layouts, and
    where communication overtakes compute.
+
+    python -m benchmarks.plan_validation --moe       # the mixture-of-experts validation only (~10 min)
+
+`--moe`: a Qwen3-MoE-shaped model with random weights (`MOE_MODEL`: 8 blocks, 32 experts of width 256, top-4,
+109M parameters, 21M active) saved here, the machine calibrated at its shapes (with the MoE block's per-expert
+and routing overheads), then the real `LLMEngine` with one rank, expert parallelism EP=2 (two data-parallel
+attention replicas sharing the experts, `EngineConfig.expert_parallel_size`) and EP=2 x TP=2, at 1 and 8 requests
+(the EP runs: 16): every rank's CPU time per decode step and the batched prefill's against the predicted work,
+and the all-to-alls per step on rank 0 against the alpha-beta prediction (info: wall, includes waiting); then
+DeepSeek-V3 and Kimi K2 projected on 1, 2 and 4 nodes of 8 x H100 and on the 16-node CPU cluster.
 """
 
 from __future__ import annotations
@@ -45,17 +55,20 @@ def _proc_cpu(pid: int) -> float:
 
 
 def _engine_client(conn, model: str | None, tp: int, pp: int, prompt_len: int, gen: int,
-                   batches: list[int], start=None) -> None:
-    """One engine (TP x PP ranks; workers spawned by the engine) in its own process: for each batch size, the
+                   batches: list[int], start=None, ep: int = 1, warm_all: bool = False) -> None:
+    """One engine (TP x PP (x EP) ranks; workers spawned by the engine) in its own process: for each batch size, the
     prefill step and every decode step timed on rank 0 (thread CPU, wall), the workers' process CPU over the
-    decode steps, and rank 0's communication."""
+    decode steps, and rank 0's communication. Warm-up: one request, or (`warm_all`) every batch size once (the
+    engine's linears choose their kernel per shape class at its first use, which a timed prefill must not
+    include)."""
     import torch
 
     torch.set_num_threads(1)
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(model, EngineConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                                           max_num_seqs=32, max_num_batched_tokens=1024))
+                                                           expert_parallel_size=ep, max_num_seqs=32,
+                                                           max_num_batched_tokens=1024))
     runner = engine.runner
     procs = list(getattr(runner, "procs", []))
     vocab = engine.model_config.vocab_size
@@ -65,7 +78,8 @@ def _engine_client(conn, model: str | None, tp: int, pp: int, prompt_len: int, g
     n = 0
     if start is not None:
         start.wait()  # DP: the replicas run side by side
-    for rep, batch in enumerate([1] + batches):  # the first run warms up
+    warmups = list(batches) if warm_all else [1]
+    for rep, batch in enumerate(warmups + batches):  # the first runs warm up
         for _ in range(batch):
             n += 1
             engine.add_request(f"v{n}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
@@ -87,25 +101,29 @@ def _engine_client(conn, model: str | None, tp: int, pp: int, prompt_len: int, g
         steps = len(cpus)
         workers = [(_proc_cpu(p.pid) - w0) / steps for p, w0 in zip(procs, workers0)]
         comm = runner.comm_stats() if hasattr(runner, "comm_stats") else {}
-        if rep:
+        comm_bytes = dict(runner.comm.bytes) if hasattr(runner, "comm") else {}
+        if rep >= len(warmups):
             out[batch] = {"prefill": prefill, "step_cpu": statistics.median(cpus),
                           "step_wall": statistics.median(walls), "decode_cpu_total": sum(cpus),
                           "decode_wall_total": sum(walls), "steps": steps, "workers_step_cpu": workers,
                           "comm": {k: (v[0] / steps, v[1] / steps) for k, v in comm.items()},
-                          "comm_prefill": comm_prefill, "load": os.getloadavg()[0]}
+                          "comm_prefill": comm_prefill, "load": os.getloadavg()[0],
+                          "comm_bytes": {k: v / steps for k, v in comm_bytes.items()}}
     if hasattr(runner, "shutdown"):
         runner.shutdown()
     conn.send(out)
 
 
-def _run_engines(specs: list[tuple], model: str | None, prompt_len: int, gen: int, batches: list[list[int]]):
-    """Run one client per spec (tp, pp) at once (DP) or a single one; returns their results."""
+def _run_engines(specs: list[tuple], model: str | None, prompt_len: int, gen: int, batches: list[list[int]],
+                 warm_all: bool = False):
+    """Run one client per spec (tp, pp[, ep]) at once (DP) or a single one; returns their results."""
     ctx = mp.get_context("spawn")
     start = ctx.Event() if len(specs) > 1 else None
     pipes, procs = [], []
-    for (tp, pp), b in zip(specs, batches):
+    for spec, b in zip(specs, batches):
+        tp, pp, ep = (*spec, 1)[:3]
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_engine_client, args=(child, model, tp, pp, prompt_len, gen, b, start))
+        p = ctx.Process(target=_engine_client, args=(child, model, tp, pp, prompt_len, gen, b, start, ep, warm_all))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -185,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-measure", action="store_true", help="projections only")
     ap.add_argument("--prompt-len", type=int, default=16, help="engine runs: prompt tokens")
     ap.add_argument("--gen", type=int, default=16, help="engine runs: greedy tokens per request")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts validation and projections only")
     args = ap.parse_args(argv)
+    if args.moe:
+        return moe_main(args, argv)
     set_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     report = Report("plan_validation", "Planner: predicted vs measured (same run), then projections",
@@ -350,6 +371,151 @@ def main(argv: list[str] | None = None) -> int:
         report.add(crossover_text(mcfg, cluster))
     report.write()
     return 0
+
+
+MOE_MODEL = dict(vocab_size=4096, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1024, max_seq_len=1024,
+                 tie_embeddings=True, attn={"qk_norm": "head"}, moe={"n_experts": 32, "top_k": 4, "d_expert": 256})
+MOE_LAYOUTS = {"one rank": (1, 1, 1), "EP=2": (1, 1, 2), "EP=2 x TP=2": (2, 1, 2)}  # name: (tp, pp, ep)
+MOE_PROJECTIONS = [  # (cluster file, nodes, model, (prompt, output, concurrency))
+    *[("h100x8_ib_fp8.toml", n, m, (2048, 512, 256)) for m in ("deepseek-v3", "kimi-k2") for n in (1, 2, 4)],
+    *[("cpu16_25gbe.toml", 16, m, (2048, 256, 64)) for m in ("deepseek-v3", "kimi-k2")],
+]
+
+
+def moe_main(args, argv) -> int:
+    """The mixture-of-experts validation (see the module docstring, `--moe`)."""
+    import tempfile
+
+    import torch
+
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.model.loading.checkpoint import save_model
+    from scratchlm.model.transformer import TransformerLM
+    from scratchlm.plan import Layout, Workload, predict
+    from scratchlm.plan.calibrate import calibrate, measure_comm_cpu
+
+    set_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    report = Report("plan_validation_moe", "Planner on mixture-of-experts models: predicted vs measured (same run), "
+                    "then DeepSeek-V3 and Kimi K2 projections", argv if argv is not None else sys.argv[1:])
+    log = lambda s: print(f"[plan validation moe {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {s}",  # noqa: E731
+                          file=sys.stderr, flush=True)
+    if not args.skip_measure:
+        cfg = ModelConfig(**MOE_MODEL)
+        tmp = tempfile.mkdtemp(prefix="plan_moe_")
+        path = str(Path(tmp) / "moe.pt")
+        torch.manual_seed(0)
+        save_model(path, TransformerLM(cfg))
+        report.add(f"Model: `ModelConfig(**MOE_MODEL)` (Qwen3-MoE-shaped: {cfg.n_layers} blocks, d_model "
+                   f"{cfg.d_model}, {cfg.moe.n_experts} experts of width {cfg.d_expert}, top-{cfg.moe.top_k}, "
+                   f"q/k-norm), random weights (seed 0), float32: {cfg.num_parameters() / 1e6:.1f}M parameters, "
+                   f"{cfg.active_parameters() / 1e6:.1f}M active per token. Prompts of {args.prompt_len} random "
+                   f"tokens, {args.gen} greedy tokens each.")
+        log("calibrating at the MoE model's shapes")
+        cal = calibrate(clock="thread_cpu", model=cfg, log=log)
+        cores = cal.devices_per_node
+        checks = Checks()
+        cal_rows = []
+
+        def cal_row(name: str) -> None:
+            cal_rows.append([name, *calibration_row(cal), " ".join(
+                f"{m}:{2 * m * r / 1e9:.1f}" for m, r in zip(cal.linear_rows, cal.expert_linear_rate)),
+                f"{cal.moe_overhead * 1e6:.0f} / {cal.expert_overhead * 1e6:.0f} / "
+                f"{cal.ep_layer_overhead * 1e6:.0f} us"])
+
+        cal_row("start")
+        comm_rows = []
+        for name, (tp, pp, ep) in MOE_LAYOUTS.items():
+            if name != "one rank":  # the compute rates drift with the machine's load: re-measured per layout
+                log("re-calibrating the compute rates")
+                new = calibrate(clock="thread_cpu", model=cfg, network=False, memory=False)
+                for f in ("flops", "mem_bw", "softmax_rate", "softmax_rate_cached", "elementwise_rate",
+                          "layer_overhead", "step_overhead", "seq_overhead", "linear_rate", "moe_overhead",
+                          "expert_overhead", "expert_linear_rate"):
+                    setattr(cal, f, getattr(new, f))
+                cal.comm_cpu = measure_comm_cpu()
+                cal_row(f"before {name}")
+            batches = [1 * ep, 8 * ep]  # 1 and 8 sequences per replica
+            log(f"engine {name}")
+            res = _run_engines([(tp, pp, ep)], path, args.prompt_len, args.gen, [batches], warm_all=True)[0]
+            lay = Layout(dp=ep, tp=tp, ep=ep)
+            for batch in batches:
+                w = Workload(args.prompt_len, args.gen, batch)
+                pr = predict(cfg, w, cal, lay, ranks_per_node=cores)
+                pw = predict(cfg, w, cal, lay, ranks_per_node=max(cores, lay.world))
+                r = res[batch]
+                label = f"MoE engine {name}, {batch} request{'s' if batch > 1 else ''}"
+                bcast = 2 * cal.comm_cpu if lay.world > 1 else 0.0  # the step command
+                meas = [r["step_cpu"], *r["workers_step_cpu"]]
+                for i, m in enumerate(meas):
+                    pred_cpu = pr.decode_stages[0].work + bcast + (pr.engine_overhead if i == 0 else 0.0)
+                    checks.add(label, f"decode step CPU, rank {i}", pred_cpu * 1e3, m * 1e3, "{:.1f} ms")
+                checks.add(label, "decode step wall", pw.decode.total * 1e3, r["step_wall"] * 1e3, "{:.1f} ms",
+                           counted=False)
+                checks.add(label, "prefill step CPU, rank 0", pr.batch_prefill.work * 1e3,
+                           r["prefill"]["cpu"] * 1e3, "{:.1f} ms")
+                if ep > 1:
+                    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+                    rows = batch // ep
+                    sent = 2 * n_moe * rows * cfg.moe.top_k * cfg.d_model * 4 * (ep - 1) / ep  # to the other ranks
+                    got = sum(r["comm_bytes"].get(k, 0.0) for k in ("ep_dispatch", "ep_combine"))
+                    checks.add(label, "all-to-all bytes per step, rank 0 (dispatch + combine)", sent / 1e3,
+                               got / 1e3, "{:.1f} kB")
+                    a2a = sum(r["comm"].get(k, (0.0, 0))[0] for k in ("ep_dispatch", "ep_combine"))
+                    checks.add(label, "all-to-all time per step, rank 0", pr.decode_a2a_s * 1e3, a2a * 1e3,
+                               "{:.2f} ms", counted=False)
+                    comm_rows.append([label, f"{r['load']:.1f}", ", ".join(
+                        f"{k} {v[0] * 1e3:.2f} ms ({v[1]:.0f} calls)" for k, v in sorted(r["comm"].items())),
+                        f"{pr.decode.network * 1e3:.2f} ms (all-to-alls {pr.decode_a2a_s * 1e3:.2f} ms)"])
+        report.table(["when", *CALIBRATION_HEADERS[1:], "expert GFLOP/s by rows M",
+                             "overhead: MoE block / expert / EP block"],
+                     cal_rows,
+                     "Calibration of this machine at the MoE model's shapes (thread CPU time, one thread); the "
+                     "compute rates re-measured before each engine layout")
+        report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
+                     checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
+                     "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "
+                     "times that include waiting for the peer rank; they are not counted)")
+        report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
+                     comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
+                     "the peer) vs the alpha-beta prediction")
+    report.add(moe_projections())
+    report.write()
+    return 0
+
+
+def moe_projections(top: int = 4) -> str:
+    """DeepSeek-V3 and Kimi K2 on 1, 2, 4 nodes of 8 x H100 (fp8 weights) and on the 16-node CPU cluster: a summary
+    of the best layouts (scratchlm's EP with its replicated KV pool, and DeepSeek's sharded one), then the first
+    `top` layouts of each, as markdown."""
+    from scratchlm.plan import Workload, load_cluster, plan
+    from scratchlm.plan.cli import format_table, load_model_config
+
+    summary, parts = [], []
+    for cluster_file, nodes, model, (prompt, out, conc) in MOE_PROJECTIONS:
+        cluster = load_cluster(CLUSTERS / cluster_file)
+        cluster.nodes = nodes
+        mcfg = load_model_config(str(CLUSTERS / "models" / f"{model}.toml"))
+        w = Workload(prompt_len=prompt, output_len=out, concurrency=conc)
+        for ep_kv in ("replicated", "sharded"):
+            ranked = plan(mcfg, w, cluster, ep_kv=ep_kv)
+            b = ranked[0]
+            where = f"{cluster_file[:-5]} x {nodes}"
+            if not b.feasible:
+                least = min(p.memory_bytes for p in ranked) / 2**30
+                summary.append([model, where, ep_kv, "none fits", f"{least:.0f} at least", "", "", "", "", ""])
+            else:
+                summary.append([model, where, ep_kv, str(b.layout), f"{b.memory_bytes / 2**30:.1f}",
+                                f"{b.tpot_s * 1e3:.1f}", f"{w.concurrency / b.tpot_s:.0f}", f"{b.throughput:.0f}",
+                                f"{b.decode_a2a_s / b.tpot_s:.0%} / {b.prefill_a2a_s / b.prefill.total:.0%}",
+                                b.bottleneck])
+            parts.append(f"### {model} on {cluster.name}, {nodes} node(s) ({cluster.devices} ranks), KV {ep_kv}: "
+                         f"prompt {prompt}, output {out}, concurrency {conc}\n\n```\n{format_table(ranked, top)}\n```")
+    head = ["model", "cluster x nodes", "EP KV", "best layout", "GiB / rank", "TPOT ms", "decode tok/s",
+            "tok/s (with prefill)", "all-to-all share decode / prefill", "bottleneck"]
+    rows = "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *summary])
+    return ("### Summary: the best layout of each (workloads: H100, prompt 2048, output 512, 256 requests; CPU "
+            "cluster, prompt 2048, output 256, 64 requests)\n\n" + rows + "\n\n" + "\n\n".join(parts))
 
 
 def crossover_text(cfg, cluster) -> str:

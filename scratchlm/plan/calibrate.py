@@ -13,13 +13,19 @@ Every figure comes from a short micro-measurement, at the model's real shapes wh
 - elementwise rate: the block's non-matmul ops at the model's shapes (two RMSNorms, RoPE on q and k,
   SiLU x up, two residual adds) in elements of the touched tensors per second;
 - ring step overhead: one ring-attention step's block attention and merge on 4-token blocks;
-- engine overheads: decode steps of `LLMEngine` on tiny models (d_model 64, 2 and 10 layers) at batch 1
+- engine overheads: decode steps of `LLMEngine` on tiny models (d_model 64, 2 and 16 layers, the model's
+  q/k-norm, norms, MLP and MoE features, so the same decode path: the fused C++ step or the Python one) at batch 1
   and 32, where the arithmetic is negligible: per layer (op dispatch), per step (scheduler, sampler) and
-  per sequence (`measure_layer_overhead`, a plain forward of such a model, is the engine-less variant);
-- MoE overheads (a mixture-of-experts model): the `MoE` block of a tiny model (d_model 64, experts of width 16)
-  on 1 token (top_k experts run) and on 64 tokens (nearly all of them run), where the arithmetic is negligible:
-  seconds per expert run (gathering its tokens, its linears' dispatch, scattering its output) and per block beyond
-  a dense MLP's (routing);
+  per sequence, and per prompt and layer of a batched prefill (a MoE model's: less the MoE overheads measured
+  above, which the cost model adds per expert)
+  (`measure_layer_overhead`, a plain forward of such a model, is the engine-less variant);
+- a mixture-of-experts model: the expert curve, weight elements per second of one routed expert's forward (its
+  gate, up and down linears as the engine packs them, the activation) on M rows, over distinct experts of the
+  model's shapes together larger than the caches (a decode step streams small matrices, slower than a layer's);
+  and the MoE overheads, from the `MoE` block of a tiny model (d_model 64, experts of width 16) on 1 token (top_k
+  experts run) and on 64 tokens (nearly all run), less its experts' own forwards: seconds per expert run
+  (gathering its tokens, scattering its weighted output) and per block (routing); with `network`, what expert
+  parallelism adds per MoE block beyond its collective calls (`measure_ep_overhead`: EP=2 engines of tiny models);
 - activation memory: peak RSS of a 2-layer prefill (the model's widths, random weights) at two prompt
   lengths in a fresh process, less its KV cache: bytes per prompt token and per attention-score element;
 - gloo all-reduce over loopback between 2 local processes: latency from an 8-byte all-reduce, bandwidth
@@ -133,26 +139,53 @@ def measure_layer_overhead(layers: int = 8, clock: str = "wall") -> float:
         return _best(lambda: model(x), repeats=10, clock=clock) / layers
 
 
-def measure_moe_overhead(n_experts: int = 32, top_k: int = 2, clock: str = "wall") -> tuple[float, float]:
-    """(seconds per MoE block beyond a dense MLP's, seconds per expert run) of `model.moe.MoE` at tiny widths (d_model
-    64, experts of width 16), from one token (top_k experts run) and 64 tokens (nearly all run): the block's time is
-    fixed + experts run x per expert (`cost.experts_touched`), its arithmetic negligible."""
-    from scratchlm.model.layers import MLP
+def measure_moe_overhead(n_experts: int = 32, top_k: int = 2, clock: str = "wall") -> tuple[float, float, float]:
+    """(seconds per MoE block, seconds per expert run beyond the expert's own forward, that forward) of
+    `model.moe.MoE` at tiny widths (d_model 64, experts of width 16, the engine's linears), from one token (top_k
+    experts run) and 64 tokens (nearly all run): the block's time is fixed + experts run x (per expert + one
+    expert's forward), the arithmetic negligible (`cost.experts_touched`)."""
+    from scratchlm.inference.fast_linear import use_skinny_linears
     from scratchlm.model.moe import MoE
     from scratchlm.plan.cost import experts_touched
 
     c = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, d_ff=16,
                     moe={"n_experts": n_experts, "top_k": top_k, "d_expert": 16})
-    moe, mlp = MoE(c).eval(), MLP(64, 16).eval()
+    moe = MoE(c).eval()
+    use_skinny_linears(moe)
     g = torch.Generator().manual_seed(0)
     x1, xn = torch.randn(1, 64, generator=g), torch.randn(64, 64, generator=g)
     with torch.no_grad():
         t1 = _best(lambda: moe(x1), repeats=20, clock=clock)
         tn = _best(lambda: moe(xn), repeats=20, clock=clock)
-        dense = _best(lambda: mlp(x1), repeats=20, clock=clock)
+        one = _best(lambda: moe.experts[0](x1), repeats=20, clock=clock)  # an expert's own forward
     u1, un = experts_touched(n_experts, top_k, 1), experts_touched(n_experts, top_k, 64)
     per_expert = max(0.0, (tn - t1) / (un - u1))
-    return max(0.0, t1 - u1 * per_expert - dense), per_expert
+    return max(0.0, t1 - u1 * per_expert), max(0.0, per_expert - one), one
+
+
+def measure_expert_curve(c: ModelConfig, rows: tuple[int, ...] = LINEAR_ROWS, total_bytes: float = 1.2e8,
+                         clock: str = "wall") -> list[float]:
+    """Weight elements per second of one routed expert's forward (gate, up, act x up, down: the engine's linears) on
+    M rows, for each M in `rows`, over distinct experts of `c`'s shapes together larger than the caches."""
+    from scratchlm.inference.fast_linear import use_skinny_linears
+    from scratchlm.model.layers import MLP
+
+    per = 3 * c.d_model * c.d_expert
+    n = max(2, math.ceil(total_bytes / (per * 4)))
+    experts = torch.nn.ModuleList(MLP(c.d_model, c.d_expert, act=c.mlp.act) for _ in range(n)).eval()
+    use_skinny_linears(experts)
+    rates = []
+    with torch.no_grad():
+        for m in rows:
+            use = experts if m <= 64 else experts[:2]  # GEMMs: two experts' weights are enough
+            x = torch.randn(m, c.d_model)
+
+            def run(use=use, x=x) -> None:
+                for e in use:
+                    e(x)
+
+            rates.append(per * len(use) / _best(run, repeats=3, clock=clock))
+    return rates
 
 
 def measure_ring_step_overhead(heads: int = 8, kv_heads: int = 4, d: int = 64, clock: str = "wall") -> float:
@@ -180,26 +213,44 @@ class _ByteDecoder:
         return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-def measure_engine_overhead(layers: tuple[int, int] = (2, 16), clock: str = "wall",
-                            tokenizer=None) -> tuple[float, float, float]:
+def overhead_config(c: ModelConfig | None, layers: int) -> ModelConfig:
+    """The tiny model (d_model 64) the overheads are measured on, with `c`'s q/k-norm, norms, MLP and MoE features
+    (experts of width 16, every block sparse), so the engine takes the same decode path as for `c`."""
+    tiny = _tiny_config(layers=layers)
+    if c is None:
+        return tiny
+    from dataclasses import replace
+
+    moe = replace(c.moe, d_expert=16, d_shared=16 if c.moe.d_shared else 0, dense_layers=[])
+    return replace(tiny, attn=replace(tiny.attn, qk_norm=c.attn.qk_norm), norm=c.norm, mlp=c.mlp, moe=moe)
+
+
+def measure_engine_overhead(layers: tuple[int, int] = (2, 16), clock: str = "wall", tokenizer=None,
+                            model: ModelConfig | None = None,
+                            prefill_out: list[float] | None = None) -> tuple[float, float, float]:
     """(seconds per layer, per engine step, per sequence per step) of `LLMEngine` decode steps where the
-    arithmetic is negligible: tiny models (d_model 64) with two layer counts (the slope per layer, the
-    intercept per step) at batch 1, and batch 32 against batch 1 (per sequence); medians of 30 steps.
-    `tokenizer`: the one the engine will detokenize with (default: bytes)."""
+    arithmetic is negligible: tiny models (d_model 64; `model`'s features: `overhead_config`) with two layer counts
+    (the slope per layer, the intercept per step) at batch 1, and batch 32 against batch 1 (per sequence); medians
+    of 30 steps. `tokenizer`: the one the engine will detokenize with (default: bytes). `prefill_out`: gets the
+    seconds per prompt per layer of a batched prefill (4-token prompts: the per-sequence work of the step)."""
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
     from scratchlm.model.transformer import TransformerLM
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     now = CLOCKS[clock]
     step: dict[tuple[int, int], list[float]] = {}
+    prefills: dict[tuple[int, int], list[float]] = {}
     for n in layers:
-        cfg = _tiny_config(layers=n)
+        cfg = overhead_config(model, n)
         engine = LLMEngine(TransformerLM(cfg).eval(), tokenizer or _ByteDecoder(), cfg,
                            EngineConfig(max_num_seqs=32, kv_cache_memory=2**24))
         for rep, batch in enumerate((1, 32, 1, 32, 1)):  # the first pair warms up
             for i in range(batch):
                 engine.add_request(f"cal-{n}-{rep}-{i}", [1, 2, 3, 4], params)
+            t0 = now()
             engine.step()  # the prefill
+            if rep >= 2:
+                prefills.setdefault((n, batch), []).append(now() - t0)
             times = []
             while engine.has_unfinished_requests():
                 t0 = now()
@@ -212,7 +263,51 @@ def measure_engine_overhead(layers: tuple[int, int] = (2, 16), clock: str = "wal
     per_layer = max(0.0, (med[hi, 1] - med[lo, 1]) / (hi - lo))
     per_step = max(0.0, med[lo, 1] - lo * per_layer)
     per_seq = max(0.0, (med[hi, 32] - med[hi, 1]) / 31)
+    if prefill_out is not None:  # per prompt per layer of a batched prefill: (32 prompts - 1) / 31, its layer slope
+        pre = {k: min(v) for k, v in prefills.items()}
+        prefill_out.append(max(0.0, ((pre[hi, 32] - pre[hi, 1]) - (pre[lo, 32] - pre[lo, 1])) / (31 * (hi - lo))))
     return per_layer, per_step, per_seq
+
+
+def measure_ep_overhead(model: ModelConfig, ep: int = 2, layers: tuple[int, int] = (2, 8), clock: str = "wall",
+                        comm_cpu: float = 0.0) -> float:
+    """Seconds per MoE block per decode step that expert parallelism adds on a rank beyond the single-rank step and
+    its collective calls (`comm_cpu` each: the counts' all-gather, dispatch, combine, the K/V rows' all-gather):
+    regrouping the received rows, writing the other replicas' K/V. From `LLMEngine` with `expert_parallel_size=ep`
+    on the tiny models of `overhead_config` (arithmetic negligible), one sequence per replica, two layer counts:
+    the slope per layer on rank 0, less the single-rank slope (`measure_engine_overhead`)."""
+    import tempfile
+
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from scratchlm.model.loading.checkpoint import save_model
+    from scratchlm.model.transformer import TransformerLM
+
+    now = CLOCKS[clock]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    med = {}
+    with tempfile.TemporaryDirectory(prefix="calibrate_ep_") as tmp:
+        for n in layers:
+            path = Path(tmp) / f"tiny{n}.pt"
+            save_model(path, TransformerLM(overhead_config(model, n)).eval())
+            engine = LLMEngine.from_pretrained(path, EngineConfig(expert_parallel_size=ep, max_num_seqs=32,
+                                                                  kv_cache_memory=2**24))
+            try:
+                times = []
+                for rep in range(2):  # the first warms up
+                    for i in range(ep):
+                        engine.add_request(f"cal-ep-{n}-{rep}-{i}", [1, 2, 3, 4], params)
+                    engine.step()  # the prefill
+                    while engine.has_unfinished_requests():
+                        t0 = now()
+                        engine.step()
+                        if rep:
+                            times.append(now() - t0)
+                med[n] = sorted(times)[len(times) // 2]
+            finally:
+                engine.shutdown()
+    per_layer, _, _ = measure_engine_overhead(layers=layers, clock=clock, model=model)
+    lo, hi = layers
+    return max(0.0, (med[hi] - med[lo]) / (hi - lo) - per_layer - 4 * comm_cpu)
 
 
 def cache_bytes() -> int:
@@ -441,11 +536,25 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     smax = measure_softmax_rate(flops, t_out, c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
     elementwise = measure_elementwise(c, clock=clock)
     ring_overhead = measure_ring_step_overhead(c.n_heads, c.n_kv_heads, c.head_dim, clock=clock)
-    overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer)
     moe_overhead = expert_overhead = 0.0
+    expert_rate: list[float] = []
     if c.moe.n_experts:
-        say("MoE overheads")
-        moe_overhead, expert_overhead = measure_moe_overhead(clock=clock)
+        say("MoE: expert curve and overheads")
+        expert_rate = measure_expert_curve(c, rows, clock=clock)
+        moe_overhead, expert_overhead, tiny_forward = measure_moe_overhead(clock=clock)
+    prefill_seq: list[float] = []
+    overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer, model=c,
+                                                                    prefill_out=prefill_seq)
+    if c.moe.n_experts:  # the tiny models' MoE blocks: counted by the cost model per block and per expert run
+        from scratchlm.plan.cost import experts_touched
+
+        tiny = overhead_config(c, 16).moe
+        run = expert_overhead + tiny_forward  # one expert run of the tiny model (its forward is in the expert curve)
+        overhead = max(0.0, overhead - moe_overhead - experts_touched(tiny.n_experts, tiny.top_k, 1) * run)
+        more = experts_touched(tiny.n_experts, tiny.top_k, 32) - experts_touched(tiny.n_experts, tiny.top_k, 1)
+        seq_overhead = max(0.0, seq_overhead - 16 * more * run / 31)
+        more = experts_touched(tiny.n_experts, tiny.top_k, 128) - experts_touched(tiny.n_experts, tiny.top_k, 4)
+        prefill_seq[0] = max(0.0, prefill_seq[0] - more * run / 31)  # 32 prompts of 4 tokens against one
     token_bytes = score_bytes = 0.0
     if memory and Path("/proc/self/clear_refs").exists():
         say("activation memory")
@@ -453,6 +562,10 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     say("gloo all-reduce")
     lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
     comm_cpu = measure_comm_cpu() if network else 0.0
+    ep_overhead = 0.0
+    if c.moe.n_experts and network:
+        say("expert parallelism's per-block overhead (EP=2 engines)")
+        ep_overhead = measure_ep_overhead(c, clock=clock, comm_cpu=comm_cpu)
     try:
         mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable"))
@@ -466,4 +579,5 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
                        elementwise_rate=elementwise, ring_step_overhead=ring_overhead,
                        step_overhead=step_overhead, seq_overhead=seq_overhead,
                        token_bytes=token_bytes, score_bytes=score_bytes, comm_cpu=comm_cpu,
-                       moe_overhead=moe_overhead, expert_overhead=expert_overhead)
+                       moe_overhead=moe_overhead, expert_overhead=expert_overhead, expert_linear_rate=expert_rate,
+                       ep_layer_overhead=ep_overhead, prefill_seq_overhead=prefill_seq[0])

@@ -45,6 +45,10 @@ class ClusterSpec:
     linear_rate: list[float] = field(
         default_factory=list,
         metadata={"help": "weight elements per second of a linear layer multiplied by linear_rows[i] rows"})
+    expert_linear_rate: list[float] = field(
+        default_factory=list,
+        metadata={"help": "weight elements per second of one routed expert's forward on linear_rows[i] rows "
+                          "(empty: linear_rate)"})
     elementwise_rate: float = field(
         default=0.0, metadata={"help": "elements/s of the blocks' elementwise ops (norms, RoPE, SiLU, adds); "
                                        "0 = mem_bw / 12 bytes (three passes of 4 B)"})
@@ -57,6 +61,12 @@ class ClusterSpec:
     expert_overhead: float = field(
         default=0.0, metadata={"help": "fixed seconds per routed expert a MoE block runs (gather its tokens, "
                                        "launch, scatter its output); 0 = grouped kernels"})
+    prefill_seq_overhead: float = field(
+        default=0.0, metadata={"help": "fixed seconds per prompt per layer of a batched prefill (the engine's "
+                                       "per-sequence attention and bookkeeping)"})
+    ep_layer_overhead: float = field(
+        default=0.0, metadata={"help": "fixed seconds per MoE block per step that expert parallelism adds on a rank "
+                                       "beyond its collective calls (regrouping rows, the other replicas' K/V)"})
     moe_overhead: float = field(
         default=0.0, metadata={"help": "fixed seconds per MoE block beyond a dense MLP's (routing: scores, top-k, "
                                        "grouping the tokens by expert)"})
@@ -84,13 +94,17 @@ class ClusterSpec:
         for name in ("intra_latency", "inter_latency", "softmax_rate", "layer_overhead", "softmax_rate_cached",
                      "cache_bytes", "elementwise_rate",
                      "ring_step_overhead", "comm_cpu", "step_overhead", "seq_overhead", "token_bytes", "score_bytes",
-                     "expert_overhead", "moe_overhead", "weight_dtype_bytes"):
+                     "expert_overhead", "moe_overhead", "weight_dtype_bytes", "ep_layer_overhead",
+                     "prefill_seq_overhead"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
         if len(self.linear_rows) != len(self.linear_rate):
             problems.append(f"linear_rows ({len(self.linear_rows)}) and linear_rate ({len(self.linear_rate)}) "
                             "must have the same length")
-        if any(m <= 0 for m in self.linear_rows) or any(r <= 0 for r in self.linear_rate):
+        if self.expert_linear_rate and len(self.expert_linear_rate) != len(self.linear_rows):
+            problems.append(f"expert_linear_rate ({len(self.expert_linear_rate)}) must have linear_rows' length "
+                            f"({len(self.linear_rows)})")
+        if any(m <= 0 for m in self.linear_rows) or any(r <= 0 for r in self.linear_rate + self.expert_linear_rate):
             problems.append("linear_rows and linear_rate must be positive")
         if list(self.linear_rows) != sorted(self.linear_rows):
             problems.append(f"linear_rows={self.linear_rows} must be increasing")
@@ -114,15 +128,16 @@ class ClusterSpec:
         fits = self.cache_bytes and matrix_elements * 4 <= self.cache_bytes
         return self.softmax_rate_cached if fits else self.softmax_rate
 
-    def linear_time(self, weights: float, rows: float) -> float:
-        """Seconds to multiply `weights` weight elements by `rows` rows: the measured curve interpolated in
-        log(rows) (beyond its last point compute-bound: time grows with rows), or without a curve the roofline
-        max(weight bytes / mem_bw, 2 rows weights / flops)."""
+    def linear_time(self, weights: float, rows: float, expert: bool = False) -> float:
+        """Seconds to multiply `weights` weight elements by `rows` rows: the measured curve (`expert`: routed
+        experts', when measured) interpolated in log(rows) (beyond its last point compute-bound: time grows with
+        rows), or without a curve the roofline max(weight bytes / mem_bw, 2 rows weights / flops)."""
         if rows <= 0 or weights <= 0:
             return 0.0
         if not self.linear_rows:
             return max(weights * self.weight_dtype_bytes / self.mem_bw, 2 * rows * weights / self.flops)
-        ms, rs = self.linear_rows, self.linear_rate
+        ms = self.linear_rows
+        rs = self.expert_linear_rate if expert and self.expert_linear_rate else self.linear_rate
         if rows <= ms[0]:
             return weights / rs[0]
         if rows >= ms[-1]:

@@ -357,11 +357,12 @@ def per_token_activation_elements(c: ModelConfig, tp: int = 1) -> float:
     return 4 * c.d_model + 3 * ffn_width(c) / tp + (h_local + 2 * kv_local) * c.head_dim
 
 
-def _linear(t: Terms, cluster: ClusterSpec, weights: float, rows: float, slow: float) -> None:
-    """A linear layer of `weights` elements times `rows` rows: compute- or memory-bound by the roofline."""
+def _linear(t: Terms, cluster: ClusterSpec, weights: float, rows: float, slow: float, expert: bool = False) -> None:
+    """A linear layer of `weights` elements times `rows` rows (`expert`: routed experts' forwards): compute- or
+    memory-bound by the roofline."""
     if weights <= 0 or rows <= 0:
         return
-    sec = cluster.linear_time(weights, rows) * slow
+    sec = cluster.linear_time(weights, rows, expert) * slow
     if 2 * rows * weights / cluster.flops >= weights * cluster.weight_dtype_bytes / cluster.mem_bw:
         t.compute += sec
     else:
@@ -473,10 +474,11 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
             return 0.0
         tokens = rows * ep
         touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens)
-        _linear(terms, cluster, moe_layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow)
+        _linear(terms, cluster, moe_layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow, True)
         terms.overhead += moe_layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
         if ep == 1:
             return 0.0
+        terms.overhead += moe_layers * cluster.ep_layer_overhead * slow
         sent = rows * c.moe.top_k * c.d_model * e  # the replica's tokens, top_k copies, from each of its TP ranks
         a2a = moe_layers * 2 * _alltoall(sent, ep, cluster, inner=tp)  # dispatch + combine
         terms.network += a2a + moe_layers * _allgather(ep * c.moe.n_experts * 8, ep, ep_lat, ep_bw)  # row counts
@@ -501,7 +503,9 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
         smax = cluster.softmax_for(heads * sq * sk) / slow  # one attention op's score matrix in cache or not
         pre.add_op(prompts * (2 * score * (dqk + dv) / flops + score / smax), 0.0)
         pre.add_op(0.0, prompts * L * tl * ew / elem_rate)
-        pre.overhead = L * overhead
+        pre.overhead += L * overhead + prompts * L * cluster.prefill_seq_overhead * slow  # (+ the MoE blocks')
+        calls = (2 * L + 1 if tp > 1 else 0) + (3 * sum(n_moe) + (L if ep_kv == "replicated" else 0) if ep > 1 else 0)
+        pre.comm_cpu = calls * cluster.comm_cpu * slow
         if cp > 1 and cp_kind != "ulysses":
             pre.overhead += L * (cp - 1) * cluster.ring_step_overhead * slow  # the extra ring steps
         act = prompts * tl * c.d_model * e
@@ -554,7 +558,8 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     dec = Terms()
     for name in ("compute", "memory", "overhead"):
         setattr(dec, name, sum(getattr(x, name) for x in stage_terms) + (m - 1) * getattr(slowest, name))
-    engine = (cluster.step_overhead + batch * cluster.seq_overhead) * slow  # scheduler, sampler (rank 0)
+    engine = (cluster.step_overhead + batch * ep * cluster.seq_overhead) * slow  # scheduler, sampler (rank 0): all
+    # the sequences of its EP group
     dec.overhead += engine
     x = rows * c.d_model * e
     for s in range(pp):  # TP collectives of every stage, per micro-batch: 2 per layer, the embedding, the logits

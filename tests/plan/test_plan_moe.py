@@ -139,3 +139,13 @@ def test_plan_command_on_a_moe_model(capsys) -> None:
     assert rc == 0
     assert "1026.41B parameters, 32.86B active per token" in out and "MLA latent" in out
     assert "a2a dec" in out and "xEP" in out and "4 node(s)" in out
+
+
+def test_moe_overheads_enter_prefill_and_decode() -> None:
+    """The routing's fixed cost per MoE block and the cost per expert run, in both phases."""
+    w = Workload(prompt_len=16, output_len=4, concurrency=1)
+    slow = ClusterSpec(**{**BOX.__dict__, "moe_overhead": 1e-3, "expert_overhead": 1e-4})
+    a, b = predict(MOE, w, BOX, Layout()), predict(MOE, w, slow, Layout())
+    assert b.decode.overhead - a.decode.overhead == pytest.approx(3 * (1e-3 + 2 * 1e-4))  # top_k experts at batch 1
+    touched = experts_touched(8, 2, 16)
+    assert b.prefill.overhead - a.prefill.overhead == pytest.approx(3 * (1e-3 + touched * 1e-4))
