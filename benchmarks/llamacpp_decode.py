@@ -323,17 +323,18 @@ def weight_bytes(m) -> int:
     return total
 
 
-def scratchlm_worker(names: list[str], threads: int) -> int:
+def scratchlm_worker(names: list[str], threads: int, table: dict | None = None) -> int:
     """The scratchlm side as a worker process (its ISA cap comes from its environment): loads one engine per
-    format, prints READY {per format: weight bytes, fused step, or the load error}, then answers `decode NAME N`
-    (wall and process CPU seconds of N decode steps, greedy ids) and `stream` (GB/s of a plain streaming read)."""
+    format (of `table`, default `formats()`), prints READY {per format: weight bytes, fused step, or the load
+    error}, then answers `decode NAME N` (wall and process CPU seconds of N decode steps, greedy ids) and `stream`
+    (GB/s of a plain streaming read)."""
     set_threads(threads)
     import torch
 
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 
     engines, info = {}, {}
-    table = formats()
+    table = table or formats()
     for name in names:
         path, quant, _ = table[name]
         try:
@@ -374,22 +375,27 @@ def scratchlm_worker(names: list[str], threads: int) -> int:
     return 0
 
 
-def start_scratchlm(names: list[str], threads: int, cores: str, isa: str) -> Worker:
+def start_scratchlm(names: list[str], threads: int, cores: str, isa: str,
+                    module: str = "benchmarks.llamacpp_decode") -> Worker:
+    """`python -m module --worker NAMES --threads N`: the scratchlm worker of `module` (this one, or a benchmark
+    that runs `scratchlm_worker` on its own table of formats)."""
     env = dict(isa_env(isa), PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "benchmarks.llamacpp_decode", "--worker", *names, "--threads", str(threads)]
+    cmd = [sys.executable, "-m", module, "--worker", *names, "--threads", str(threads)]
     return Worker(cmd, env, cores, what=f"the scratchlm worker ({isa})")
 
 
 # ------------------------------------------------------------------------------------------ the run
 
 
-def measure(args, threads: int, isas: list[str], notes: list[str]) -> dict:
+def measure(args, threads: int, isas: list[str], notes: list[str], table: dict | None = None,
+            module: str = "benchmarks.llamacpp_decode") -> dict:
     """One interleaved run at `threads` threads, every ISA column at once; per ISA, per format: tok/s of
-    scratchlm and llama.cpp per round, bytes per token, fused, ids."""
+    scratchlm and llama.cpp per round, bytes per token, fused, ids. `table` (default `formats()`) and the worker's
+    `module`: another benchmark's files (benchmarks/moe_decode.py)."""
     cores = ""
     if args.bind_core >= 0:
         cores = ",".join(str(c) for c in range(args.bind_core, args.bind_core + threads))
-    table = formats()
+    table = table or formats()
     peers_ok = not missing_peers(isas)
     ours: dict[str, Worker] = {}
     theirs: dict[tuple[str, Path], LlamaCppWorker] = {}
@@ -397,7 +403,7 @@ def measure(args, threads: int, isas: list[str], notes: list[str]) -> dict:
     try:
         for isa in isas:
             print(f"[{threads} thread(s), {isa}] loading scratchlm {' '.join(args.formats)} ...", file=sys.stderr)
-            w = ours[isa] = start_scratchlm(args.formats, threads, cores, isa)
+            w = ours[isa] = start_scratchlm(args.formats, threads, cores, isa, module)
             col = res["isa"][isa] = {"formats": {}, "stream": [], "system_info": "", "cap": w.info.get("_cap", {})}
             for name in args.formats:
                 peer_file = table[name][2]

@@ -99,6 +99,9 @@ BENCHES: dict[str, Bench] = {
     "hf_batch_sweep": Bench(full=("--repeats", "1"), why="HF generate on SmolLM2-135M at four batch sizes (minutes)"),
     "llamacpp_decode": Bench(full=("--rounds", "5", "--tokens", "64"),
                              why="needs the llama.cpp peer in .peers/llamacpp (--setup-peers builds it)"),
+    "moe_decode": Bench(full=("--rounds", "5", "--tokens", "64"),
+                        why="needs the llama.cpp peers and the synthetic 1B Qwen3-MoE's GGUFs in .peers/ "
+                            "(--setup-peers makes them)"),
     "parallel": Bench(full=("--repeats", "2", "--gen", "16"), why="spawns TP/PP process groups (tens of seconds each)"),
     "context_parallel_engine": Bench(full=("--tokens", "2048", "--repeats", "3"), why="spawns CP process groups"),
     "sequence_parallel": Bench(full=("--lengths", "512,1024,2048"),
@@ -160,6 +163,8 @@ FIGURES: dict[str, Figure] = {
     "router": Figure("router", 1),
     "cluster-netem": Figure("cluster_netem", 1),
     "llamacpp-decode": Figure("llamacpp_decode", 1),
+    "moe-decode": Figure("moe_decode", "scratchlm / llama.cpp", page="moe.md"),
+    "moe-serve": Figure("moe_serve", "scratchlm serve against llama-server", page="moe.md"),
     "fold-block-speed": Figure("fold-memory-speed", "One Pairformer block"),
     "fold-block-memory": Figure("fold-memory-speed", "Peak extra resident memory"),
     "diffusion-memory": Figure("diffusion_memory", 1),
