@@ -6,7 +6,8 @@ side, one pinned thread then two, under the native ISA and under an AVX2 cap.
 
 --setup-peers downloads the llama-cpp-python sdist (pip, no binary) into .peers/ and builds the llama.cpp sources
 it vendors with CMake (CPU only, LLAMA_CURL=OFF, shared libraries) twice:
-- .peers/llama-server-build: GGML_NATIVE=ON (here: AVX-512 + VNNI), targets llama-server and llama-quantize;
+- .peers/llama-server-build: GGML_NATIVE=ON less AMX (here: AVX-512 + VNNI; NO_AMX says why), targets llama-server and
+  llama-quantize;
 - .peers/llama-avx2-build: GGML_NATIVE=OFF with AVX, AVX2, FMA, F16C, BMI2 and no AVX-512 / AVX-VNNI: the ggml CPU
   variant an AVX2-only CPU (Zen 2/3, most Intel client CPUs) runs, target llama-server.
 .peers/llamacpp becomes a virtual environment whose `llama_cpp` package is the sdist's Python code on either build's
@@ -56,7 +57,12 @@ AVX2_BUILD = PEERS / "llama-avx2-build"
 AVX2_LIB_DIR = AVX2_BUILD / "bin"
 COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"]
-NATIVE_CMAKE = ["-DGGML_NATIVE=ON"]
+# -march=native without AMX: on an AMX machine (Intel Sapphire/Granite Rapids) ggml's AMX kernels (amx/mmq.cpp, for
+# Q4_0/Q4_1/Q8_0/K-quant weights) faulted in this VM (SIGILL at tilezero, general protection at ldtilecfg, in
+# prompt processing and decode alike) while oneDNN's AMX matmuls ran fine in the same VM; explicit -mno-amx-* win
+# over -march=native in GCC whatever their order, so the build keeps every other native feature (AVX-512, VNNI)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NATIVE_CMAKE = ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
               "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF",
               "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
@@ -176,13 +182,11 @@ def _run(cmd: list[str], **kw) -> None:
 
 
 def build_llamacpp(build: Path, flags: list[str], targets: list[str]) -> None:
-    """Configure (once) and build `targets` of the vendored llama.cpp into `build`, under nice (shared cores)."""
+    """Configure and build `targets` of the vendored llama.cpp into `build`, under nice (shared cores). CMake runs
+    every time (seconds): changed flags rebuild what they touch, unchanged ones nothing."""
     src = SDIST_DIR / "vendor" / "llama.cpp"
-    if not (build / "CMakeCache.txt").exists():
-        _run(["cmake", "-S", str(src), "-B", str(build), *COMMON_CMAKE, *flags])
-    missing = [t for t in targets if not (build / "bin" / t).exists()]
-    if missing:
-        _run(["nice", "cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *missing])
+    _run(["cmake", "-S", str(src), "-B", str(build), *COMMON_CMAKE, *flags], stdout=subprocess.DEVNULL)
+    _run(["nice", "cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets])
 
 
 def quantize_with_llamacpp(src: Path, dst: Path, kind: str) -> None:
