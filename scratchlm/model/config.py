@@ -578,7 +578,7 @@ class ModelConfig:
         if self.mla.kv_lora_rank:
             return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
         spec = self.kv_spec()[layer]
-        return 2 * spec.n_kv_heads * spec.head_dim
+        return spec.n_kv_heads * (spec.head_dim + spec.value_dim)
 
     def attended_tokens(self, layer: int, seq_len: int) -> int:
         """Keys one query at position seq_len - 1 attends to in `layer` (its window caps it)."""

@@ -270,8 +270,8 @@ def kv_bytes_per_sequence(c: ModelConfig, layers: range, ctx: int, tp: int = 1, 
     kept = ctx if window is None else min(ctx, window)
     if c.mla.kv_lora_rank:
         return sum(math.ceil(kept / cp) * c.kv_elements_per_token(i) * dtype_bytes for i in layers)
-    return sum(2 * math.ceil(kept / cp) * math.ceil(spec[i].n_kv_heads / tp) * spec[i].head_dim * dtype_bytes
-               for i in layers)
+    return sum(math.ceil(kept / cp) * math.ceil(spec[i].n_kv_heads / tp) * (spec[i].head_dim + spec[i].value_dim)
+               * dtype_bytes for i in layers)
 
 
 def ffn_width(c: ModelConfig) -> float:

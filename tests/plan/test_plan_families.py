@@ -16,22 +16,22 @@ from scratchlm.parallel.layout import plan_layout
 from scratchlm.parallel.tensor import shard_plan
 from scratchlm.plan import ClusterSpec, Layout, Workload, predict
 from scratchlm.plan.cost import rank_parameters
-from tests.model.families.tiny import FAMILIES
+from tests.model.families.tiny import FAMILIES, MLA_FAMILIES, MOE_FAMILIES
 
 BIG = ClusterSpec(name="big", nodes=1, devices_per_node=4, flops=1e10, mem_bw=1e10, mem_capacity=1e12,
                   softmax_rate=1e9, intra_bw=1e9, intra_latency=1e-5, inter_bw=1e8, inter_latency=1e-4)
 
 
 def _config(name: str):
-    return families.config_from_hf(FAMILIES[name]().to_dict(), name)
+    return families.config_from_hf((FAMILIES | MOE_FAMILIES | MLA_FAMILIES)[name]().to_dict(), name)
 
 
-def _held(config, tp: int, pp: int, rank: int) -> int:
+def _held(config, tp: int, pp: int, rank: int, ep: int = 1) -> int:
     """Elements the rank's shard plan holds (every tensor's slice)."""
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in TransformerLM(config).state_dict().items()}
     total = 0
-    for name, (dim, start, stop) in shard_plan(config, plan_layout(config, tp, pp, rank)).items():
+    for name, (dim, start, stop) in shard_plan(config, plan_layout(config, tp, pp, rank, ep=ep)).items():
         n = 1
         for i, size in enumerate(shapes[name]):
             n *= (stop - start) if i == dim else size
@@ -79,3 +79,16 @@ def test_context_parallel_is_infeasible_for_what_it_does_not_implement() -> None
     p = predict(_config("gemma2"), Workload(prompt_len=512), BIG, Layout(cp=2))
     assert not p.feasible and "soft-cap" in p.reason and "sliding window" in p.reason
     assert predict(_config("llama3"), Workload(prompt_len=512), BIG, Layout(cp=2)).feasible
+
+
+@pytest.mark.parametrize("name", sorted(MOE_FAMILIES | MLA_FAMILIES))
+def test_moe_and_mla_parameter_counts_equal_the_models(name) -> None:
+    """One rank: the planner's count of `TransformerLM`'s parameters; EP = 2 and EP = 2 x TP = 2: the parameters
+    each rank holds in expert parallelism's shard plan (MoE families; MLA declares no shard plan yet)."""
+    c = _config(name)
+    with torch.device("meta"):
+        actual = sum(p.numel() for p in TransformerLM(c).parameters())
+    assert rank_parameters(c) == [actual] == [c.num_parameters()]
+    if name in MOE_FAMILIES:
+        assert rank_parameters(c, ep=2) == [_held(c, 1, 1, 0, ep=2)]
+        assert rank_parameters(c, tp=2, ep=2) == [_held(c, 2, 1, 0, ep=2)] == [_held(c, 2, 1, 3, ep=2)]
