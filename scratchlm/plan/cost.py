@@ -24,7 +24,7 @@ TP ranks) share one set of routed experts, E/ep per replica, each expert split o
 unit; attention is data-parallel (each replica runs its own sequences). Every MoE block all-gathers the per-expert
 row counts over the EP group, sends each token's top_k copies of its d_model activations to the experts' replicas
 and back (dispatch + combine: an all-to-all each, rows x top_k x d_model x bytes x (ep-1)/ep per rank, the share to
-other nodes on the inter-node link); every layer all-gathers the step's new K/V rows, so each replica keeps the
+other nodes on the inter-node link); every layer sends the step's new K/V rows to the other replicas, so each keeps the
 whole KV pool (`ep_kv="replicated"`; `"sharded"` models a deployment that keeps each replica's own sequences only,
 as DeepSeek's does). A step of N tokens routed among E experts touches E (1 - (1 - k/E)^N) of them on average (each
 expert chosen by a token with probability k/E): decode streams only those experts' weights, N k / touched rows each.
@@ -693,7 +693,7 @@ def explain(ranked: list[Prediction], objective: str = "throughput") -> str:
         r = feasible[1]
         lines.append(f"Runner-up {r.layout}: {r.throughput:.1f} tok/s, TTFT {r.ttft_s * 1e3:.1f} ms "
                      f"({r.bottleneck}-bound).")
-    replicas = next((p for p in feasible if p.layout.tp == p.layout.pp == p.layout.cp == 1), None)
+    replicas = next((p for p in feasible if p.layout.tp == p.layout.pp == p.layout.cp == p.layout.ep == 1), None)
     if replicas is not None and replicas is not best:
         lines.append(f"Plain replicas {replicas.layout}: {replicas.throughput:.1f} tok/s, "
                      f"TTFT {replicas.ttft_s * 1e3:.1f} ms.")
