@@ -235,11 +235,17 @@ class ModelCounts:
                    embedding, positions, outside - embedding - head - positions)
 
 
+def expert_local(c: ModelConfig, tp: int) -> int:
+    """Parameters of one routed expert's slice on a TP rank (`ModelConfig.expert_parameters` at 1/tp of the width;
+    the down projection's bias, if any, on every rank)."""
+    return replace(c, moe=replace(c.moe, d_expert=math.ceil(c.d_expert / tp))).expert_parameters()
+
+
 def routed_local(c: ModelConfig, tp: int, ep: int) -> int:
     """Routed-expert parameters of one MoE block on one rank: E/ep experts at 1/tp of their width."""
     if not c.moe.n_experts:
         return 0
-    return math.ceil(c.moe.n_experts / ep) * 3 * c.d_model * math.ceil(c.d_expert / tp)
+    return math.ceil(c.moe.n_experts / ep) * expert_local(c, tp)
 
 
 def rank_parameters(c: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
@@ -458,7 +464,7 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     L = c.n_layers
     ew = elementwise_elements(c, tp)
     # Routed experts: E/ep per replica at 1/tp of their width, serving the tokens of the ep replicas.
-    ew_expert = 3 * c.d_model * math.ceil(c.d_expert / tp) if c.moe.n_experts else 0
+    ew_expert = expert_local(c, tp) if c.moe.n_experts else 0
     ep_lat, ep_bw = cluster.link(_spans_nodes(tp, ep, cluster))
     if c.mla.kv_lora_rank:
         kv_row = c.kv_elements_per_token(0) * ekv  # one token's new KV in one layer on one rank

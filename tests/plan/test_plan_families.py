@@ -23,7 +23,8 @@ BIG = ClusterSpec(name="big", nodes=1, devices_per_node=4, flops=1e10, mem_bw=1e
 
 
 def _config(name: str):
-    return families.config_from_hf((FAMILIES | MOE_FAMILIES | MLA_FAMILIES)[name]().to_dict(), name)
+    return families.config_from_hf((FAMILIES | MOE_FAMILIES | MLA_FAMILIES | {"gpt_oss": _gpt_oss})[name]().to_dict(),
+                                   name)
 
 
 def _held(config, tp: int, pp: int, rank: int, ep: int = 1) -> int:
@@ -81,7 +82,13 @@ def test_context_parallel_is_infeasible_for_what_it_does_not_implement() -> None
     assert predict(_config("llama3"), Workload(prompt_len=512), BIG, Layout(cp=2)).feasible
 
 
-@pytest.mark.parametrize("name", sorted(MOE_FAMILIES | MLA_FAMILIES))
+def _gpt_oss():
+    from tests.model.families.test_gpt_oss import _hf_config
+
+    return _hf_config()
+
+
+@pytest.mark.parametrize("name", sorted(MOE_FAMILIES | MLA_FAMILIES) + ["gpt_oss"])
 def test_moe_and_mla_parameter_counts_equal_the_models(name) -> None:
     """One rank: the planner's count of `TransformerLM`'s parameters; EP = 2 and EP = 2 x TP = 2: the parameters
     each rank holds in expert parallelism's shard plan (MoE families; MLA declares no shard plan yet)."""
@@ -89,6 +96,6 @@ def test_moe_and_mla_parameter_counts_equal_the_models(name) -> None:
     with torch.device("meta"):
         actual = sum(p.numel() for p in TransformerLM(c).parameters())
     assert rank_parameters(c) == [actual] == [c.num_parameters()]
-    if name in MOE_FAMILIES:
+    if name not in MLA_FAMILIES:
         assert rank_parameters(c, ep=2) == [_held(c, 1, 1, 0, ep=2)]
         assert rank_parameters(c, tp=2, ep=2) == [_held(c, 2, 1, 0, ep=2)] == [_held(c, 2, 1, 3, ep=2)]
