@@ -14,11 +14,18 @@ linears hold W^T. The Hub's own files keep the experts MXFP4-quantized (`*_block
 `quantization_config` mxfp4): an error naming it; transformers loads them with `Mxfp4Config(dequantize=True)` and
 saves the float checkpoint this reads.
 
+GGUF (llama.cpp's `gpt-oss` arch, its converter's names: `attn_sinks`, `post_attention_norm`, `ffn_gate_inp` with a
+bias, stacked `ffn_{gate,up,down}_exps` with stacked biases): llama.cpp's graph hard-codes what the file does not
+say, and so does this reader: alpha 1.702 and limit 7 of the clamped SwiGLU, the softmax over the top-k logits, the
+windows on every other layer from layer 0 (`attention.sliding_window_pattern` 2, or the file's), and YaRN as
+gpt-oss configures it (HF's untruncated ramp; llama.cpp's ggml rounds the ramp's ends).
+
 `router_aux_loss_coef` and `output_router_logits` act in training only.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,6 +38,10 @@ from scratchlm.model.families.base import (
     Rule,
     base_config,
     base_hf_config,
+    gguf_base_config,
+    gguf_llama_rules,
+    gguf_meta,
+    gguf_moe,
     layer_types,
     llama_rules,
     need,
@@ -83,6 +94,50 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "attention_bias": config.qkv_bias, "layer_types": layer_types(config), "sliding_window": a.sliding_window,
         "num_local_experts": e.n_experts, "num_experts_per_tok": e.top_k, "swiglu_alpha": m.swiglu_alpha,
         "swiglu_limit": m.swiglu_limit, "output_router_logits": False}
+
+
+ARCH = "gpt-oss"
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> ModelConfig:
+    n_layers = int(gguf_meta(meta, ARCH, "block_count", source))
+    pattern = meta.get(f"{ARCH}.attention.sliding_window_pattern", 2)  # llama.cpp's set_swa_pattern
+    if isinstance(pattern, list):
+        sliding = [i for i, s in enumerate(pattern[:n_layers]) if s]
+    else:
+        p = int(pattern)
+        sliding = [i for i in range(n_layers) if p == 0 or i % p < p - 1]
+    window = meta.get(f"{ARCH}.attention.sliding_window")
+    window = int(window) if window and sliding else None
+    theta = float(meta.get(f"{ARCH}.rope.freq_base", DEFAULT_THETA))
+    if float(meta.get(f"{ARCH}.rope.freq_base_swa", theta)) != theta:
+        raise FamilyError(f"{source}: {ARCH}.rope.freq_base_swa differs from rope.freq_base: not supported")
+    config = gguf_base_config(meta, tensors, ARCH, source, attn=AttentionFeatures(
+        sliding_window=window, sliding_layers=sliding if window else None, sinks=True))
+    moe = gguf_moe(meta, tensors, ARCH, source, norm_topk=False, d_ff=config.d_ff)
+    try:
+        return replace(config, rope=replace(config.rope, truncate=False),
+                       mlp=MLPFeatures(bias="blk.0.ffn_gate_exps.bias" in tensors, swiglu_alpha=1.702,
+                                       swiglu_limit=7.0),
+                       moe=replace(moe, scoring="topk_softmax", router_bias="blk.0.ffn_gate_inp.bias" in tensors))
+    except ValueError as e:
+        raise FamilyError(f"{source}: {e}") from None
+
+
+def gguf_rules(config: ModelConfig) -> list[Rule]:
+    """llama.cpp's names (`gguf_llama_rules` with its MoE tensors), the sinks, the router bias and the experts'
+    stacked biases (E, F) / (E, D)."""
+    rules = gguf_llama_rules(config, norms={"attn_norm": "attn_norm", "ffn_norm": "post_attention_norm"})
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"blk.{i}."
+        rules.append(rename(f"{ours}attn.sinks", f"{theirs}attn_sinks.weight"))
+        if config.moe.router_bias:
+            rules.append(rename(f"{ours}ffn.router_bias", f"{theirs}ffn_gate_inp.bias"))
+        if config.mlp.bias:
+            rules += [Rule(f"{theirs}{g}.bias", _names(config, ours, b), lambda t: tuple(t.unbind(0)),
+                           lambda *p: torch.stack(p), rows=False)
+                      for b, g in (("b1", "ffn_gate_exps"), ("b2", "ffn_down_exps"), ("b3", "ffn_up_exps"))]
+    return rules
 
 
 def _names(config: ModelConfig, ours: str, name: str) -> tuple[str, ...]:
@@ -143,7 +198,10 @@ FAMILY = Family(
     name="gpt_oss",
     hf_model_types=("gpt_oss",),
     hf_architectures=("GptOssForCausalLM",),
+    gguf_archs=(ARCH,),
     config_from_hf=config_from_hf,
     hf_config=hf_config,
     hf_rules=hf_rules,
+    config_from_gguf=config_from_gguf,
+    gguf_rules=gguf_rules,
 )
