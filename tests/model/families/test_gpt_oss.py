@@ -16,10 +16,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from scratchlm.model import families, load
+from scratchlm.model.families.gpt_oss import ARCH
 from scratchlm.model.loading import export_hf
 from scratchlm.model.transformer import TransformerLM
 
@@ -338,3 +340,53 @@ def test_llamacpp_logits_equal_ours(gguf_file):
         err = (model(torch.tensor([ids]))[0] - theirs).abs().max().item()
         print(f"gpt-oss, {name}: max |ours - llama.cpp| {err:.2e} of logits up to {theirs.abs().max().item():.2f}")
     assert (rounded(torch.tensor([ids]))[0] - theirs).abs().max().item() < 2e-4 * max(1.0, theirs.abs().max().item())
+
+
+def _mxfp4_copy(src: Path, dst: Path) -> dict[str, np.ndarray]:
+    """`src` rewritten with its stacked expert weights in MXFP4 where a row holds whole 32-blocks (gate and up here;
+    the Hub's gpt-oss GGUFs keep all of them so), quantized by gguf-py; returns gguf-py's dequantization of each."""
+    import gguf
+    from gguf import quants
+
+    reader, writer = gguf.GGUFReader(src), gguf.GGUFWriter(dst, ARCH)
+    for f in reader.fields.values():
+        if f.name != gguf.Keys.General.ARCHITECTURE and not f.name.startswith("GGUF."):
+            kind = f.types[0]
+            writer.add_key_value(f.name, f.contents(), kind,
+                                 sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    dequantized = {}
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name.endswith("_exps.weight") and data.shape[-1] % 32 == 0:
+            q = quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+            dequantized[t.name] = quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dequantized
+
+
+@torch.no_grad()
+def test_gguf_mxfp4_experts_load_dequantized(gguf_file, tmp_path):
+    """MXFP4 experts (the format of the published gpt-oss GGUFs): the reader dequantizes them to exactly gguf-py's
+    values (an independent implementation); the packed loader names MXFP4 as a type it cannot keep packed."""
+    from scratchlm.inference.quantization import load_gguf_packed
+    from scratchlm.model.loading.common import CheckpointError
+
+    path = tmp_path / "mxfp4.gguf"
+    dequantized = _mxfp4_copy(gguf_file[0], path)
+    assert len(dequantized) == 8  # gate and up of 4 layers (down's rows are 48 wide)
+    loaded = load(path)
+    state = load(gguf_file[0]).model.state_dict()
+    for name, stacked in dequantized.items():
+        layer, kind = name.split(".")[1:3]
+        w = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3"}[kind]
+        for e in range(stacked.shape[0]):
+            state[f"layers.{layer}.ffn.experts.{e}.{w}.weight"] = torch.from_numpy(np.ascontiguousarray(stacked[e]))
+    assert all(torch.equal(v, state[k]) for k, v in loaded.model.state_dict().items())
+    with pytest.raises(CheckpointError, match="MXFP4: no packed form"):
+        load_gguf_packed(path)
