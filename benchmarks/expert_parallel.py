@@ -15,7 +15,10 @@ The split of a step (rank 0, median over rounds, per engine step):
   `kv exchange` (data-parallel attention: the new K/V rows to and from the other replica) and `rest` (attention, dense
   layers, head, sampling, the scheduler). An all-to-all's time on rank 0 includes waiting for the other rank to
   reach it (its share of the step's imbalance);
-- one process: `moe` (the model's MoE layers, by forward hooks: route + experts + combine) and `rest`.
+- one process: `moe` (the model's MoE layers, by forward hooks: route + experts + combine) and `rest`; a step the
+  fused C++ step runs (every layer in one call, csrc/moe.h: the default for a MoE model on the CPU) cannot be
+  split that way, so there the whole step is `rest`. The fused step is what one process runs, so it is the
+  baseline; EP's ranks run the Python step (the fused step does not take an EP layer).
 The all-to-all bytes are what rank 0 sends to the other rank (`Comm.bytes`); they are also written as JSON
 (results/DATE-expert_parallel.json) for the planner's validation (scratchlm/plan/cost.py).
 """
@@ -36,10 +39,10 @@ from benchmarks.common import Report, set_threads
 
 LAYOUTS = {  # name: (ep, tp, threads per rank)
     "1 process, 1 thread": (1, 1, 1),
-    "1 process, 2 threads": (1, 1, 2),
     "TP=2 (1 thread/rank)": (1, 2, 1),
     "EP=2 (1 thread/rank)": (2, 1, 1),
 }
+TWO_THREADS = {"1 process, 2 threads": (1, 1, 2)}  # --two-threads: on a loaded 2-core host its OpenMP barriers stall
 BASELINE = "1 process, 1 thread"
 
 
@@ -143,7 +146,7 @@ def _split(res: dict, ep: int) -> dict[str, float]:
     steps, comm, ex = res["steps"], res["comm"], res["expert"]
     c = {k: v[0] for k, v in comm.items()}
     if ep == 1 and not ex:
-        parts = {"moe": res["moe"]}
+        parts = {"moe (hooks: Python-step layers only)": res["moe"]}
     else:
         parts = {"route": ex.get("route", 0.0), "dispatch": c.get("ep_counts", 0.0) + c.get("ep_dispatch", 0.0),
                  "experts": ex.get("experts", 0.0), "combine": c.get("ep_combine", 0.0) + ex.get("combine", 0.0),
@@ -180,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--d-expert", type=int, default=384)
+    ap.add_argument("--two-threads", action="store_true", help="also one process with 2 threads (the same cores as "
+                    "EP=2; on a host loaded by other work its 2 OpenMP threads wait on each other: minutes per round)")
     args = ap.parse_args(argv)
+    layouts = {**LAYOUTS, **(TWO_THREADS if args.two_threads else {})}
     set_threads(1)
     import torch
 
@@ -202,13 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     del model
     ctx = mp.get_context("spawn")
     clients = {}
-    for name, (ep, tp, threads) in LAYOUTS.items():
+    for name, (ep, tp, threads) in layouts.items():
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_client, args=(child, str(path), ep, tp, threads, args.prompt_len, args.gen))
         proc.start()
         clients[name] = (proc, parent)
         print(f"{name}: {parent.recv()}", file=sys.stderr)
-    results: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in LAYOUTS}
+    results: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in layouts}
     try:
         for kind in ("batch1", "batch32"):
             for r in range(args.repeats + 1):  # the first round is a warm-up
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         tmp.cleanup()
     for kind in ("batch1", "batch32"):  # every contender generated the same greedy ids
         ref = results[BASELINE][kind][0]["ids"]
-        same = {name: all(x["ids"] == ref for x in results[name][kind]) for name in LAYOUTS}
+        same = {name: all(x["ids"] == ref for x in results[name][kind]) for name in layouts}
         print(f"{kind}: greedy ids equal to {BASELINE}: {same}", file=sys.stderr)
     load = os.getloadavg()
     rep = Report("expert_parallel", "Expert parallelism (EP=2, gloo) vs one process on a MoE model (CPU)",
@@ -237,18 +243,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.d_expert}, top-{f.top_k} (softmax, normalised), every layer MoE; {total / 1e6:.0f} M parameters "
             f"({per_layer_experts * cfg.n_layers / 1e6:.0f} M in experts). Prompts of {args.prompt_len} random "
             f"tokens, {args.gen} greedy tokens each; median of {args.repeats} interleaved rounds after a warm-up "
-            f"round. Load average at the end: {load[0]:.2f} / {load[1]:.2f} (2 cores, shared with other work: "
-            f"EP=2 and TP=2 use both, as does the 2-thread process).")
+            f"round. Load average at the end: {load[0]:.2f} / {load[1]:.2f} (2 cores, shared with other work). "
+            f"EP=2 and TP=2 use both cores, the 1-thread process one"
+            + (", the 2-thread process both." if args.two_threads else
+               "; a 2-thread process (`--two-threads`) is left out: on this loaded host its OpenMP threads stall "
+               "on each other (measured 25x slower than 1 thread in a first run), which measures the host, not "
+               "the engine."))
     same_text = []
     for kind in ("batch1", "batch32"):
         ref = results[BASELINE][kind][0]["ids"]
-        ok = [name for name in LAYOUTS if all(x["ids"] == ref for x in results[name][kind])]
-        same_text.append(f"{kind}: {len(ok)}/{len(LAYOUTS)} contenders generated exactly the greedy ids of "
-                         f"'{BASELINE}'" + ("" if len(ok) == len(LAYOUTS) else f" (only {ok})"))
+        ok = [name for name in layouts if all(x["ids"] == ref for x in results[name][kind])]
+        same_text.append(f"{kind}: {len(ok)}/{len(layouts)} contenders generated exactly the greedy ids of "
+                         f"'{BASELINE}'" + ("" if len(ok) == len(layouts) else f" (only {ok})"))
     rep.add("Agreement: " + "; ".join(same_text) + ".")
     base = {k: statistics.median(x["wall"] for x in results[BASELINE][k]) for k in ("batch1", "batch32")}
     rows = []
-    for name in LAYOUTS:
+    for name in layouts:
         b1 = statistics.median(x["wall"] for x in results[name]["batch1"])
         b32 = statistics.median(x["wall"] for x in results[name]["batch32"])
         tok1 = results[name]["batch1"][0]["tokens"]
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     rep.table(["layout", "batch-1 time / token", "batch-1 speed-up", "32 requests: throughput", "speed-up"], rows,
               f"Latency and throughput (speed-up: ratio to '{BASELINE}', same model and requests)")
     srows, measured = [], {}
-    for name, (ep, tp, _) in LAYOUTS.items():
+    for name, (ep, tp, _) in layouts.items():
         if tp > 1:
             continue
         for kind in ("batch1", "batch32"):

@@ -23,12 +23,13 @@ A step (rank 0 broadcasts the scheduler's `ModelInput` to every rank, as under T
    count; the same on every rank); replica r runs group r through the model: embedding, attention, dense
    layers and the head on its own tokens only (data-parallel attention). A replica with no sequence in the
    step (batch 1 at E = 2) runs zero rows but still takes part in every exchange.
-2. attention: each replica computes q/k/v for its tokens; the new K/V rows are sent to the other replicas over
-   the EP group (the ranks with the same KV heads, one per replica; an `all_to_all_single` in which each rank
-   sends its rows to every other) and written into every replica's cache, then each
-   replica attends for its own rows. So any replica can run any sequence in any later step (no sticky
-   assignment; prefix caching, preemption and copy-on-write work as with one rank), for the price of
-   2 x rows x kv_heads x head_dim values per layer and step on the wire and a replicated KV pool.
+2. attention: each replica computes q/k/v for its tokens; the new K/V rows (MLA: latents and RoPE keys) are sent
+   to the other replicas over the EP group (the ranks with the same KV heads, one per replica; an
+   `all_to_all_single` in which each rank sends its rows to every other) and written into every replica's
+   cache, then each replica attends for its own rows. So any replica can run any sequence in any later step
+   (no sticky assignment; prefix caching, preemption and copy-on-write work as with one rank), for the price
+   of 2 x rows x kv_heads x head_dim values (MLA: rows x (kv_lora_rank + rope dims)) per layer and step on the
+   wire and a replicated KV pool.
 3. MoE layer (`ExpertParallelMoE.forward`): route the replica's tokens with the replicated router (the model's
    own `route`, HF's tie-breaking); count rows per expert and all-gather the counts over the EP group (so each
    rank knows what it will receive, and rank 0 knows every expert's load); *dispatch*: the token rows, one per
@@ -48,7 +49,8 @@ over replicas) accumulates on rank 0: `ExpertParallelRunner.expert_load()`, whic
 /metrics and the inspector.
 
 Not supported (start-up errors): EP with pipeline or context parallelism, with quantization or speculative
-decoding (as under TP), and a model without routed experts.
+decoding (as under TP), EP x TP on a model with multi-head latent attention (MLA is not tensor-parallel; EP alone
+runs it whole on every replica), and a model without routed experts.
 """
 
 from __future__ import annotations
@@ -185,24 +187,37 @@ def check_expert_tp(moe: MoE, tp: int) -> None:
 
 class DataParallelAttention:
     """The attention backend of one replica under EP: the replica's own rows attend (a `PagedAttention` over its
-    sub-batch), after the other replicas' new K/V rows are gathered over the EP group and written into this
-    rank's cache, so every replica's cache holds every sequence."""
+    sub-batch), after the other replicas' new cache rows (K/V, or MLA's latent and RoPE key) are exchanged over the
+    EP group and written into this rank's cache, so every replica's cache holds every sequence."""
 
     def __init__(self, local: PagedAttention, comm: Comm, rows: list[int], other_slots: Tensor):
         self.local, self.comm, self.rows = local, comm, rows
         self.other_slots = other_slots  # (sum of the other replicas' rows,): their slots, replica order
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec=None) -> Tensor:
+    def _exchange(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Send this replica's new cache rows k (n, ...), v (n, ...) to every other replica, write theirs."""
         me, ep = self.comm.layout.ep_rank, self.comm.layout.ep
-        kv = torch.stack((k[0], v[0]), dim=1)  # (n, 2, Hkv, D): this replica's new rows
-        send = [0 if r == me else kv.shape[0] for r in range(ep)]  # to every other replica, nothing to itself
-        recv = [0 if r == me else n for r, n in enumerate(self.rows)]
-        others = self.comm.all_to_all(kv.repeat(ep - 1, 1, 1, 1), send, recv, "ep_kv")  # (rows, 2, Hkv, D)
+        n, kw, vw = k.shape[0], k.shape[1:].numel(), v.shape[1:].numel()
+        rows = torch.cat((k.reshape(n, kw), v.reshape(n, vw)), dim=1)  # (n, kw + vw); n may be 0
+        send = [0 if r == me else n for r in range(ep)]  # to every other replica, nothing to itself
+        recv = [0 if r == me else m for r, m in enumerate(self.rows)]
+        others = self.comm.all_to_all(rows.repeat(ep - 1, 1), send, recv, "ep_kv")  # (m, kw + vw)
         if others.shape[0]:
-            self.local.cache.write(layer, self.other_slots, others[:, 0], others[:, 1])
+            m = others.shape[0]
+            self.local.cache.write(layer, self.other_slots, others[:, :kw].reshape(m, *k.shape[1:]),
+                                   others[:, kw:].reshape(m, *v.shape[1:]))
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, spec=None) -> Tensor:
+        self._exchange(layer, k[0], v[0])  # (n, Hkv, D) each
         if q.shape[1] == 0:  # no sequence of this replica in the step
             return torch.empty_like(q)
         return self.local(layer, q, k, v, spec)
+
+    def mla(self, layer: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, module,
+            spec) -> Tensor:
+        """Multi-head latent attention (`PagedAttention.mla`): the latents (n, c) and RoPE keys (n, r) exchanged."""
+        self._exchange(layer, latent[0][:, None], k_rope[0][:, None])  # (n, 1, c), (n, 1, r): as the cache holds
+        return self.local.mla(layer, q_nope, q_rope, latent, k_rope, module, spec)
 
 
 class ExpertParallelRunner(ParallelRunner):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from scratchlm.inference.attention import AttentionMetadata, PagedAttention, PrefillChunk
-from scratchlm.inference.kv_cache import KVCache, kv_shape
+from scratchlm.inference.kv_cache import KVCache, kv_shape, kv_v_dim
 from scratchlm.inference.runner import ModelInput
 from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.pipeline import split_model_input
@@ -117,9 +117,12 @@ class ParallelRunner:
     # --- set-up ----------------------------------------------------------------------------------
     def _allocate(self, num_blocks: int) -> None:
         c, lay = self.model.config, self.layout
-        n_layers, _, head_dim = kv_shape(c.kv_spec()[lay.layers[0]:lay.layers[1]])  # this stage's layers' KV
-        self.cache = KVCache.allocate(n_layers, num_blocks, self.block_size, lay.kv_heads[1] - lay.kv_heads[0],
-                                      head_dim, self.dtype, self.device)  # this rank's KV heads
+        spec = c.kv_spec()[lay.layers[0]:lay.layers[1]]  # this stage's layers' KV
+        n_layers, heads, head_dim = kv_shape(spec)  # heads: 1 for MLA's latent
+        if lay.tp > 1:
+            heads = lay.kv_heads[1] - lay.kv_heads[0]  # this rank's KV heads
+        self.cache = KVCache.allocate(n_layers, num_blocks, self.block_size, heads, head_dim, self.dtype, self.device,
+                                      kv_v_dim(spec))
 
     def start(self, num_blocks: int) -> ParallelRunner:
         """Rank 0: tell every rank the KV pool size the engine chose, allocate this rank's cache shard."""

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.layers import MLP, Attention, AttentionBackend, LayerNorm, Linear, RMSNorm
+from scratchlm.model.mla import MLAttention
 from scratchlm.model.moe import MoE
 from scratchlm.model.transformer import TransformerBlock, TransformerLM
 from scratchlm.parallel.comm import Comm
@@ -72,6 +73,9 @@ def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: R
         if plan is None:
             if isinstance(module, (RMSNorm, LayerNorm)):
                 out[name] = WHOLE  # the block's norms act on the replicated residual stream
+                continue
+            if isinstance(module, MLAttention) and layout.tp == 1:
+                out[name] = WHOLE  # MLA is not tensor-parallel, but runs whole where nothing is split (EP, PP)
                 continue
             raise ValueError(f"tensor parallelism: {name} belongs to a {type(module).__name__}, which declares no "
                              f"tp_plan (how its parameters split over ranks); add one before sharding this model")
@@ -214,6 +218,8 @@ def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layo
         if isinstance(module, Linear):
             module.d_out, module.d_in = t.shape
     attn, ffn = block.attn, block.ffn
+    if layout.tp == 1:  # nothing split (EP or PP alone): the modules stay as built, MLA's included
+        return
     q_width, k_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim  # unsharded
     attn.n_heads = layout.q_heads[1] - layout.q_heads[0]
     attn.n_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]

@@ -2,9 +2,11 @@
 transformers (its forward and `generate` are the oracle; the ranks read the safetensors through the family's
 tensor rules, each only its experts).
 
-`distributed` (real ranks, gloo): Mixtral (4 experts), Qwen2-MoE (6 experts, gated shared expert) and Qwen3-MoE
-(8 experts, dense layers through decoder_sparse_step) at EP=2, and Qwen3-MoE at EP=2 x TP=2: the logits of every
-row of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate`.
+`distributed` (real ranks, gloo): Mixtral (4 experts), Qwen2-MoE (6 experts, gated shared expert), Qwen3-MoE
+(8 experts, dense layers through decoder_sparse_step) and DeepSeek-V2 / V3 (MLA: the replicas exchange latents and
+RoPE keys; group-limited routing, V3's correction bias) at EP=2, and Qwen3-MoE at EP=2 x TP=2: the logits of every
+row of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate`. Default
+suite: EP x TP on an MLA model is a start-up error naming MLA.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 
 from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 from scratchlm.inference.runner import ModelInput
-from tests.model.families.tiny import MOE_FAMILIES, save_tiny
+from scratchlm.model import families
+from scratchlm.parallel.launch import check_engine_config
+from tests.model.families.tiny import MLA_FAMILIES, MOE_FAMILIES, save_tiny
 
 pytest.importorskip("transformers")
 PROMPTS = [[5, 17, 3, 99, 42, 7, 150, 8, 23, 61, 2, 77, 9, 31, 44, 12, 100, 6, 59], [11, 4, 120],
@@ -44,10 +48,11 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, ep, tp", [("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen3_moe", 2, 1),
-                                          ("qwen3_moe", 2, 2)], ids=["mixtral-ep2", "qwen2_moe-ep2", "qwen3_moe-ep2",
-                                                                     "qwen3_moe-ep2xtp2"])
+                                          ("qwen3_moe", 2, 2), ("deepseek_v2_groups", 2, 1), ("deepseek_v3", 2, 1)],
+                         ids=["mixtral-ep2", "qwen2_moe-ep2", "qwen3_moe-ep2", "qwen3_moe-ep2xtp2",
+                              "deepseek_v2_groups-ep2", "deepseek_v3-ep2"])
 def test_expert_parallel_equals_hf(name, ep, tp, root) -> None:
-    assert name in MOE_FAMILIES
+    assert name in MOE_FAMILIES or name in MLA_FAMILIES
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     directory, hf = _checkpoint(name, root)
@@ -76,3 +81,10 @@ def test_expert_parallel_equals_hf(name, ep, tp, root) -> None:
     finally:
         engine.runner.shutdown()
         torch.set_num_threads(before)
+
+
+def test_mla_with_tensor_parallel_is_a_clear_error() -> None:
+    config = families.config_from_hf(MLA_FAMILIES["deepseek_v3"]().to_dict())
+    engine_config = EngineConfig(expert_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="multi-head latent attention .* is not supported: MLA is not tensor-parallel"):
+        check_engine_config(engine_config, config, 4)
