@@ -18,7 +18,8 @@ The split of a step (rank 0, median over rounds, per engine step):
 - one process: `moe` (the model's MoE layers, by forward hooks: route + experts + combine) and `rest`; a step the
   fused C++ step runs (every layer in one call, csrc/moe.h: the default for a MoE model on the CPU) cannot be
   split that way, so there the whole step is `rest`. The fused step is what one process runs, so it is the
-  baseline; EP's ranks run the Python step (the fused step does not take an EP layer).
+  baseline; EP's and TP's ranks run the Python step (layer by layer: the fused step does not take a sharded
+  layer), so "1 process, Python step" (`runner.fused_decoder = None`) is the like-for-like reference.
 The all-to-all bytes are what rank 0 sends to the other rank (`Comm.bytes`); they are also written as JSON
 (results/DATE-expert_parallel.json) for the planner's validation (scratchlm/plan/cost.py).
 """
@@ -37,13 +38,15 @@ from pathlib import Path
 
 from benchmarks.common import Report, set_threads
 
-LAYOUTS = {  # name: (ep, tp, threads per rank)
-    "1 process, 1 thread": (1, 1, 1),
-    "TP=2 (1 thread/rank)": (1, 2, 1),
-    "EP=2 (1 thread/rank)": (2, 1, 1),
+LAYOUTS = {  # name: (ep, tp, threads per rank, Python step)
+    "1 process, 1 thread": (1, 1, 1, False),
+    "1 process, 1 thread, Python step": (1, 1, 1, True),
+    "TP=2 (1 thread/rank)": (1, 2, 1, True),
+    "EP=2 (1 thread/rank)": (2, 1, 1, True),
 }
-TWO_THREADS = {"1 process, 2 threads": (1, 1, 2)}  # --two-threads: on a loaded 2-core host its OpenMP barriers stall
+TWO_THREADS = {"1 process, 2 threads": (1, 1, 2, False)}  # --two-threads (its OpenMP barriers stall on a loaded host)
 BASELINE = "1 process, 1 thread"
+PYTHON_STEP = "1 process, 1 thread, Python step"
 
 
 def model_config(args):
@@ -54,7 +57,7 @@ def model_config(args):
                        moe=MoEFeatures(n_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert))
 
 
-def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, gen: int) -> None:
+def _client(conn, path: str, ep: int, tp: int, threads: int, python_step: bool, prompt_len: int, gen: int) -> None:
     import torch
 
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
@@ -64,6 +67,8 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, prompt_len: int, ge
     engine = LLMEngine.from_pretrained(path, EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp,
                                                           max_num_seqs=32, max_num_batched_tokens=1024))
     runner = engine.runner
+    if ep * tp == 1 and python_step:
+        runner.fused_decoder = None  # the Python step, layer by layer: what the EP and TP ranks run
     moe_s = [0.0]
     if ep * tp == 1:  # one process: time the model's MoE layers with forward hooks
         starts: list[float] = []
@@ -208,9 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     del model
     ctx = mp.get_context("spawn")
     clients = {}
-    for name, (ep, tp, threads) in layouts.items():
+    for name, (ep, tp, threads, python_step) in layouts.items():
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_client, args=(child, str(path), ep, tp, threads, args.prompt_len, args.gen))
+        proc = ctx.Process(target=_client, args=(child, str(path), ep, tp, threads, python_step, args.prompt_len,
+                                                 args.gen))
         proc.start()
         clients[name] = (proc, parent)
         print(f"{name}: {parent.recv()}", file=sys.stderr)
@@ -256,19 +262,22 @@ def main(argv: list[str] | None = None) -> None:
         same_text.append(f"{kind}: {len(ok)}/{len(layouts)} contenders generated exactly the greedy ids of "
                          f"'{BASELINE}'" + ("" if len(ok) == len(layouts) else f" (only {ok})"))
     rep.add("Agreement: " + "; ".join(same_text) + ".")
-    base = {k: statistics.median(x["wall"] for x in results[BASELINE][k]) for k in ("batch1", "batch32")}
+    def wall(name: str, kind: str) -> float:
+        return statistics.median(x["wall"] for x in results[name][kind])
+
     rows = []
     for name in layouts:
-        b1 = statistics.median(x["wall"] for x in results[name]["batch1"])
-        b32 = statistics.median(x["wall"] for x in results[name]["batch32"])
-        tok1 = results[name]["batch1"][0]["tokens"]
-        tok32 = results[name]["batch32"][0]["tokens"]
-        rows.append([name, f"{b1 / tok1 * 1e3:.1f} ms", f"{base['batch1'] / b1:.2f}x", f"{tok32 / b32:.1f} tok/s",
-                     f"{base['batch32'] / b32:.2f}x"])
-    rep.table(["layout", "batch-1 time / token", "batch-1 speed-up", "32 requests: throughput", "speed-up"], rows,
-              f"Latency and throughput (speed-up: ratio to '{BASELINE}', same model and requests)")
+        b1, b32 = wall(name, "batch1"), wall(name, "batch32")
+        tok1, tok32 = results[name]["batch1"][0]["tokens"], results[name]["batch32"][0]["tokens"]
+        rows.append([name, f"{b1 / tok1 * 1e3:.1f} ms", f"{wall(BASELINE, 'batch1') / b1:.2f}x",
+                     f"{wall(PYTHON_STEP, 'batch1') / b1:.2f}x", f"{tok32 / b32:.1f} tok/s",
+                     f"{wall(BASELINE, 'batch32') / b32:.2f}x", f"{wall(PYTHON_STEP, 'batch32') / b32:.2f}x"])
+    rep.table(["layout", "batch-1 time / token", "vs 1 process", "vs Python step", "32 requests: throughput",
+               "vs 1 process", "vs Python step"], rows,
+              f"Latency and throughput (ratios: speed-up over '{BASELINE}' (the fused C++ step) and over "
+              f"'{PYTHON_STEP}', same model and requests)")
     srows, measured = [], {}
-    for name, (ep, tp, _) in layouts.items():
+    for name, (ep, tp, _, _) in layouts.items():
         if tp > 1:
             continue
         for kind in ("batch1", "batch32"):
