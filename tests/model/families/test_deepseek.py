@@ -201,3 +201,37 @@ def test_int8_weights_agree_with_fp32(name, root):
                        EngineConfig(block_size=4, kv_cache_memory=1 << 20, max_model_len=64))
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert run_all(engine)["0"] == greedy[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_llm_greedy_equals_hf_generate(name, root):
+    from scratchlm.inference import LLM, SamplingParams
+
+    directory, hf = _checkpoint(name, root)
+    with LLM(str(directory), threads=1, block_size=4, kv_cache_memory=1 << 20, max_model_len=64) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    for p, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p), p
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_latent_cache_dtypes(kv_dtype, root):
+    """The latent cache stored in bfloat16, or int8 with one scale per token for the latent and one for the RoPE
+    key: decode reads the rounded latents; stated agreement with the float32 cache's greedy ids (>= 80 %)."""
+    from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
+    from tests.inference.helpers import CharTokenizer, run_all
+
+    directory, _ = _checkpoint("deepseek_v3", root)
+    loaded = load(directory)
+    outs = {}
+    for dtype in ("float32", kv_dtype):
+        engine = LLMEngine(loaded.model, CharTokenizer(loaded.config.vocab_size), loaded.config,
+                           EngineConfig(block_size=4, kv_cache_memory=1 << 20, max_model_len=64, kv_cache_dtype=dtype))
+        cache = engine.executor.runner.cache
+        assert cache.k.dtype == getattr(torch, dtype) and (cache.k_scale is not None) == (dtype == "int8")
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        outs[dtype] = run_all(engine)
+    same = sum(a == b for i in outs["float32"] for a, b in zip(outs["float32"][i], outs[kv_dtype][i], strict=True))
+    assert same >= 0.8 * NEW_TOKENS * len(PROMPTS)
