@@ -179,10 +179,16 @@ class ExpertParallelMoE(nn.Module):
 
 
 def check_expert_tp(moe: MoE, tp: int) -> None:
-    """Experts split over TP need bias-free MLPs (a replicated output bias would be added T times)."""
+    """Experts split over TP are MLPs (their partial outputs are summed by `ExpertParallelMoE`'s all-reduce)."""
     mlps = [*moe.experts, *([moe.shared] if moe.shared is not None else [])]
-    if tp > 1 and any(isinstance(m, MLP) and m.b2 is not None for m in mlps):
-        raise ValueError("tensor parallelism: MoE experts with output biases are not supported under TP")
+    if tp > 1 and not all(isinstance(m, MLP) for m in mlps):
+        raise ValueError("tensor parallelism: MoE experts that are not MLPs are not supported under TP")
+
+
+def tp_output_bias(name: str, t: Tensor, tp_rank: int) -> Tensor:
+    """An MoE expert's output bias (`experts.N.b2`, `shared.b2`, gpt-oss) as TP rank `tp_rank` holds it: whole on
+    rank 0, zeros on the others, so the all-reduce of the hidden-unit slices' partial outputs adds it once."""
+    return t if tp_rank == 0 or not name.endswith(".b2") else torch.zeros_like(t)
 
 
 class DataParallelAttention:

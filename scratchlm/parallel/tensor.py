@@ -205,8 +205,9 @@ def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layo
     """Put layer `i`'s shards into `block` (built on meta) and swap in the collectives (an MoE feed-forward becomes
     the rank's `ExpertParallelMoE`: its experts only)."""
     prefix = f"layers.{i}."
-    if isinstance(block.ffn, MoE):
-        from scratchlm.parallel.expert import ExpertParallelMoE, check_expert_tp
+    moe = isinstance(block.ffn, MoE)
+    if moe:
+        from scratchlm.parallel.expert import ExpertParallelMoE, check_expert_tp, tp_output_bias
 
         check_expert_tp(block.ffn, layout.tp)
         block.ffn = ExpertParallelMoE(block.ffn, layout, comm)
@@ -214,6 +215,8 @@ def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layo
         owner, _, attr = name.rpartition(".")
         module = block.get_submodule(owner)
         t = state[prefix + name]
+        if moe and name.startswith("ffn."):
+            t = tp_output_bias(name, t, layout.tp_rank)
         setattr(module, attr, _frozen(t))
         if isinstance(module, Linear):
             module.d_out, module.d_in = t.shape

@@ -206,16 +206,19 @@ def test_int8_weights_agree_with_fp32(checkpoint):
 
 
 @pytest.mark.distributed
-def test_expert_parallel_equals_hf(checkpoint):
-    """EP=2 (3 experts a rank, the router bias replicated, data-parallel attention with the sinks): every prompt
-    row's logits within 1e-4 of HF, greedy ids equal to HF `generate`."""
+@pytest.mark.parametrize("ep, tp", [(2, 1), (2, 2)], ids=["ep2", "ep2xtp2"])
+def test_expert_parallel_equals_hf(checkpoint, ep, tp):
+    """EP=2 (3 experts a rank, the router bias replicated, data-parallel attention with the sinks) and EP=2 x TP=2
+    (each expert's hidden units and biases b1/b3 split, its output bias on TP rank 0 only, the sinks split by query
+    head): every prompt row's logits within 1e-4 of HF, greedy ids equal to HF `generate`."""
     from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
     from scratchlm.inference.runner import ModelInput
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     directory, hf = checkpoint
-    engine = LLMEngine.from_pretrained(directory, EngineConfig(expert_parallel_size=2, block_size=4, max_num_seqs=4))
+    engine = LLMEngine.from_pretrained(directory, EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp,
+                                                               block_size=4, max_num_seqs=4))
     try:
         prompt = PROMPTS[0]
         n = len(prompt)
