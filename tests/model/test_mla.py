@@ -64,3 +64,15 @@ def test_config_validation_and_kv_spec():
     with pytest.raises(ValueError, match="does not implement qkv_bias"):
         _config(qkv_bias=True)
     assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_trains():
+    """The expanded form (no backend) under autograd: every parameter gets a finite gradient."""
+    torch.manual_seed(0)
+    model = TransformerLM(_config(moe=MoEFeatures(n_experts=4, top_k=2, d_expert=16, dense_layers=[0])))
+    ids = torch.randint(0, 64, (2, 12))
+    loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad and "experts" not in name:  # an expert no token chose gets no gradient
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
