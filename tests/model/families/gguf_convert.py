@@ -30,7 +30,7 @@ from pathlib import Path
 
 #: Families whose converter reads a byte-level BPE `tokenizer.json` only.
 BPE_CASES = {"gpt2", "olmo2", "qwen2_moe", "qwen2_moe_sparse", "qwen3_moe", "qwen3_moe_sparse", "deepseek_v2",
-             "deepseek_v2_groups", "deepseek_v3", "deepseek_v3_yarn"}
+             "deepseek_v2_groups", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_mscale"}
 #: SentencePiece models without the dummy space prefix (Gemma's; convert writes add_space_prefix = false).
 NO_DUMMY_PREFIX = {"gemma", "gemma2", "gemma3"}
 #: The pre-tokenizer name given to convert for the tiny byte-level BPEs (their pre-tokenizer is GPT-2's).

@@ -7,7 +7,8 @@ function, weights norm and scale, expert groups, `exp_probs_b` bias). The F32 fi
 forward, the engine's greedy ids equal HF `generate`, and its config equals the one read from config.json.
 
 The cases are those whose routing llama.cpp computes as HF does: V2 with greedy top-k, and V3 (sigmoid scores, the
-correction bias, groups scored by their best two). The V3 config.json gets DeepSeek's own `scoring_func` /
+correction bias, groups scored by their best two), once with DeepSeek-V3's own YaRN (mscale = mscale_all_dim = 1:
+`rope.scaling.yarn_log_multiplier`). The V3 config.json gets DeepSeek's own `scoring_func` /
 `topk_method` keys first (the published checkpoints have them; transformers' DeepseekV3Config does not write them,
 and without `scoring_func` convert writes no gating function, which llama.cpp reads as softmax). llama.cpp scores a
 group by its best two experts whatever the topk_method, so V2's group_limited_greedy (best one) is not among them.
@@ -26,7 +27,7 @@ from scratchlm.model import load
 from tests.model.families import gguf_convert
 from tests.model.families.tiny import save_tiny
 
-CASES = ["deepseek_v2", "deepseek_v3"]
+CASES = ["deepseek_v2", "deepseek_v3", "deepseek_v3_mscale"]
 ATOL = 1e-4
 
 

@@ -170,6 +170,13 @@ MLA_FAMILIES = {
                                              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                               "original_max_position_embeddings": 64, "mscale": 0.8,
                                                               "mscale_all_dim": 1.0}),
+    # DeepSeek-V3's own YaRN (mscale = mscale_all_dim = 1: cos/sin unscaled, the query scale x mscale^2), which a GGUF
+    # can say (yarn_log_multiplier)
+    "deepseek_v3_mscale": lambda: _deepseek_v3(q_lora_rank=24, n_group=4, topk_group=2,
+                                               rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 10000.0, "mscale": 1.0,
+                                                                "original_max_position_embeddings": 64,
+                                                                "mscale_all_dim": 1.0}),
 }
 
 
