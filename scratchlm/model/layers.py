@@ -467,6 +467,8 @@ def sink_softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
 
 
 # attn(layer_idx, q (B, T, H, D), k (B, T, Hkv, D), v (B, T, Hkv, D), spec) -> (B, T, H, D); q/k already rotated.
+# A backend that serves multi-head latent attention also has `mla(layer_idx, q_nope, q_rope, latent, k_rope, module,
+# spec)` (model/mla.py): it caches the latent and the RoPE key instead of K/V.
 AttentionBackend = Callable[[int, Tensor, Tensor, Tensor, AttentionSpec], Tensor]
 
 
