@@ -393,3 +393,30 @@ def test_gguf_mxfp4_experts_load_dequantized(gguf_file, tmp_path):
     assert all(torch.equal(v, state[k]) for k, v in loaded.model.state_dict().items())
     with pytest.raises(CheckpointError, match="MXFP4: no packed form"):
         load_gguf_packed(path)
+
+
+@pytest.mark.parametrize("layers, experts, active", [(24, 32, 3.6e9), (36, 128, 5.1e9)], ids=["20b", "120b"])
+def test_published_configs_translate_and_count(layers, experts, active):
+    """gpt-oss-20b's and -120b's config.json values (the Hub's, less quantization_config): the parameter count
+    equals HF's model built from them (on the meta device), and the active count less the embedding table is
+    OpenAI's 3.6B / 5.1B (its model card counts the unembedding, not the embedding)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "experts_per_token": 4, "head_dim": 64,
+           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": layers,
+           "num_key_value_heads": 8, "num_local_experts": experts, "rms_norm_eps": 1e-05,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "vocab_size": 201088}
+    config = families.config_from_hf(cfg)
+    assert config.attn.sliding_layers == list(range(0, layers, 2)) and config.attn.sliding_window == 128
+    assert (config.rope.factor, config.rope.original_max_seq_len, config.rope.truncate) == (32.0, 4096, False)
+    with torch.device("meta"):
+        hf = GptOssForCausalLM(GptOssConfig(**{k: v for k, v in cfg.items()
+                                               if k not in ("experts_per_token", "initial_context_length")}))
+    assert config.num_parameters() == sum(p.numel() for p in hf.parameters())
+    embedding = config.vocab_size * config.d_model
+    assert abs(config.active_parameters() - embedding - active) < 0.05e9
