@@ -14,6 +14,8 @@ weights, through scratchlm's qwen3_moe loader; the greedy ids of the two are com
 (b) `hf`: fp32 HF `generate` (greedy, static batches of equal-length prompts, batch 1, 4 and 16) against
     scratchlm `LLM.generate` (continuous batching, the fused step) on the same prompts, interleaved rounds, the
     same threads; the ratio of output tokens per second at HF's best batch size.
+(c) `layer`: the MoE layers alone at 1-64 rows: the chosen experts' bytes per CPU-second against the streaming
+    read per CPU-second (is the grouped step at the memory roofline?).
 
     python -m benchmarks.moe_step                      # both parts, 1 thread
     python -m benchmarks.moe_step --parts hf --repeats 3 --threads 2
@@ -146,6 +148,56 @@ def part_active(report: Report, model, args) -> None:
                          f"interleaved rounds; streaming read median {stream:.1f} GB/s (one thread)")
 
 
+def part_layer(report: Report, model, args) -> None:
+    """(c) the fp32 MoE layers alone (`MoELayer.forward`, the fused step's, every sparse layer in turn) at B rows:
+    the bytes of the experts the rows chose (each read once) per CPU-second, against the streaming read per
+    CPU-second, interleaved (CPU time: the machine's other load deschedules this process, which wall time counts)."""
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+    from scratchlm.inference.fast_linear import use_skinny_linears
+    from scratchlm.inference.runner import _moe_layer
+    from scratchlm.model.moe import MoE
+
+    ext = load_engine_kernels()
+    m = _clone(model)
+    use_skinny_linears(m)
+    blocks = [b.ffn for b in m.layers if isinstance(b.ffn, MoE)]
+    layers = [_moe_layer(ext, f, m.config) for f in blocks]
+    c = m.config
+    expert_bytes = 3 * c.d_model * c.d_expert * 4
+    buf = torch.ones(64 << 20)
+
+    def cpu_s(fn, n: int = 3) -> float:
+        c0 = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - c0) / n
+
+    g = torch.Generator().manual_seed(3)
+    inputs = {b: torch.randn(b, c.d_model, generator=g) for b in args.layer_rows}
+    read = {}
+    with torch.inference_mode():
+        for b, h in inputs.items():  # the experts each layer's router picks for these rows
+            read[b] = sum(len(set(f.route(h)[1].flatten().tolist())) for f in blocks) * expert_bytes
+            for layer in layers:  # warm-up
+                layer.forward(h)
+    streams, secs = [], {b: [] for b in inputs}
+    for _ in range(args.repeats):
+        streams.append(buf.numel() * 4 / cpu_s(buf.sum) / 1e9)
+        for b, h in inputs.items():
+            secs[b].append(cpu_s(lambda h=h: [layer.forward(h) for layer in layers]))
+    stream = statistics.median(streams)
+    rows = []
+    for b in inputs:
+        t = statistics.median(secs[b])
+        gbps = read[b] / t / 1e9
+        rows.append([b, f"{read[b] / expert_bytes / len(layers):.1f}", f"{read[b] / 2**20:.0f}", f"{t * 1e3:.1f}",
+                     f"{gbps:.1f}", f"{100 * gbps / stream:.0f} %"])
+    report.table(["rows", "experts read / layer", "expert MiB read", "CPU ms (all MoE layers)",
+                  "GB/s per CPU-s", "% of streaming read"], rows,
+                 caption=f"(c) the fp32 MoE layers alone, {len(layers)} layers, {args.repeats} interleaved rounds; "
+                         f"streaming read median {stream:.1f} GB/s per CPU-second (one thread)")
+
+
 def _clone(model):
     import copy
 
@@ -212,7 +264,8 @@ def part_hf(report: Report, hf, model, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["active", "hf"], choices=["active", "hf"])
+    ap.add_argument("--parts", nargs="+", default=["active", "layer", "hf"], choices=["active", "layer", "hf"])
+    ap.add_argument("--layer-rows", type=int, nargs="+", default=[1, 4, 16, 64], help="rows for part layer")
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -231,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{SHAPE}. HF experts implementation: {hf.config._experts_implementation!r}. Threads: {threads}.")
     if "active" in args.parts:
         part_active(report, model, args)
+    if "layer" in args.parts:
+        part_layer(report, model, args)
     if "hf" in args.parts:
         part_hf(report, hf, model, args)
     report.write()
