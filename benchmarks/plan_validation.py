@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16, help="engine runs: prompt tokens")
     ap.add_argument("--gen", type=int, default=16, help="engine runs: greedy tokens per request")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts validation and projections only")
+    ap.add_argument("--ep-json", default=None, help="with --moe: benchmarks/expert_parallel.py's JSON to predict "
+                    "(default: the newest in benchmarks/results/)")
     args = ap.parse_args(argv)
     if args.moe:
         return moe_main(args, argv)
@@ -479,9 +481,67 @@ def moe_main(args, argv) -> int:
         report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
                      comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
                      "the peer) vs the alpha-beta prediction")
+    report.add(ep_benchmark_section(args.ep_json, log))
     report.add(moe_projections())
     report.write()
     return 0
+
+
+def _newest_ep_json() -> Path | None:
+    found = sorted((REPO_ROOT / "benchmarks" / "results").glob("*-expert_parallel.json"))
+    return found[-1] if found else None
+
+
+def ep_benchmark_section(path: str | None, log) -> str:
+    """Predict the runs of `benchmarks/expert_parallel.py` (its JSON: the model, EP=2 over gloo, batch 1 and 32
+    requests; rank 0's exchanges per step): this machine calibrated at that model's shapes, the all-to-all and K/V
+    bytes rank 0 sends per prefill and decode step (counted) and its decode step's wall time (info: the two ranks
+    share this machine's cores with the benchmark's other load)."""
+    import json
+
+    from scratchlm.model.config import ModelConfig
+    from scratchlm.plan import Layout, Workload, predict
+    from scratchlm.plan.calibrate import calibrate
+
+    p = Path(path) if path else _newest_ep_json()
+    if p is None or not p.exists():
+        return ("### benchmarks/expert_parallel.py runs\n\nNot predicted: no "
+                "`benchmarks/results/*-expert_parallel.json` (run `python -m benchmarks.expert_parallel` first).")
+    data = json.loads(p.read_text())
+    cfg = ModelConfig.from_dict(data["model"])
+    ep, tp = int(data.get("ep", 2)), int(data.get("tp", 1))
+    log(f"calibrating at the shapes of {p.name}'s model")
+    cal = calibrate(clock="wall", model=cfg)
+    checks = Checks()
+    lay = Layout(dp=ep, tp=tp, ep=ep)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    e, k, d = int(data.get("elem_bytes", 4)), cfg.moe.top_k, cfg.d_model
+    kv_row = 2 * cfg.n_kv_heads * cfg.head_dim * e
+    for kind, meas in data["measured"].items():
+        nreq = 1 if kind == "batch1" else 32
+        w = Workload(int(data["prompt_len"]), int(data["gen"]), nreq)
+        pr = predict(cfg, w, cal, lay, ranks_per_node=max(cal.devices_per_node, lay.world))
+        for phase in ("prefill", "decode"):
+            m = meas[phase]
+            per = w.prompt_len if phase == "prefill" else 1
+            rows = -(-nreq // ep) * per  # rank 0's replica's tokens (the engine splits the sequences evenly)
+            others = nreq * per - rows  # the other replicas' (none at one request: replica 1 idles)
+            # dispatch: rank 0's token copies for the other ranks' experts; combine: the outputs of its experts for
+            # the other replicas' token copies (each expert on a rank with probability 1/ep)
+            a2a = n_moe * k * d * e * (rows * (ep - 1) / ep + others / ep)
+            label = f"expert_parallel.py EP={ep}, {nreq} request{'s' if nreq > 1 else ''}, {phase}"
+            checks.add(label, "all-to-all bytes, rank 0 (dispatch + combine)", a2a / 1e3,
+                       (m["bytes"]["ep_dispatch"] + m["bytes"]["ep_combine"]) / 1e3, "{:.1f} kB")
+            checks.add(label, "K/V rows sent, rank 0", cfg.n_layers * rows * kv_row * (ep - 1) / 1e3,
+                       m["bytes"]["ep_kv"] / 1e3, "{:.1f} kB")
+            if phase == "decode":
+                checks.add(label, "step wall", pr.decode.total * 1e3, m["step_seconds"] * 1e3, "{:.1f} ms",
+                           counted=False)
+    head = ["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"]
+    rows_md = "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *checks.rows])
+    return (f"### benchmarks/expert_parallel.py runs ({p.name})\n\n{checks.n_ok} of {checks.n_all} checked figures "
+            f"within +-30 % (the step wall times are info: measured while the benchmark's four contenders share the "
+            f"cores). This machine calibrated (wall clock) at that model's shapes.\n\n{rows_md}")
 
 
 def moe_projections(top: int = 4) -> str:
