@@ -420,3 +420,18 @@ def test_published_configs_translate_and_count(layers, experts, active):
     assert config.num_parameters() == sum(p.numel() for p in hf.parameters())
     embedding = config.vocab_size * config.d_model
     assert abs(config.active_parameters() - embedding - active) < 0.05e9
+
+
+def test_gradients_reach_the_gpt_oss_parameters(checkpoint):
+    """Training: the loss's gradients reach the sinks, the router bias (through the softmax over the top-k
+    logits) and the experts' biases, all finite."""
+    directory, _ = checkpoint
+    model = load(directory).model.train()
+    ids = torch.tensor([PROMPTS[0]])
+    logits = model(ids[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is None or torch.isfinite(g).all() for g in grads.values())
+    for name in ("layers.0.attn.sinks", "layers.1.ffn.router_bias", "layers.2.ffn.experts.0.b1",
+                 "layers.2.ffn.experts.0.b2", "layers.2.ffn.experts.0.b3"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
