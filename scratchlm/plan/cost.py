@@ -139,6 +139,7 @@ class Prediction:
     prefill_a2a_s: float = 0.0  # and in one prompt's prefill
     experts_touched: float = 0.0  # routed experts one decode step touches per MoE block, this rank's
     expert_bytes: float = 0.0  # routed-expert weight bytes one decode step streams on the busiest rank
+    note: str = ""  # what the prediction assumes beyond what scratchlm runs today
 
     @property
     def memory_bytes(self) -> float:
@@ -603,6 +604,9 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     pred.total_s = batch_prefill.total + decode_time
     pred.decode_time_s = decode_time
     pred.throughput = w.concurrency * w.output_len / pred.total_s
+    if c.mla.kv_lora_rank and (tp > 1 or ep > 1):
+        pred.note = ("scratchlm does not shard multi-head latent attention yet (MLAttention has no tensor-parallel "
+                     "plan): this layout is a projection of the design, not one `scratchlm serve` runs today")
     if problems:
         pred.feasible, pred.reason = False, "; ".join(problems)
     return pred
@@ -695,6 +699,8 @@ def explain(ranked: list[Prediction], objective: str = "throughput") -> str:
                f"({best.prefill_a2a_s / best.prefill.total:.0%})" if best.layout.ep > 1 else "")
         lines.append(f"A decode step runs {best.experts_touched:.1f} routed experts per MoE block on a rank "
                      f"({best.expert_bytes / 2**30:.2f} GiB of expert weights streamed){a2a}.")
+    if best.note:
+        lines.append(f"Note: {best.note}.")
     if len(feasible) > 1:
         r = feasible[1]
         lines.append(f"Runner-up {r.layout}: {r.throughput:.1f} tok/s, TTFT {r.ttft_s * 1e3:.1f} ms "
