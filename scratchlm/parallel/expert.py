@@ -65,7 +65,7 @@ from scratchlm.inference.attention import PagedAttention
 from scratchlm.inference.runner import ModelInput
 from scratchlm.model.config import ModelConfig
 from scratchlm.model.layers import MLP
-from scratchlm.model.moe import MoE, route
+from scratchlm.model.moe import MoE
 from scratchlm.parallel.comm import Comm
 from scratchlm.parallel.layout import RankLayout
 from scratchlm.parallel.pipeline import split_model_input
@@ -79,13 +79,8 @@ def moe_shards(prefix: str, moe: MoE, config: ModelConfig, layout: RankLayout) -
     hidden units split over TP, the shared expert likewise; the other replicas' experts are absent."""
     from scratchlm.parallel.tensor import WHOLE, module_shards
 
-    out = {prefix + "gate.weight": WHOLE}
-    if moe.score_bias is not None:
-        out[prefix + "score_bias"] = WHOLE
-    if moe.router_bias is not None:
-        out[prefix + "router_bias"] = WHOLE
-    if moe.shared_gate is not None:
-        out[prefix + "shared_gate.weight"] = WHOLE
+    out = {prefix + name: WHOLE for name, _ in moe.named_parameters()  # the router's: gate, biases, shared gate
+           if not name.startswith(("experts.", "shared."))}
     for e in range(*layout.experts):
         out.update(module_shards(f"{prefix}experts.{e}.", moe.experts[e], config, layout, units=layout.expert_ff))
     if moe.shared is not None:
@@ -96,13 +91,20 @@ def moe_shards(prefix: str, moe: MoE, config: ModelConfig, layout: RankLayout) -
 class ExpertParallelMoE(nn.Module):
     """One rank's part of a `MoE` layer (see the module docstring): the replicated router and shared expert, the
     rank's experts `experts[str(e)]` (global ids), the all-to-all dispatch and combine. Parameter names are the
-    `MoE`'s, so the rank's state dict slots in unchanged."""
+    `MoE`'s, so the rank's state dict slots in unchanged; routing is the model's own `MoE.route` (every router
+    feature the model has: softmax / sigmoid / top-k-then-softmax, groups, biases)."""
 
     def __init__(self, moe: MoE, layout: RankLayout, comm: Comm):
         super().__init__()
         self.features, self.layout, self.comm = moe.features, layout, comm
-        self.gate, self.score_bias, self.router_bias = moe.gate, moe.score_bias, moe.router_bias
-        self.shared, self.shared_gate = moe.shared, moe.shared_gate
+        for name, child in moe.named_children():  # gate, shared, shared_gate: everything but the routed experts
+            if name != "experts":
+                setattr(self, name, child)
+        for name, p in moe.named_parameters(recurse=False):  # score_bias, router_bias
+            setattr(self, name, p)
+        for name in ("score_bias", "router_bias", "shared", "shared_gate"):  # the features' absent parts: None
+            if not hasattr(self, name):
+                setattr(self, name, None)
         self.first, self.stop = layout.experts
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.stop)})
         n = self.features.n_experts
@@ -121,7 +123,7 @@ class ExpertParallelMoE(nn.Module):
         t = time.perf_counter()
         k, n_exp, ep = f.top_k, f.n_experts, lay.ep
         if x.shape[0]:
-            weights, ids = route(self.gate(x), f, self.score_bias, self.router_bias)  # (N, k) each
+            weights, ids = MoE.route(self, x)  # (N, k) each: the model's routing, on this module's router
         else:  # a replica with no sequence in the step still takes part in the exchanges
             weights = torch.empty(0, k, device=x.device)
             ids = torch.empty(0, k, dtype=torch.long, device=x.device)

@@ -5,7 +5,8 @@ tensor rules, each only its experts).
 `distributed` (real ranks, gloo): Mixtral (4 experts), Qwen2-MoE (6 experts, gated shared expert), Qwen3-MoE
 (8 experts, dense layers through decoder_sparse_step) and DeepSeek-V2 / V3 (MLA: the replicas exchange latents and
 RoPE keys; group-limited routing, V3's correction bias) at EP=2, and Qwen3-MoE at EP=2 x TP=2: the logits of every
-row of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate`. Default
+row of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate` (gpt-oss:
+tests/model/families/test_gpt_oss.py). Default
 suite: EP x TP on an MLA model is a start-up error naming MLA.
 """
 
@@ -53,9 +54,12 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
                               "deepseek_v2_groups-ep2", "deepseek_v3-ep2"])
 def test_expert_parallel_equals_hf(name, ep, tp, root) -> None:
     assert name in MOE_FAMILIES or name in MLA_FAMILIES
+    _check_against_hf(*_checkpoint(name, root), name, ep, tp)
+
+
+def _check_against_hf(directory: Path, hf, name: str, ep: int, tp: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    directory, hf = _checkpoint(name, root)
     engine = LLMEngine.from_pretrained(directory, EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp,
                                                                block_size=4, max_num_seqs=4))
     try:
