@@ -563,7 +563,9 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     lat, net_bw = measure_allreduce() if network else (2e-5, 5e9)
     comm_cpu = measure_comm_cpu() if network else 0.0
     ep_overhead = 0.0
-    if c.moe.n_experts and network:
+    if c.moe.n_experts and network and c.moe.n_experts % 2:
+        say(f"expert parallelism's per-block overhead not measured: {c.moe.n_experts} experts do not split in two")
+    elif c.moe.n_experts and network:
         say("expert parallelism's per-block overhead (EP=2 engines)")
         ep_overhead = measure_ep_overhead(c, clock=clock, comm_cpu=comm_cpu)
     try:

@@ -150,3 +150,19 @@ def test_moe_overheads_enter_prefill_and_decode() -> None:
     assert b.decode.overhead - a.decode.overhead == pytest.approx(3 * (1e-3 + 2 * 1e-4))  # top_k experts at batch 1
     touched = experts_touched(8, 2, 16)
     assert b.prefill.overhead - a.prefill.overhead == pytest.approx(3 * (1e-3 + touched * 1e-4))
+
+
+def test_plan_reads_an_hf_config_json(tmp_path, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     num_experts=8, num_experts_per_tok=2)
+    path = tmp_path / "config.json"
+    path.write_text(hf.to_json_string())
+    c = load_model_config(str(path))
+    assert c.moe.n_experts == 8 and c.d_expert == 24
+    with torch.device("meta"):
+        assert c.num_parameters() == sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf)
+                                         .parameters())
+    assert main(["plan", "--model", str(path), "--cluster", "h100x8_ib", "--concurrency", "16", "--top", "3"]) == 0
+    assert "top-2" in capsys.readouterr().out
