@@ -65,7 +65,8 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, python_step: bool, 
 
     torch.set_num_threads(threads)
     engine = LLMEngine.from_pretrained(path, EngineConfig(expert_parallel_size=ep, tensor_parallel_size=tp,
-                                                          max_num_seqs=32, max_num_batched_tokens=1024))
+                                                          max_num_seqs=32, max_num_batched_tokens=1024,
+                                                          enable_prefix_caching=False))  # every round: whole prompts
     runner = engine.runner
     if ep * tp == 1 and python_step:
         runner.fused_decoder = None  # the Python step, layer by layer: what the EP and TP ranks run
@@ -100,16 +101,17 @@ def _client(conn, path: str, ep: int, tp: int, threads: int, python_step: bool, 
             engine.add_request(f"q{n}", p, params)
         if ep > 1:
             runner.trace_command(True)  # the other ranks record their exchanges (kind, start, end, bytes)
-        per_step = []  # (seconds, {kind: (seconds, bytes)}) of each step: the first one is the prefill
+        per_step = []  # (seconds, {kind: (seconds, bytes)}, tokens forwarded) of each step
         while engine.has_unfinished_requests():
             ts = time.perf_counter()
-            before = _exchanges(runner)
+            before, rows_before = _exchanges(runner), _routed_rows(runner)
             for r in engine.step():
                 if r.finished:
                     outs[r.request_id] = r.outputs[0].token_ids
             after = _exchanges(runner)
             per_step.append((time.perf_counter() - ts, {k: (after[k][0] - before.get(k, (0.0, 0))[0],
-                                                            after[k][1] - before.get(k, (0.0, 0))[1]) for k in after}))
+                                                            after[k][1] - before.get(k, (0.0, 0))[1]) for k in after},
+                             (_routed_rows(runner) - rows_before) // engine.model_config.moe.top_k))
             steps += 1
         wall = time.perf_counter() - t0
         others = _per_step_of_rank1(runner.trace_command(False), steps, n_moe) if ep > 1 else None
@@ -131,6 +133,12 @@ def _exchanges(runner) -> dict[str, tuple[float, int]]:
     if comm is None:
         return {}
     return {k: (comm.seconds[k], comm.bytes[k]) for k in ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv")}
+
+
+def _routed_rows(runner) -> int:
+    """Rows routed so far in the first MoE layer, every replica's (EP: rank 0 counts them; else 0): top_k a token."""
+    load = runner.expert_load() if hasattr(runner, "expert_load") else {}
+    return sum(load[min(load)]) if load else 0
 
 
 def _per_step_of_rank1(traced: dict, steps: int, n_moe: int) -> list[dict[str, tuple[float, int]]]:
@@ -161,20 +169,24 @@ def _split(res: dict, ep: int) -> dict[str, float]:
 
 
 def _measured(runs: list[dict], kind: str, args) -> dict:
-    """The prefill step's and the median decode step's exchanges (seconds and bytes per kind) over the rounds."""
+    """Prefill steps' and decode steps' exchanges (median seconds and bytes per kind, each rank) over the rounds. A
+    step's tokens are counted from the routed rows (rank 0's load / top_k); a decode step forwards one token per
+    request, a step with more tokens holds prefill chunks (the scheduler may split the prompts over steps)."""
     nreq = 1 if kind == "batch1" else 32
     kinds = ("ep_counts", "ep_dispatch", "ep_combine", "ep_kv")
     out = {"expert_load": runs[0]["load"], "steps": runs[0]["steps"]}
     for phase in ("prefill", "decode"):
-        rows = [step for x in runs for step in (x["per_step"][:1] if phase == "prefill" else x["per_step"][1:])]
-        ones = [step for x in runs for step in (x["rank1_per_step"][:1] if phase == "prefill"
-                                                 else x["rank1_per_step"][1:])]
-        out[phase] = {"tokens": nreq * args.prompt_len if phase == "prefill" else nreq,
-                      "step_seconds": statistics.median(r[0] for r in rows),
-                      "seconds": {k: statistics.median(r[1][k][0] for r in rows) for k in kinds},
-                      "bytes": {k: statistics.median(r[1][k][1] for r in rows) for k in kinds},
-                      "rank1_seconds": {k: statistics.median(r[k][0] for r in ones) for k in kinds},
-                      "rank1_bytes": {k: statistics.median(r[k][1] for r in ones) for k in kinds}}
+        pairs = [(r0, r1) for x in runs for r0, r1 in zip(x["per_step"], x["rank1_per_step"])
+                 if (r0[2] > nreq) == (phase == "prefill")]
+        if not pairs:
+            continue
+        out[phase] = {"steps_per_round": len(pairs) / len(runs),
+                      "tokens": statistics.median(r0[2] for r0, _ in pairs),
+                      "step_seconds": statistics.median(r0[0] for r0, _ in pairs),
+                      "seconds": {k: statistics.median(r0[1][k][0] for r0, _ in pairs) for k in kinds},
+                      "bytes": {k: statistics.median(r0[1][k][1] for r0, _ in pairs) for k in kinds},
+                      "rank1_seconds": {k: statistics.median(r1[k][0] for _, r1 in pairs) for k in kinds},
+                      "rank1_bytes": {k: statistics.median(r1[k][1] for _, r1 in pairs) for k in kinds}}
     return out
 
 
@@ -294,16 +306,20 @@ def main(argv: list[str] | None = None) -> None:
     brow = []
     for kind, m in measured.items():
         for phase in ("prefill", "decode"):
+            if phase not in m:
+                continue
             ph = m[phase]
             for k in ("ep_dispatch", "ep_combine", "ep_counts", "ep_kv"):
                 sec, nbytes = ph["seconds"][k], ph["bytes"][k]
                 sec1, nbytes1 = ph["rank1_seconds"][k], ph["rank1_bytes"][k]
-                brow.append([kind, phase, ph["tokens"], k, f"{nbytes / 1e3:.1f} / {nbytes1 / 1e3:.1f} kB",
+                brow.append([kind, f"{phase} ({ph['steps_per_round']:.0f} a round)", f"{ph['tokens']:.0f}", k,
+                             f"{nbytes / 1e3:.1f} / {nbytes1 / 1e3:.1f} kB",
                              f"{sec * 1e3:.3f} / {sec1 * 1e3:.3f} ms"])
     rep.table(["workload", "step", "tokens in the step", "exchange", "bytes sent / step (rank 0 / rank 1)",
                "time / step (rank 0 / rank 1)"], brow,
-              "EP=2 exchanges per engine step, measured on each rank (prefill: the first step, all prompts at once; "
-              f"decode: median over the other steps); {cfg.n_layers} MoE layers, one call of each per layer")
+              "EP=2 exchanges per engine step, measured on each rank (medians; prefill: the steps with prompt "
+              "chunks, decode: the steps of one token per request; tokens: those the step forwards, from the routed "
+              f"rows); {cfg.n_layers} MoE layers, one call of each per layer")
     imb = []
     for kind, m in measured.items():
         if m["expert_load"]:
