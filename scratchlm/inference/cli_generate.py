@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None,
                         help="speculative decoding: ngram | draft:PATH | layers:K (see docs/speculative.md)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (spawned)")
+    parser.add_argument("--expert-parallel-size", type=int, default=1,
+                        help="expert-parallel ranks of a mixture-of-experts model (spawned; docs/moe.md); "
+                             "world = TP x EP")
     parser.add_argument("--context-parallel-size", type=int, default=1,
                         help="context-parallel ranks: the KV cache sharded by token, long prefills by ring "
                              "attention (docs/sequence_parallel.md); world = TP x CP")
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from scratchlm.threads import apply_threads
 
     try:
-        world = getattr(args, "tensor_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+        world = (getattr(args, "tensor_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+                 * getattr(args, "expert_parallel_size", 1))
         apply_threads(args.threads, world_size=max(1, world), logger=logging.getLogger(__name__))
     except ValueError as e:
         print(f"scratchlm generate: {e}", file=sys.stderr)
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                               quantization=getattr(args, "quantization", None), trace=getattr(args, "trace", None),
                               speculative=getattr(args, "speculative", None), tokenizer=args.tokenizer,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                              expert_parallel_size=getattr(args, "expert_parallel_size", 1),
                               context_parallel_size=getattr(args, "context_parallel_size", 1),
                               context_parallel_threshold=getattr(args, "context_parallel_threshold", 512))
         engine = LLMEngine.from_pretrained(args.model, config)

@@ -304,6 +304,8 @@ def test_serve_expert_parallel_metrics_and_dead_rank(checkpoints, tmp_path) -> N
         assert len(layer0) == 8 and sum(layer0) == 2 * (4 + 5)  # top-2 of 4 prompt + 5 decode tokens
         imb = [v for k, v in samples.items() if k.startswith("scratchlm:moe_expert_imbalance") and 'layer="0"' in k]
         assert imb == [max(layer0) / (sum(layer0) / 8)]
+        snap = httpx.get(srv.url + "/inspector/snapshot", timeout=10).json()  # the inspector's stats: the same load
+        assert snap["stats"]["expert_load"]["0"] == layer0
         (rank,) = srv.ranks()
         os.kill(rank, signal.SIGKILL)
         t0 = time.monotonic()
