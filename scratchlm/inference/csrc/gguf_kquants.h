@@ -313,6 +313,44 @@ inline void rows_scalar(const KAct& a, const GMat& w, float* y, int64_t n0, int6
 
 enum KIsa : int { kIsaAvx2 = 1, kIsaAvxVnni = 2, kIsaAvx512Vnni = 3 };
 
+// quantize_x_scalar's values, 32 floats at a time: |x| max, x * inv rounded half to even by _mm256_round_ps (what
+// nearbyint does under the default rounding mode), packs to int8 (packs interleave 128-bit lanes: a permute undoes
+// it), and the two per-16 sums. The scalar loop is compiled for the baseline ISA (a serial max chain and a libm call
+// per element): it cost as much as the Q4_K GEMMs of a MoE's skinny experts (benchmarks/results/*-moe_decode.md).
+KQ_FN inline void quantize_x_avx2(const float* x, int64_t M, int64_t K, KAct& a) {
+  const int64_t nb = K / kXBlock;
+  a.M = M, a.K = K;
+  a.q.resize(M * K), a.dx.resize(M * nb), a.s16.resize(M * K / 16);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kXBlock;
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+      }
+      const float amax = scratchlm_simd::hmax256(mx);
+      const __m256 iv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i i32[4];
+      for (int j = 0; j < 4; ++j)
+        i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], iv), _MM_FROUND_TO_NEAREST_INT |
+                                                                                _MM_FROUND_NO_EXC));
+      const __m256i p8 = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + r * K + b * kXBlock), p8);
+      for (int h = 0; h < 2; ++h) {  // the sums of elements 0-15 and 16-31
+        const __m256i s = _mm256_add_epi32(i32[2 * h], i32[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        a.s16[(r * nb + b) * 2 + h] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+      }
+      a.dx[r * nb + b] = amax / 127.f;
+    }
+}
+
 KQ_FN inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 KQ_FN inline __m128i load128(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 KQ_FN inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
@@ -1114,10 +1152,13 @@ inline void gemm(const float* x, int64_t M, const GMat& w, float* y, int path) {
   check(w);
   const int p = resolve_path(w, M, path);
   KAct a;
-  quantize_x_scalar(x, M, w.K, a);
 #ifdef SCRATCHLM_X86
-  if (p != kPathScalar) return gemm_simd_any(a, w, y, p);
+  if (p != kPathScalar) {
+    quantize_x_avx2(x, M, w.K, a);
+    return gemm_simd_any(a, w, y, p);
+  }
 #endif
+  quantize_x_scalar(x, M, w.K, a);
   constexpr int64_t kRows = 8;
   const int64_t tiles = (w.N + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M * kRows));
