@@ -223,7 +223,8 @@ class ParallelRunner:
                 dead = self._dead_workers()
             who = ", ".join(self._describe(r, pid, code) for r, pid, code in dead)
             self._error = (
-                f"tensor/pipeline-parallel step failed (tp={self.layout.tp}, pp={self.layout.pp}): "
+                f"tensor/pipeline-parallel step failed (tp={self.layout.tp}, pp={self.layout.pp}"
+                + (f", ep={self.layout.ep}" if self.layout.ep > 1 else "") + "): "
                 + (who if who else f"a peer rank failed or did not answer within {self.comm.timeout_s:g} s")
                 + f"; the engine cannot continue and must be restarted. Cause: {type(e).__name__}: {e}"
             )

@@ -279,7 +279,7 @@ def test_killed_rank_fails_the_engine_fast(checkpoints) -> None:
         elapsed = time.monotonic() - t0
         print(f"killed EP rank 1: ParallelWorkerError after {elapsed:.2f} s")
         assert elapsed < 60
-        assert "rank 1" in str(info.value) and "exited with code -9" in str(info.value)
+        assert "rank 1" in str(info.value) and "exited with code -9" in str(info.value) and "ep=2" in str(info.value)
         with pytest.raises(ParallelWorkerError, match="rank 1"):  # stays failed
             engine.step()
     finally:
