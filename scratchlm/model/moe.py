@@ -11,7 +11,8 @@ Routing (`route`), in float32 whatever the model's dtype, as the HF models do:
     groups (n_groups > 1): a group's score is its best choice (V2) or the sum of its best two (V3); only the experts
              of the `topk_groups` best groups stay eligible (the others' choice is -inf; V2, as HF, zeroes their
              scores instead, which only differs when a kept softmax score underflows to 0)
-    ids = topk(choice, top_k)            torch.topk: ties go to the lower expert id, as in HF
+    ids = topk(choice, top_k)            torch.topk, as HF: ties resolve as its CPU loop does (not always to the
+                                         lower id; the fused C++ step calls the same ATen loop)
     weights = scores[ids], / their sum when norm_topk, x routed_scale
 
 The experts run grouped: each expert that any token chose runs once, on all of its tokens (one GEMM per linear
@@ -47,10 +48,10 @@ def route(logits: Tensor, f: MoEFeatures, score_bias: Tensor | None = None,
     choice = scores if score_bias is None else scores + score_bias.float()
     if f.n_groups > 1:
         n = choice.shape[0]
-        grouped = choice.view(n, f.n_groups, -1)  # (N, G, E / G)
+        grouped = choice.view(n, f.n_groups, f.n_experts // f.n_groups)  # (N, G, E / G); N may be 0
         group_scores = grouped.max(dim=-1).values if f.group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(f.topk_groups, dim=-1)[1], 1.0)
-        mask = keep.bool()[:, :, None].expand_as(grouped).reshape(n, -1)  # (N, E)
+        mask = keep.bool()[:, :, None].expand_as(grouped).reshape(n, f.n_experts)  # (N, E)
         if f.group_score == "max" and score_bias is None:
             # DeepSeek-V2's group_limited_greedy zeroes the other groups' scores, weights included: an expert whose
             # softmax score underflowed to 0 then ties with them, and topk picks among the same ties as HF's

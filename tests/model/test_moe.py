@@ -118,3 +118,11 @@ def test_route_is_deterministic_under_ties():
     first = route(logits, f)[1]
     assert all(torch.equal(route(logits, f)[1], first) for _ in range(5))
     assert torch.equal(route(logits[:1], f)[1], first[:1])
+
+
+@pytest.mark.parametrize("group_score", ["max", "top2"])
+def test_route_takes_zero_rows(group_score: str) -> None:
+    """A step where a rank has no tokens (expert parallelism's idle replica) routes zero rows, groups included."""
+    f = MoEFeatures(n_experts=8, top_k=2, n_groups=4, topk_groups=2, group_score=group_score)
+    weights, ids = route(torch.zeros(0, 8), f)
+    assert weights.shape == ids.shape == (0, 2)
