@@ -269,6 +269,15 @@ def measure_engine_overhead(layers: tuple[int, int] = (2, 16), clock: str = "wal
     return per_layer, per_step, per_seq
 
 
+def fused_moe(c: ModelConfig) -> bool:
+    """Whether the engine runs `c`'s MoE blocks in the fused C++ decode step here (one rank; expert parallelism's
+    step runs the Python `MoE` block)."""
+    from scratchlm.inference.cpp_extensions import load_engine_kernels
+    from scratchlm.inference.runner import fused_step_unsupported
+
+    return not fused_step_unsupported(c) and load_engine_kernels() is not None
+
+
 def measure_ep_overhead(model: ModelConfig, ep: int = 2, layers: tuple[int, int] = (2, 8), clock: str = "wall",
                         comm_cpu: float = 0.0) -> float:
     """Seconds per MoE block per decode step that expert parallelism adds on a rank beyond the single-rank step and
@@ -545,11 +554,14 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     prefill_seq: list[float] = []
     overhead, step_overhead, seq_overhead = measure_engine_overhead(clock=clock, tokenizer=tokenizer, model=c,
                                                                     prefill_out=prefill_seq)
-    if c.moe.n_experts:  # the tiny models' MoE blocks: counted by the cost model per block and per expert run
-        from scratchlm.plan.cost import experts_touched
+    fused = bool(c.moe.n_experts) and fused_moe(c)
+    if fused:
+        say("the engine runs this MoE model in the fused C++ step: its MoE costs are in the engine overheads")
+    from scratchlm.plan.cost import experts_touched
 
-        tiny = overhead_config(c, 16).moe
-        run = expert_overhead + tiny_forward  # one expert run of the tiny model (its forward is in the expert curve)
+    tiny = overhead_config(c, 16).moe
+    run = expert_overhead + tiny_forward  # one expert run of the tiny model (its forward is in the expert curve)
+    if c.moe.n_experts and not fused:  # the tiny models' Python MoE blocks: counted per block and per expert run
         overhead = max(0.0, overhead - moe_overhead - experts_touched(tiny.n_experts, tiny.top_k, 1) * run)
         more = experts_touched(tiny.n_experts, tiny.top_k, 32) - experts_touched(tiny.n_experts, tiny.top_k, 1)
         seq_overhead = max(0.0, seq_overhead - 16 * more * run / 31)
@@ -568,6 +580,8 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
     elif c.moe.n_experts and network:
         say("expert parallelism's per-block overhead (EP=2 engines)")
         ep_overhead = measure_ep_overhead(c, clock=clock, comm_cpu=comm_cpu)
+        if fused:  # the EP step runs the Python MoE block, whose costs the cost model adds per block and expert
+            ep_overhead = max(0.0, ep_overhead - moe_overhead - experts_touched(tiny.n_experts, tiny.top_k, 1) * run)
     try:
         mem_total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable"))
@@ -582,4 +596,4 @@ def calibrate(threads: int = 1, network: bool = True, clock: str = "wall", model
                        step_overhead=step_overhead, seq_overhead=seq_overhead,
                        token_bytes=token_bytes, score_bytes=score_bytes, comm_cpu=comm_cpu,
                        moe_overhead=moe_overhead, expert_overhead=expert_overhead, expert_linear_rate=expert_rate,
-                       ep_layer_overhead=ep_overhead, prefill_seq_overhead=prefill_seq[0])
+                       ep_layer_overhead=ep_overhead, prefill_seq_overhead=prefill_seq[0], fused_moe=fused)

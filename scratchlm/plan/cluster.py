@@ -67,6 +67,10 @@ class ClusterSpec:
     ep_layer_overhead: float = field(
         default=0.0, metadata={"help": "fixed seconds per MoE block per step that expert parallelism adds on a rank "
                                        "beyond its collective calls (regrouping rows, the other replicas' K/V)"})
+    fused_moe: bool = field(
+        default=False, metadata={"help": "one rank runs the MoE blocks in a fused step (the measured engine "
+                                         "overheads hold their fixed costs; expert_linear_rate, expert_overhead and "
+                                         "moe_overhead then apply to expert parallelism's Python step only)"})
     moe_overhead: float = field(
         default=0.0, metadata={"help": "fixed seconds per MoE block beyond a dense MLP's (routing: scores, top-k, "
                                        "grouping the tokens by expert)"})
@@ -175,6 +179,9 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
         if isinstance(v, list):
             lines.append(f"{f.name} = [{', '.join(f'{x:.4g}' if isinstance(x, float) else str(x) for x in v)}]"
                          f"  # {help_text}")
+            continue
+        if isinstance(v, bool):
+            lines.append(f"{f.name} = {'true' if v else 'false'}  # {help_text}")
             continue
         value = f'"{v}"' if isinstance(v, str) else (f"{v:.4g}" if isinstance(v, float) else str(v))
         if isinstance(v, float) and "e" not in value and "." not in value:

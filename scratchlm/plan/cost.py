@@ -481,8 +481,10 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
             return 0.0
         tokens = rows * ep
         touched = experts_touched(c.moe.n_experts, c.moe.top_k, tokens)
-        _linear(terms, cluster, moe_layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow, True)
-        terms.overhead += moe_layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
+        python = ep > 1 or not cluster.fused_moe  # the Python MoE block (its own curve and overheads)
+        _linear(terms, cluster, moe_layers * touched / ep * ew_expert, tokens * c.moe.top_k / touched, slow, python)
+        if python:
+            terms.overhead += moe_layers * (touched / ep * cluster.expert_overhead + cluster.moe_overhead) * slow
         if ep == 1:
             return 0.0
         terms.overhead += moe_layers * cluster.ep_layer_overhead * slow
