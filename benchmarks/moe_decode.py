@@ -4,6 +4,7 @@ against llama-cpp-python) and the 32-request server workload (`scratchlm serve` 
     python -m benchmarks.moe_decode --setup-peers   # llama.cpp peers (llamacpp_decode) + the synthetic MoE's GGUFs
     python -m benchmarks.moe_decode [--rounds 5] [--tokens 32] [--isa native avx2] [--formats Q4_K_M Q8_0]
     python -m benchmarks.moe_decode --serve [--isa native avx2] [--repeats 3]   # benchmarks/serve.py on the MoE GGUF
+    python -m benchmarks.moe_decode --perf [--formats Q4_K_M] [--isa native]    # where the time goes (Linux perf)
 
 The model (issue 31: "Qwen3-MoE-shaped ~1B total / 0.2B active"): no such checkpoint is published, so --setup-peers
 makes one. transformers' own `Qwen3MoeConfig` / `Qwen3MoeForCausalLM` with the shapes of `SHAPE` (hidden 1024,
@@ -25,15 +26,23 @@ by default, native and --isa avx2 columns interleaved) on the MoE's files: scrat
 decode step reads are counted from the GGUF: every tensor but the embedding table, the expert tensors at
 top_k / n_experts of their size. --serve: benchmarks/serve.py (`--model` = the MoE's Q4_K_M GGUF, `--quantization
 gguf`, llama-server from the same builds, 32 requests, target >= 2x), written as results/<date>-moe_serve.md.
+--perf: `perf record` of each contender's process over its timed part only, the functions' self time (`perf report
+--sort dso,symbol`): scratchlm and llama.cpp at batch 1, the 32-request workload through scratchlm's `LLM.generate`
+and through llama-server; results/<date>-moe_decode-perf.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks import llamacpp_decode as lcd
@@ -255,6 +264,116 @@ def write_report(args, runs: dict[int, dict], alone: dict, notes: list[str], arg
     report.write()
 
 
+# ------------------------------------------------------------------------------------------ --perf: where the time goes
+
+PERF_WORKER = "perf-worker"
+
+
+def perf_worker(kind: str) -> int:
+    """The scratchlm side of --perf: loads `kind` once, prints READY, then per request line times `decode N` (batch
+    1, as the decode run) or `serve SEED` (benchmarks/serve.py's 32-request workload through `LLM.generate`)."""
+    from benchmarks import serve
+    from scratchlm.inference import LLM, SamplingParams
+
+    llm = LLM(str(moe_gguf(kind)), max_num_seqs=32, quantization="gguf")
+    print("READY " + json.dumps({"fused": llm.engine.runner.fused_decoder is not None}), flush=True)
+    for line in sys.stdin:
+        what, n = line.split()
+        if what == "decode":
+            prompts, params = [lcd.PROMPT_IDS], [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True)]
+        else:
+            jobs = serve.make_workload(32, SHAPE["vocab_size"], int(n), (16, 256), (16, 128))
+            prompts = [j.prompt_ids for j in jobs]
+            params = [SamplingParams(temperature=0, max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                                      "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}), flush=True)
+    return 0
+
+
+def perf_top(pid: int, run, top: int) -> tuple[object, list[tuple[float, str, str]]]:
+    """`perf record` of process `pid` while `run()` runs; its result and the `top` (share %, library, symbol) rows
+    of `perf report --sort dso,symbol` (self time)."""
+    import signal
+    import tempfile
+
+    data = Path(tempfile.mkdtemp()) / "perf.data"
+    rec = subprocess.Popen(["perf", "record", "-F", "999", "-p", str(pid), "-o", str(data)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # perf attaches
+    try:
+        result = run()
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.wait(60)
+    out = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,symbol", "--stdio"],
+                         capture_output=True, text=True).stdout
+    shutil.rmtree(data.parent, ignore_errors=True)
+    rows = []
+    for line in out.splitlines():
+        parts = line.split(None, 3)  # share, library, [.], symbol
+        if len(parts) == 4 and parts[0].endswith("%") and not line.startswith("#"):
+            rows.append((float(parts[0][:-1]), parts[1], re.split(r"\s{2,}", parts[3].strip())[0][:110]))
+    return result, rows[:top]
+
+
+def run_perf(args) -> int:
+    """--perf: where each contender's time goes on the Q4_K_M file (perf's self time per symbol): batch-1 decode of
+    scratchlm and llama.cpp, and the 32-request workload through scratchlm's `LLM.generate` and llama-server."""
+    import asyncio
+
+    from benchmarks import serve
+
+    if shutil.which("perf") is None:
+        raise SystemExit("--perf needs Linux perf (perf record / perf report) on PATH")
+    kind, isa, cores = args.formats[0], args.isa[0], str(max(args.bind_core, 0))
+    report = Report("moe_decode-perf", f"Where the time goes: scratchlm and llama.cpp on the MoE's {kind} file "
+                    f"(perf)", sys.argv[1:])
+    report.machine["llama.cpp"] = lcd.llamacpp_version()
+    report.add(f"Each contender pinned to core {cores}, 1 thread, {isa}; `perf record -F 999 -p PID` over the timed "
+               f"part only (model loading and warm-up excluded), `perf report --no-children --sort dso,symbol`: "
+               f"self time per function. Decode: {args.tokens} greedy tokens at batch 1 after the 16-token prompt. "
+               f"Server workload: benchmarks/serve.py's 32 requests (seed 1) through `LLM.generate` (the engine "
+               f"`scratchlm serve` runs) and through llama-server (--parallel 32).")
+    env = dict(lcd.isa_env(isa), PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    ours = lcd.Worker([sys.executable, "-m", "benchmarks.moe_decode", "--" + PERF_WORKER, kind], env, cores,
+                      what="the scratchlm perf worker")
+    theirs = lcd.LlamaCppWorker(str(moe_gguf(kind)), cores, 1, lib=lcd.lib_dir(isa), env=lcd.isa_env(isa))
+    sections = []
+    try:
+        ours.request("decode 8"), theirs.request("8")
+        for name, w, line in (("scratchlm, batch-1 decode", ours, f"decode {args.tokens}"),
+                              ("llama.cpp, batch-1 decode", theirs, str(args.tokens)),
+                              ("scratchlm, 32 requests (LLM.generate)", ours, "serve 1")):
+            res, rows = perf_top(w.proc.pid, lambda w=w, line=line: w.request(line), args.perf_top)
+            n = res.get("tokens", args.tokens)
+            sections.append((name, f"{n} tokens, {1e3 * res['cpu_s'] / n:.1f} ms CPU per output token", rows))
+    finally:
+        ours.close(), theirs.close()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "llama-server-moe-perf.log"
+    proc, url = serve.start_llama_server(lcd.llama_server_binary(isa), str(moe_gguf(kind)), 1, 32, 400, cores, log,
+                                         env=lcd.isa_env(isa))
+    try:
+        asyncio.run(serve.drive(url, "bench", serve.make_workload(4, SHAPE["vocab_size"], 99, (16, 64), (4, 8)), 32,
+                                math.inf, 0))  # warm-up
+        jobs = serve.make_workload(32, SHAPE["vocab_size"], 1, (16, 256), (16, 128))
+        cpu0 = serve.process_cpu_seconds(proc.pid)
+        (duration, results), rows = perf_top(proc.pid, lambda: asyncio.run(
+            serve.drive(url, "bench", jobs, 32, math.inf, 0)), args.perf_top)
+        n = sum(r.output_tokens for r in results if r.ok)
+        cpu = serve.process_cpu_seconds(proc.pid) - cpu0
+        sections.append(("llama-server, 32 requests", f"{n} tokens, {1e3 * cpu / n:.1f} ms CPU per output token",
+                         rows))
+    finally:
+        serve.stop(proc)
+    for name, what, rows in sections:
+        report.table(["self %", "library", "function"], [[f"{p:.2f}", lib, f"`{sym}`"] for p, lib, sym in rows],
+                     caption=f"{name}: {what}")
+    report.write()
+    return 0
+
+
 def run_serve(args) -> int:
     """benchmarks/serve.py on the MoE's GGUF (scratchlm serve with the packed blocks against llama-server)."""
     from benchmarks import serve
@@ -281,10 +400,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: the 32-request server workload (benchmarks/serve.py)")
     ap.add_argument("--serve-format", default="Q4_K_M", choices=list(KINDS), help="the GGUF --serve runs")
     ap.add_argument("--repeats", type=int, default=3, help="--serve: interleaved repeats")
+    ap.add_argument("--perf", action="store_true",
+                    help="instead: where the time goes (Linux perf), scratchlm and llama.cpp on the first --formats "
+                         "file under the first --isa, batch-1 decode and the 32-request workload")
+    ap.add_argument("--perf-top", type=int, default=15, help="--perf: functions listed per contender")
     ap.add_argument("--worker", nargs="+", default=None, metavar="FORMAT", help=argparse.SUPPRESS)
+    ap.add_argument("--" + PERF_WORKER, default=None, metavar="FORMAT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return lcd.scratchlm_worker(args.worker, args.threads[0], moe_formats())
+    if args.perf_worker:
+        return perf_worker(args.perf_worker)
     if args.setup_peers:
         setup_peers()
         return 0
@@ -294,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("missing: " + "; ".join(missing) + " (python -m benchmarks.moe_decode --setup-peers)")
     if args.serve:
         return run_serve(args)
+    if args.perf:
+        return run_perf(args)
     notes: list[str] = []
     runs = {t: lcd.measure(args, t, args.isa, notes, moe_formats(), "benchmarks.moe_decode") for t in args.threads}
     alone = {}
