@@ -97,6 +97,14 @@ class MLAttention(nn.Module):
         self.v_b_proj = Linear(self.rank, h * self.v_dim, **kw)
         self.o_proj = Linear(h * self.v_dim, d, **kw)
         self._unpacked: dict[str, tuple[nn.Module, Tensor]] = {}  # k_b / v_b weights of linears that pack theirs
+        # How tensor parallelism splits each parameter (read by scratchlm.parallel only; see `Attention.tp_plan`): by
+        # query head. q (q_proj, or q_b_proj after the replicated q_a_proj / q_a_norm) and each head's k_b / v_b are
+        # "column"; the latent and the RoPE key (kv_a_proj, kv_a_norm) are shared by every head, so they are
+        # "replicated" and every rank caches the whole latent; o_proj is "row" (its partial sums all-reduced).
+        self.tp_plan = {"q_proj.weight": "column", "q_a_proj.weight": "replicated", "q_a_norm.weight": "replicated",
+                        "q_b_proj.weight": "column", "kv_a_proj.weight": "replicated",
+                        "kv_a_norm.weight": "replicated", "k_b_proj.weight": "column", "v_b_proj.weight": "column",
+                        "o_proj.weight": "row"}
 
     def expand(self, latent: Tensor) -> tuple[Tensor, Tensor]:
         """latent (..., S, c) -> each head's k_nope (..., S, H, n) and value (..., S, H, v)."""

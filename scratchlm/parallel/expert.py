@@ -49,8 +49,8 @@ over replicas) accumulates on rank 0: `ExpertParallelRunner.expert_load()`, whic
 /metrics and the inspector.
 
 Not supported (start-up errors): EP with pipeline or context parallelism, with quantization or speculative
-decoding (as under TP), EP x TP on a model with multi-head latent attention (MLA is not tensor-parallel; EP alone
-runs it whole on every replica), and a model without routed experts.
+decoding (as under TP), and a model without routed experts. EP x TP on a model with multi-head latent attention
+splits MLA by query head (`MLAttention.tp_plan`); every TP rank caches and exchanges the whole latent.
 """
 
 from __future__ import annotations

@@ -175,10 +175,6 @@ def expert_parallel_problems(config: ModelConfig, tp: int, pp: int, cp: int, ep:
     if cp > 1:
         problems.append(f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported (EP composes "
                         f"with tensor parallelism only); drop one of them")
-    if config.mla.kv_lora_rank and tp > 1:
-        problems.append(f"expert_parallel_size={ep} with tensor_parallel_size={tp} on a model with multi-head latent "
-                        f"attention (MLA: DeepSeek-V2/V3, Kimi K2) is not supported: MLA is not tensor-parallel; "
-                        f"use tensor_parallel_size=1 (EP alone, with data-parallel attention)")
     if tp > config.d_expert:
         problems.append(f"tensor_parallel_size={tp} exceeds the experts' hidden size d_expert={config.d_expert}")
     return problems

@@ -119,8 +119,8 @@ class ParallelRunner:
         c, lay = self.model.config, self.layout
         spec = c.kv_spec()[lay.layers[0]:lay.layers[1]]  # this stage's layers' KV
         n_layers, heads, head_dim = kv_shape(spec)  # heads: 1 for MLA's latent
-        if lay.tp > 1:
-            heads = lay.kv_heads[1] - lay.kv_heads[0]  # this rank's KV heads
+        if lay.tp > 1 and not c.mla.kv_lora_rank:
+            heads = lay.kv_heads[1] - lay.kv_heads[0]  # this rank's KV heads (MLA: every rank caches the whole latent)
         self.cache = KVCache.allocate(n_layers, num_blocks, self.block_size, heads, head_dim, self.dtype, self.device,
                                       kv_v_dim(spec))
 

@@ -11,6 +11,9 @@ device and shards it in place, following the `tp_plan` that `Attention` and `MLP
   attention and one after the MLP**, and the o/b2 biases, which the model adds after the projection, are added
   once to the reduced sum.
 - "replicated": kept whole (o/b2 biases, per-head q/k-norms; the block's norms are replicated too).
+- Multi-head latent attention (`MLAttention.tp_plan`) splits by query head: q and each head's k_b / v_b column,
+  o_proj row; the latent and RoPE key (kv_a_proj, kv_a_norm, and q_a_proj / q_a_norm) are replicated, so every
+  rank caches the whole latent (MLA caches no heads) and runs the absorbed decode over its heads.
 - A full-width q/k-norm (OLMo-2) is split with its heads and becomes `ShardedRMSNorm`: the sum of squares is
   all-reduced, so each rank normalises by the RMS over the whole projection.
 - Vocab-parallel embedding: each rank holds a range of vocabulary rows, looks up the ids that fall in it (zeros
@@ -58,6 +61,16 @@ def _attention_units(name: str, config: ModelConfig, layout: RankLayout) -> tupl
     return heads[0] * d, heads[1] * d
 
 
+def _mla_units(name: str, module: MLAttention, layout: RankLayout) -> tuple[int, int]:
+    """Rows (column split) or columns (row split) of `MLAttention` parameter `name` this rank holds: its query
+    heads' slice of q (nope + rope per head), of k_b (nope), of v_b and o_proj's input (v per head)."""
+    width = {"q_proj": module.head_dim, "q_b_proj": module.head_dim, "k_b_proj": module.nope,
+             "v_b_proj": module.v_dim, "o_proj": module.v_dim}.get(name.partition(".")[0])
+    if width is None:
+        raise ValueError(f"tensor parallelism: no head range for MLA parameter {name!r}")
+    return layout.q_heads[0] * width, layout.q_heads[1] * width
+
+
 def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: RankLayout,
                   units: tuple[int, int] | None = None) -> dict[str, Shard]:
     """{parameter name: Shard} of one block's child module, from its `tp_plan`. `units`: an MLP's hidden units
@@ -74,9 +87,6 @@ def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: R
             if isinstance(module, (RMSNorm, LayerNorm)):
                 out[name] = WHOLE  # the block's norms act on the replicated residual stream
                 continue
-            if isinstance(module, MLAttention) and layout.tp == 1:
-                out[name] = WHOLE  # MLA is not tensor-parallel, but runs whole where nothing is split (EP, PP)
-                continue
             raise ValueError(f"tensor parallelism: {name} belongs to a {type(module).__name__}, which declares no "
                              f"tp_plan (how its parameters split over ranks); add one before sharding this model")
         split = plan.get(pname)
@@ -88,6 +98,8 @@ def module_shards(prefix: str, module: nn.Module, config: ModelConfig, layout: R
             continue
         if isinstance(module, Attention):
             units = _attention_units(pname, config, layout)
+        elif isinstance(module, MLAttention):
+            units = _mla_units(pname, module, layout)
         elif isinstance(module, MLP):
             units = units or layout.ff
         else:
@@ -221,11 +233,14 @@ def _shard_block(block: TransformerBlock, i: int, state: dict[str, Tensor], layo
         if isinstance(module, Linear):
             module.d_out, module.d_in = t.shape
     attn, ffn = block.attn, block.ffn
-    if layout.tp == 1:  # nothing split (EP or PP alone): the modules stay as built, MLA's included
+    if layout.tp == 1:  # nothing split (EP or PP alone): the modules stay as built
         return
-    q_width, k_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim  # unsharded
+    if isinstance(attn, MLAttention):  # split by query head; the latent (kv_a_proj, kv_a_norm) stays whole
+        q_width = k_width = 0  # no norm over a split width
+    else:
+        q_width, k_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim  # unsharded
+        attn.n_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
     attn.n_heads = layout.q_heads[1] - layout.q_heads[0]
-    attn.n_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
     for module in (attn, ffn):
         for pname, split in getattr(module, "tp_plan", {}).items():  # ExpertParallelMoE reduces by itself
             owner = pname.rpartition(".")[0]

@@ -606,9 +606,6 @@ def predict(c: ModelConfig, w: Workload, cluster: ClusterSpec, layout: Layout,
     pred.total_s = batch_prefill.total + decode_time
     pred.decode_time_s = decode_time
     pred.throughput = w.concurrency * w.output_len / pred.total_s
-    if c.mla.kv_lora_rank and (tp > 1 or ep > 1):
-        pred.note = ("scratchlm does not shard multi-head latent attention yet (MLAttention has no tensor-parallel "
-                     "plan): this layout is a projection of the design, not one `scratchlm serve` runs today")
     if problems:
         pred.feasible, pred.reason = False, "; ".join(problems)
     return pred

@@ -4,10 +4,10 @@ tensor rules, each only its experts).
 
 `distributed` (real ranks, gloo): Mixtral (4 experts), Qwen2-MoE (6 experts, gated shared expert), Qwen3-MoE
 (8 experts, dense layers through decoder_sparse_step) and DeepSeek-V2 / V3 (MLA: the replicas exchange latents and
-RoPE keys; group-limited routing, V3's correction bias) at EP=2, and Qwen3-MoE at EP=2 x TP=2: the logits of every
-row of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate` (gpt-oss:
-tests/model/families/test_gpt_oss.py). Default
-suite: EP x TP on an MLA model is a start-up error naming MLA.
+RoPE keys; group-limited routing, V3's correction bias) at EP=2, Qwen3-MoE and DeepSeek-V2 / V3 at EP=2 x TP=2 and
+DeepSeek-V2 / V3 at TP=2 (MLA split by query head, the whole latent cached on every rank): the logits of every row
+of a prompt within 1e-4 of HF's forward, greedy ids of a batch of prompts equal to HF `generate` (gpt-oss:
+tests/model/families/test_gpt_oss.py). Default suite: MLA's shard plan under EP x TP.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from scratchlm.inference import EngineConfig, LLMEngine, SamplingParams
 from scratchlm.inference.runner import ModelInput
 from scratchlm.model import families
 from scratchlm.parallel.launch import check_engine_config
+from scratchlm.parallel.layout import plan_layout
+from scratchlm.parallel.tensor import WHOLE, shard_plan
 from tests.model.families.tiny import MLA_FAMILIES, MOE_FAMILIES, save_tiny
 
 pytest.importorskip("transformers")
@@ -49,9 +51,12 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, ep, tp", [("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen3_moe", 2, 1),
-                                          ("qwen3_moe", 2, 2), ("deepseek_v2_groups", 2, 1), ("deepseek_v3", 2, 1)],
+                                          ("qwen3_moe", 2, 2), ("deepseek_v2_groups", 2, 1), ("deepseek_v3", 2, 1),
+                                          ("deepseek_v2", 1, 2), ("deepseek_v3", 1, 2), ("deepseek_v2_groups", 2, 2),
+                                          ("deepseek_v3", 2, 2)],
                          ids=["mixtral-ep2", "qwen2_moe-ep2", "qwen3_moe-ep2", "qwen3_moe-ep2xtp2",
-                              "deepseek_v2_groups-ep2", "deepseek_v3-ep2"])
+                              "deepseek_v2_groups-ep2", "deepseek_v3-ep2", "deepseek_v2-tp2", "deepseek_v3-tp2",
+                              "deepseek_v2_groups-ep2xtp2", "deepseek_v3-ep2xtp2"])
 def test_expert_parallel_equals_hf(name, ep, tp, root) -> None:
     assert name in MOE_FAMILIES or name in MLA_FAMILIES
     _check_against_hf(*_checkpoint(name, root), name, ep, tp)
@@ -87,8 +92,16 @@ def _check_against_hf(directory: Path, hf, name: str, ep: int, tp: int) -> None:
         torch.set_num_threads(before)
 
 
-def test_mla_with_tensor_parallel_is_a_clear_error() -> None:
+def test_mla_shards_by_query_head_under_ep_x_tp() -> None:
+    """EP x TP on an MLA model starts: q / k_b / v_b / o_proj split by query head, the latent projections whole."""
     config = families.config_from_hf(MLA_FAMILIES["deepseek_v3"]().to_dict())
-    engine_config = EngineConfig(expert_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="multi-head latent attention .* is not supported: MLA is not tensor-parallel"):
-        check_engine_config(engine_config, config, 4)
+    check_engine_config(EngineConfig(expert_parallel_size=2, tensor_parallel_size=2), config, 4)
+    m, h = config.mla, config.n_heads
+    plan = shard_plan(config, plan_layout(config, 2, 1, 1, ep=2))  # tp rank 1: the second half of the heads
+    attn = "layers.0.attn."
+    assert plan[attn + "q_b_proj.weight"] == (0, h // 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+                                              h * (m.qk_nope_head_dim + m.qk_rope_head_dim))
+    assert plan[attn + "k_b_proj.weight"] == (0, h // 2 * m.qk_nope_head_dim, h * m.qk_nope_head_dim)
+    assert plan[attn + "o_proj.weight"] == (1, h // 2 * m.v_head_dim, h * m.v_head_dim)
+    for name in ("kv_a_proj.weight", "kv_a_norm.weight", "q_a_proj.weight", "q_a_norm.weight"):
+        assert plan[attn + name] == WHOLE

@@ -3,9 +3,9 @@
 Tiny random HF checkpoints of the families (`tests/model/families/tiny.py`; HF's forward and `generate` are the
 oracle). In-process: each rank's shard is read from the safetensors through the family's tensor rules
 (`launch.load_shard`), sharded into the model's modules (`ShardedLM`), and the ranks run as threads whose
-collectives are a test-local rendezvous (no process group): TP = 2 and TP = 2 x PP = 2 logits within 1e-4 of HF
-and of one rank, greedy ids equal HF's. `distributed`: real TP = 2 engines (spawned ranks, gloo), greedy ids and
-the sampled tokens' logprobs against HF.
+collectives are a test-local rendezvous (no process group): TP = 2 (DeepSeek's MLA too) and TP = 2 x PP = 2 logits
+within 1e-4 of HF and of one rank, greedy ids equal HF's. `distributed`: real TP = 2 engines (spawned ranks,
+gloo), greedy ids and the sampled tokens' logprobs against HF.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from scratchlm.parallel.tensor import ShardedLM, check_shardable, module_shards
 from tests.model.families.tiny import FAMILIES, save_tiny
 
 CASES = sorted(FAMILIES)
+MLA_CASES = ["deepseek_v2", "deepseek_v3_yarn"]  # MLA split by query head (q_proj straight from x, YaRN)
 PROMPT = [5, 17, 3, 99, 42, 7, 150, 8, 23, 61, 2, 77, 9, 31, 44, 12, 100, 6, 59]  # longer than every window
 
 
@@ -137,7 +138,7 @@ def _forward(stages: list[list[ShardedLM]], ids: list[int]) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", CASES + MLA_CASES)
 def test_tp2_logits_and_greedy_equal_hf(name, root) -> None:
     directory, hf = _checkpoint(name, root)
     with torch.no_grad():

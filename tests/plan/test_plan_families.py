@@ -91,11 +91,10 @@ def _gpt_oss():
 @pytest.mark.parametrize("name", sorted(MOE_FAMILIES | MLA_FAMILIES) + ["gpt_oss"])
 def test_moe_and_mla_parameter_counts_equal_the_models(name) -> None:
     """One rank: the planner's count of `TransformerLM`'s parameters; EP = 2 and EP = 2 x TP = 2: the parameters
-    each rank holds in expert parallelism's shard plan (MoE families; MLA declares no shard plan yet)."""
+    each rank holds in expert parallelism's shard plan (MLA: heads split, the latent projections whole)."""
     c = _config(name)
     with torch.device("meta"):
         actual = sum(p.numel() for p in TransformerLM(c).parameters())
     assert rank_parameters(c) == [actual] == [c.num_parameters()]
-    if name not in MLA_FAMILIES:
-        assert rank_parameters(c, ep=2) == [_held(c, 1, 1, 0, ep=2)]
-        assert rank_parameters(c, tp=2, ep=2) == [_held(c, 2, 1, 0, ep=2)] == [_held(c, 2, 1, 3, ep=2)]
+    assert rank_parameters(c, ep=2) == [_held(c, 1, 1, 0, ep=2)]
+    assert rank_parameters(c, tp=2, ep=2) == [_held(c, 2, 1, 0, ep=2)] == [_held(c, 2, 1, 3, ep=2)]

@@ -112,7 +112,7 @@ def test_mla_keeps_one_latent_per_token_on_every_tp_rank() -> None:
     assert predict(c, w, BOX, Layout(tp=4)).kv_bytes == pytest.approx(latent)  # not split by head
     assert predict(c, w, BOX, Layout(tp=4)).feasible  # TP splits MLA by query head (8 of them)
     assert predict(c, w, BOX, Layout(tp=2)).weights_bytes < predict(c, w, BOX, Layout()).weights_bytes
-    assert "projection" in predict(c, w, BOX, Layout(tp=2)).note and not predict(c, w, BOX, Layout()).note
+    assert not predict(c, w, BOX, Layout(tp=2)).note  # scratchlm runs it (parallel/tensor.py shards MLA)
 
 
 @pytest.mark.parametrize("name, total, active", [("deepseek-v3", 671.03e9, 37.55e9), ("kimi-k2", 1026.41e9, 32.86e9)])
