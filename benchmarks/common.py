@@ -270,6 +270,40 @@ class Comparison:
         return h
 
 
+def interleaved_clients(target: Callable, client_args: dict[str, tuple], kinds: Sequence[str], repeats: int,
+                        join_timeout: float = 60.0) -> dict[str, dict[str, list[dict]]]:
+    """Start one spawned process per contender, `target(conn, *client_args[name])`, which sends one ready line,
+    then answers each `kind` sent to it with a result dict (with "wall") and stops on None; run every kind
+    `repeats` + 1 times, the contenders interleaved round by round (the first round a warm-up, dropped).
+    Returns {name: {kind: [result per kept round]}}."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    clients = {}
+    for name, args in client_args.items():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args))
+        proc.start()
+        clients[name] = (proc, parent)
+        print(f"{name}: {parent.recv()}", file=sys.stderr)
+    results: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in client_args}
+    try:
+        for kind in kinds:
+            for r in range(repeats + 1):  # the first round is a warm-up
+                for name, (_, conn) in clients.items():
+                    conn.send(kind)
+                    res = conn.recv()
+                    if r:
+                        results[name][kind].append(res)
+                    print(f"  {kind} round {r}: {name} {res['wall']:.3f} s", file=sys.stderr)
+    finally:
+        for _, conn in clients.values():
+            conn.send(None)
+        for proc, _ in clients.values():
+            proc.join(join_timeout)
+    return results
+
+
 def compare(
     contenders: dict[str, Callable[[], object]],
     warmup: int = 1,

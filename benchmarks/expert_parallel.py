@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Report, set_threads
+from benchmarks.common import Report, interleaved_clients, set_threads
 
 LAYOUTS = {  # name: (ep, tp, threads per rank, Python step)
     "1 process, 1 thread": (1, 1, 1, False),
@@ -223,30 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     total = sum(p.numel() for p in model.parameters())
     per_layer_experts = sum(p.numel() for p in model.layers[0].ffn.experts.parameters())
     del model
-    ctx = mp.get_context("spawn")
-    clients = {}
-    for name, (ep, tp, threads, python_step) in layouts.items():
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_client, args=(child, str(path), ep, tp, threads, python_step, args.prompt_len,
-                                                 args.gen))
-        proc.start()
-        clients[name] = (proc, parent)
-        print(f"{name}: {parent.recv()}", file=sys.stderr)
-    results: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in layouts}
     try:
-        for kind in ("batch1", "batch32"):
-            for r in range(args.repeats + 1):  # the first round is a warm-up
-                for name, (_, conn) in clients.items():
-                    conn.send(kind)
-                    res = conn.recv()
-                    if r:
-                        results[name][kind].append(res)
-                    print(f"  {kind} round {r}: {name} {res['wall']:.3f} s", file=sys.stderr)
+        results = interleaved_clients(
+            _client, {name: (str(path), ep, tp, threads, python_step, args.prompt_len, args.gen)
+                      for name, (ep, tp, threads, python_step) in layouts.items()}, ("batch1", "batch32"), args.repeats)
     finally:
-        for _, conn in clients.values():
-            conn.send(None)
-        for proc, _ in clients.values():
-            proc.join(60)
         tmp.cleanup()
     for kind in ("batch1", "batch32"):  # every contender generated the same greedy ids
         ref = results[BASELINE][kind][0]["ids"]

@@ -15,13 +15,12 @@ the wait for a pipeline stage's activations or logits (which includes that stage
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import Report, set_threads
+from benchmarks.common import Report, interleaved_clients, set_threads
 
 LAYOUTS = {  # name: (tp, pp, threads per rank)
     "TP=1 1 thread": (1, 1, 1),
@@ -74,29 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen", type=int, default=32, help="tokens generated per request")
     args = ap.parse_args(argv)
     set_threads(1)
-    ctx = mp.get_context("spawn")
-    clients = {}
-    for name, (tp, pp, threads) in LAYOUTS.items():
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_client, args=(child, args.model, tp, pp, threads, args.prompt_len, args.gen))
-        proc.start()
-        clients[name] = (proc, parent)
-        print(f"{name}: {parent.recv()}", file=sys.stderr)
-    results: dict[str, dict[str, list[dict]]] = {n: {"batch1": [], "batch32": []} for n in LAYOUTS}
-    try:
-        for kind in ("batch1", "batch32"):
-            for r in range(args.repeats + 1):  # the first round is a warm-up
-                for name, (_, conn) in clients.items():
-                    conn.send(kind)
-                    res = conn.recv()
-                    if r:
-                        results[name][kind].append(res)
-                    print(f"  {kind} round {r}: {name} {res['wall']:.3f} s", file=sys.stderr)
-    finally:
-        for _, conn in clients.values():
-            conn.send(None)
-        for proc, _ in clients.values():
-            proc.join(30)
+    results = interleaved_clients(_client, {name: (args.model, tp, pp, threads, args.prompt_len, args.gen)
+                                            for name, (tp, pp, threads) in LAYOUTS.items()},
+                                  ("batch1", "batch32"), args.repeats, join_timeout=30)
     load = os.getloadavg()
     rep = Report("parallel", "Tensor / pipeline parallel inference vs one process (CPU, gloo)", argv or sys.argv[1:])
     rep.add(f"Model: `{args.model or 'SmolLM2-135M-Instruct (default GGUF, dequantized to fp32)'}`; prompts of "

@@ -98,3 +98,20 @@ def test_llamacpp_f16_kv_bytes_of_smollm2():
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64; K and V, 2 bytes each
     assert kv_bytes_f16(default_model_path(), 2048) == 2 * 30 * 3 * 64 * 2048 * 2
+
+
+def _echo_client(conn, name: str) -> None:
+    """A contender for `interleaved_clients`: a ready line, then {"wall", "name", "kind"} per kind, None stops."""
+    conn.send(f"{name} ready")
+    while (kind := conn.recv()) is not None:
+        conn.send({"wall": 0.0, "name": name, "kind": kind})
+
+
+def test_interleaved_clients_keeps_every_round_but_the_warm_up() -> None:
+    from benchmarks.common import interleaved_clients
+
+    results = interleaved_clients(_echo_client, {"a": ("a",), "b": ("b",)}, ("x", "y"), repeats=2)
+    assert set(results) == {"a", "b"}
+    for name, kinds in results.items():
+        assert {k: [(r["name"], r["kind"]) for r in rs] for k, rs in kinds.items()} == {
+            "x": [(name, "x")] * 2, "y": [(name, "y")] * 2}
