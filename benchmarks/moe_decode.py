@@ -381,7 +381,8 @@ def run_serve(args) -> int:
     argv = ["--model", str(moe_gguf(args.serve_format)), "--quantization", "gguf", "--isa", *args.isa,
             "--threads", str(args.threads[0]), "--bind-core", str(args.bind_core), "--repeats", str(args.repeats),
             "--no-vllm", "--results-name", "moe_serve" + ("" if args.serve_format == "Q4_K_M" else
-                                                           f"-{args.serve_format}")]
+                                                           f"-{args.serve_format}")
+            + ("" if sorted(args.isa) == ["avx2", "native"] else "-" + "-".join(args.isa))]
     return serve.main(argv)
 
 
