@@ -165,6 +165,7 @@ FIGURES: dict[str, Figure] = {
     "llamacpp-decode": Figure("llamacpp_decode", 1),
     "moe-decode": Figure("moe_decode", "scratchlm / llama.cpp", page="moe.md"),
     "moe-serve": Figure("moe_serve", "scratchlm serve against llama-server", page="moe.md"),
+    "moe-serve-native": Figure("moe_serve-native", "scratchlm serve against llama-server", page="moe.md"),
     "fold-block-speed": Figure("fold-memory-speed", "One Pairformer block"),
     "fold-block-memory": Figure("fold-memory-speed", "Peak extra resident memory"),
     "diffusion-memory": Figure("diffusion_memory", 1),
