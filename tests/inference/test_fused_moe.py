@@ -13,7 +13,9 @@ Tiny MoE configs (ModelConfig with MoEFeatures, random weights) covering each ro
   within 1e-4; a Q8_0 GGUF (llama.cpp's converter) with its stacked experts kept packed: the Python step's;
 - int8 and int4 experts (`quantize_model`): the router stays float32; the fused step equals the Python step of
   the quantized model within 1e-4, greedy ids equal; the int8 model agrees with float32 on the top-1 token at
-  91 of 96 teacher-forced positions (stated in docs/moe.md).
+  91 of 96 teacher-forced positions (stated in docs/moe.md);
+- h rounded to int8 once per layer and gathered per expert (the default) is bit-equal to each expert's GEMMs
+  rounding their rows themselves (`round_once=False`), for raw K-quant, int8 and int4 experts.
 """
 
 from __future__ import annotations
@@ -275,3 +277,52 @@ def test_gguf_packed_experts(ext, q8_0_gguf) -> None:
     experts = model.layers[0].ffn.experts
     assert experts[0].w1.qweight.untyped_storage().data_ptr() == experts[1].w1.qweight.untyped_storage().data_ptr()
     _fused_equals_python(model)
+
+
+def _expert_tensors(fmt: str, n: int, k: int, g: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    """One linear (n, k) of `fmt` as MoELayer takes it (qlinear.h's forms) and its group size: raw K-quant blocks
+    (random codes, finite fp16 scales: tests/inference/quantization/test_gguf_kquants.py's `random_blocks`) or
+    int8 / int4 planes with random codes and scales."""
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):
+        from tests.inference.quantization.test_gguf_kquants import TYPES, random_blocks
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+        return [torch.from_numpy(random_blocks(fmt, n, k, seed))], -int(TYPES[fmt])
+    gs = {"int8_row": k, "int8_g32": 32, "int4_g32": 32, "int4_sym_g64": 64}[fmt]
+    groups = k // gs
+    if fmt.startswith("int8"):
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return [q, torch.rand(n, groups, generator=g) * 1e-2 + 1e-3], gs
+    q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, groups, generator=g) * 1e-2 + 1e-3).half()
+    return ([q, d, (-8 * d.float()).half()] if fmt == "int4_g32" else [q, d]), gs
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "int8_row", "int8_g32", "int4_g32", "int4_sym_g64"])
+def test_rounding_h_once_equals_per_expert(ext, fmt: str) -> None:
+    """The MoE step rounds h to int8 once per layer and gathers each expert's rows of it (`round_once`, moe.h):
+    outputs bit-equal (torch.equal) to each expert's GEMMs rounding their gathered float rows themselves, for raw
+    K-quant experts (Q4_K / Q5_K gate and up, Q6_K down as llama.cpp's Q4_K_M) and int8 / int4 planes (Q8_0 is
+    int8 per 32), at 1 row, a decode batch and a prefill chunk (> 64 rows: the panel kernels), SIMD and portable
+    paths. (Each path's values against float oracles: the kernel tests and the fused-step tests above.)"""
+    if fmt.endswith("_K"):
+        pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(11)
+    E, top_k, d, de = 8, 4, 256, 256  # K-quants: K a multiple of 256
+    down = "Q6_K" if fmt.endswith("_K") else fmt
+    experts, gs = [], []
+    for _ in range(E):
+        lins = [_expert_tensors(fmt, de, d, g), _expert_tensors(down, d, de, g), _expert_tensors(fmt, de, d, g)]
+        experts.append([t for t, _ in lins])
+        gs.append([s for _, s in lins])
+    values = {"n_experts": E, "top_k": top_k, "d_model": d, "d_expert": de, "d_shared": 0, "scoring": 0,
+              "norm_topk": 1.0, "routed_scale": 1.0, "n_groups": 1, "topk_groups": 1, "group_score": 0, "act": 0}
+    gate = torch.randn(E, d, generator=g)
+    layer = ext.MoELayer([gate], 0, experts, gs, [], [], [], None, values)
+    for rows in (1, 24, 70):
+        h = torch.randn(rows, d, generator=g)
+        for simd in (True, False):
+            want = layer.forward(h, simd, round_once=False)
+            got = layer.forward(h, simd, round_once=True)
+            assert torch.isfinite(want).all() and want.abs().max() > 0
+            assert torch.equal(got, want), (fmt, rows, simd, (got - want).abs().max().item())

@@ -410,14 +410,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("values"))
       .def("n_experts", &MoELayer::n_experts)
       .def("top_k", &MoELayer::top_k)
-      .def("forward", [](const MoELayer& l, torch::Tensor h, bool use_simd) {
+      .def("forward", [](const MoELayer& l, torch::Tensor h, bool use_simd, bool round_once) {
              TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "h must be float32 (B, d)");
              h = h.contiguous();
              auto out = torch::empty_like(h);
-             l.forward(h, out, use_simd);
+             l.forward(h, out, use_simd, round_once);
              return out;
-           }, "out (B, d) = the MoE feed-forward of h (B, d)", py::arg("h"), py::arg("use_simd") = true,
-           py::call_guard<py::gil_scoped_release>());
+           }, "out (B, d) = the MoE feed-forward of h (B, d); round_once=False: each expert rounds its rows of h "
+           "to int8 itself (the same bits, slower; see moe.h)", py::arg("h"), py::arg("use_simd") = true,
+           py::arg("round_once") = true, py::call_guard<py::gil_scoped_release>());
   py::class_<FusedDecoder>(m, "FusedDecoder", "all layers of a decode step in one call (see decoder.h)")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t, int64_t, double, bool, bool,
                     const std::vector<std::vector<std::vector<torch::Tensor>>>&,

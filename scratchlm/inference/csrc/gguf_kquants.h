@@ -1148,23 +1148,50 @@ inline int resolve_path(const GMat& w, int64_t M, int path) {
   return path;
 }
 
+// x rounded to int8 as resolved path p does it (the SIMD paths: the AVX2 loop; the scalar path: the scalar one).
+inline void quantize_x(const float* x, int64_t M, int64_t K, KAct& a, int p) {
+#ifdef SCRATCHLM_X86
+  if (p != kPathScalar) return quantize_x_avx2(x, M, K, a);
+#endif
+  (void)p;
+  quantize_x_scalar(x, M, K, a);
+}
+
+// Rows rows[0 .. n) of `all` into out (a row's rounding does not depend on the other rows: these are the bits
+// quantize_x makes of those rows of x alone).
+inline void gather_rows(const KAct& all, const int64_t* rows, int64_t n, KAct& out) {
+  const int64_t K = all.K, nb = K / kXBlock;
+  out.M = n, out.K = K;
+  out.q.resize(n * K), out.dx.resize(n * nb), out.s16.resize(n * K / 16);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = rows[j];
+    std::memcpy(out.q.data() + j * K, all.q.data() + r * K, K);
+    std::memcpy(out.dx.data() + j * nb, all.dx.data() + r * nb, nb * sizeof(float));
+    std::memcpy(out.s16.data() + j * 2 * nb, all.s16.data() + r * 2 * nb, 2 * nb * sizeof(int32_t));
+  }
+}
+
+// y (a.M, N) = the rounded rows `a` (quantize_x at the same p) times W^T at resolved path p.
+inline void gemm_rounded(const KAct& a, const GMat& w, float* y, int p) {
+  check(w);
+  TORCH_CHECK(a.K == w.K, "gguf_kquants: rounded x has K = ", a.K, ", the weight ", w.K);
+#ifdef SCRATCHLM_X86
+  if (p != kPathScalar) return gemm_simd_any(a, w, y, p);
+#endif
+  constexpr int64_t kRows = 8;
+  const int64_t tiles = (w.N + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * a.M * kRows));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    rows_scalar(a, w, y, t0 * kRows, std::min(w.N, t1 * kRows));
+  });
+}
+
 inline void gemm(const float* x, int64_t M, const GMat& w, float* y, int path) {
   check(w);
   const int p = resolve_path(w, M, path);
   KAct a;
-#ifdef SCRATCHLM_X86
-  if (p != kPathScalar) {
-    quantize_x_avx2(x, M, w.K, a);
-    return gemm_simd_any(a, w, y, p);
-  }
-#endif
-  quantize_x_scalar(x, M, w.K, a);
-  constexpr int64_t kRows = 8;
-  const int64_t tiles = (w.N + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, w.K * M * kRows));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    rows_scalar(a, w, y, t0 * kRows, std::min(w.N, t1 * kRows));
-  });
+  quantize_x(x, M, w.K, a, p);
+  gemm_rounded(a, w, y, p);
 }
 
 }  // namespace kq
@@ -1177,5 +1204,10 @@ inline void kq_dequantize_rows(const GMat& w, int64_t n0, int64_t n1, float* out
 inline int kq_resolve_path(const GMat& w, int64_t M, int path) { return kq::resolve_path(w, M, path); }
 // y (M, N) = x (M, K) W^T, x and y float32 row-major; path: see the top of this file.
 inline void kq_gemm(const float* x, int64_t M, const GMat& w, float* y, int path) { kq::gemm(x, M, w, y, path); }
+// The same in two steps (moe.h: x rounded once for all rows, each expert's rows gathered): x rounded to int8 as
+// resolved path p rounds it, then y (a.M, N) = those rows times W^T at p.
+using kq::KAct;
+inline void kq_quantize_x(const float* x, int64_t M, int64_t K, KAct& a, int p) { kq::quantize_x(x, M, K, a, p); }
+inline void kq_gemm_rounded(const KAct& a, const GMat& w, float* y, int p) { kq::gemm_rounded(a, w, y, p); }
 
 }  // namespace scratchlm_gguf

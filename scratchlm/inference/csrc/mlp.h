@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,38 @@ inline std::vector<PanelWeight> panel_group(const std::vector<torch::Tensor>& ts
   return out;
 }
 
+// x (B, d) rounded to int8 once for all its rows, for GEMMs that each read some of them (moe.h: h, read by the chosen
+// experts' gate/up linears; before, each expert rounded its gathered rows again, top_k times per token). One copy
+// per rounding (QAct / KAct; the scalar or the AVX2 loop, told apart by the path: >= 1 the AVX2 one), made on first
+// use. A row's rounding does not depend on the other rows, so the rows gathered from here are the bits the GEMMs
+// would make of the gathered float rows.
+class RoundedRows {
+ public:
+  explicit RoundedRows(const torch::Tensor& x) : x_(x) {}
+
+  // rows[0 .. n) of x, rounded for `r` (a linear's rounding(n, path), kind kQAct or kKAct), into q or k
+  void gather(const QLinear::Rounding& r, const int64_t* rows, int64_t n, QAct& q, scratchlm_gguf::KAct& k) {
+    const int v = r.p >= 1 ? 1 : 0;
+    const int64_t B = x_.size(0), d = x_.size(1);
+    if (r.kind == QLinear::kQAct) {
+      if (!has_q_[v]) scratchlm_qgemm::quantize_rows(x_.data_ptr<float>(), B, d, q_[v], r.p), has_q_[v] = true;
+      scratchlm_qgemm::gather_rows(q_[v], rows, n, q);
+    } else {
+      if (!has_k_[v]) scratchlm_gguf::kq_quantize_x(x_.data_ptr<float>(), B, d, k_[v], r.p), has_k_[v] = true;
+      scratchlm_gguf::kq::gather_rows(k_[v], rows, n, k);
+    }
+  }
+
+  QAct rows_q;  // one MLP's gathered rows (GatedMLP::forward_rows), kept between MLPs: no allocation per expert
+  scratchlm_gguf::KAct rows_k;
+
+ private:
+  const torch::Tensor& x_;
+  QAct q_[2];
+  scratchlm_gguf::KAct k_[2];
+  bool has_q_[2] = {false, false}, has_k_[2] = {false, false};
+};
+
 // w2(act(x W1^T) * x W3^T) without biases, the weights in any format of qlinear.h; w1/w3 as one panel GEMM when
 // both are float32 panels (adjacent: fast_linear.py packs an expert's gate/up together), w2 then panels too.
 struct GatedMLP {
@@ -103,6 +136,35 @@ struct GatedMLP {
     w3.forward(x, u, &xq, simd ? -1 : 0);
     act_mul_out(act, g, u, s);
     w2.forward(s, y, nullptr, simd ? -1 : 0);
+  }
+
+  // forward() of rows rows[0 .. n) of xr's x (B, d): where w1 / w3 round x to int8, their rows are gathered from
+  // xr (the same bits); where not (float32 linears, float activations), from x into xs (>= n rows, d) scratch.
+  void forward_rows(RoundedRows& xr, const torch::Tensor& x, const int64_t* rows, int64_t n, torch::Tensor& xs,
+                    torch::Tensor& g, torch::Tensor& u, torch::Tensor& s, torch::Tensor& y, int act, bool simd) const {
+    const int path = simd ? -1 : 0;
+    const QLinear::Rounding r1 = panel ? QLinear::Rounding{} : w1.rounding(n, path);
+    const QLinear::Rounding r3 = panel ? QLinear::Rounding{} : w3.rounding(n, path);
+    torch::Tensor xf;  // the float rows, gathered when a linear takes them
+    if (r1.kind == QLinear::kNone || r3.kind == QLinear::kNone) {
+      xf = xs.narrow(0, 0, n);
+      const int64_t d = x.size(1);
+      for (int64_t j = 0; j < n; ++j)
+        std::memcpy(xf.data_ptr<float>() + j * d, x.data_ptr<float>() + rows[j] * d, d * sizeof(float));
+    }
+    if (panel) return forward(xf, g, u, s, y, act, simd);
+    QAct& xq = xr.rows_q;  // w1's rows (QAct or KAct), reused by w3 when it rounds alike
+    scratchlm_gguf::KAct& xk = xr.rows_k;
+    auto run = [&](const QLinear& w, const QLinear::Rounding& r, torch::Tensor& out, bool have) {
+      if (r.kind == QLinear::kNone) return w.forward(xf, out, nullptr, path);
+      if (!have) xr.gather(r, rows, n, xq, xk);
+      if (r.kind == QLinear::kQAct) w.forward_rounded(xq, out, r.p);
+      else w.forward_rounded(xk, out, r.p);
+    };
+    run(w1, r1, g, false);
+    run(w3, r3, u, r3.kind == r1.kind && (r3.p >= 1) == (r1.p >= 1));
+    act_mul_out(act, g, u, s);
+    w2.forward(s, y, nullptr, path);
   }
 };
 

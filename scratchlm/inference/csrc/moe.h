@@ -10,9 +10,10 @@
 //     x routed_scale
 //   the step's B tokens grouped by expert (a counting sort: experts in id order, tokens in order within one), so
 //     each chosen expert's weights are read ONCE per step: its rows of h gathered, one skinny GEMM per linear over
-//     them (GatedMLP: any format of qlinear.h, gate/up one panel GEMM), and out[t] += y * w added back expert by
-//     expert in id order (the Python path's index_add_ order: the same float sums); experts no token chose cost
-//     nothing
+//     them (GatedMLP: any format of qlinear.h, gate/up one panel GEMM; where they round x to int8, h is rounded
+//     once per layer and each expert gets its rows' int8 codes: mlp.h RoundedRows), and out[t] += y * w added back
+//     expert by expert in id order (the Python path's index_add_ order: the same float sums); experts no token
+//     chose cost nothing
 //   plus the shared expert on every token, scaled by sigmoid(h . w_sg) when it has a gate: out += s
 // The scores are ATen's softmax / sigmoid (one call per layer: the same floats as the Python path's), the rest of
 // the routing plain loops per token (a few dozen floats; ATen's per-op dispatch would cost more than them), top-k
@@ -105,7 +106,11 @@ class MoELayer {
   int64_t top_k() const { return k_; }
 
   // out (B, d) = the MoE of h (B, d) (out may not alias h). `simd` false: the kernels' portable paths.
-  void forward(const torch::Tensor& h, torch::Tensor& out, bool simd) const {
+  // `round_once` (the default): where the experts' gate/up linears round x to int8 (int8 / int4 / Q8_0 planes, raw
+  // K-quants), h is rounded once for all B rows and each expert gets its rows' int8 codes gathered (RoundedRows:
+  // the same bits); false: each expert's gathered float rows are rounded by its own GEMMs (top_k times per token;
+  // kept for the test that the two are equal and for benchmarks/moe_round_once.py's before / after).
+  void forward(const torch::Tensor& h, torch::Tensor& out, bool simd, bool round_once = true) const {
     const int64_t B = h.size(0);
     const int path = simd ? -1 : 0;
     auto opt = h.options();
@@ -129,17 +134,24 @@ class MoELayer {
     auto g = torch::empty({rows, de_}, opt), u = torch::empty({rows, de_}, opt), s = torch::empty({rows, de_}, opt);
     const float* hp = h.data_ptr<float>();
     float* op = out.data_ptr<float>();
+    RoundedRows hr(h);
+    std::vector<int64_t> tok(rows);
     for (int64_t e = 0; e < E_; ++e) {
       const int64_t n = start[e + 1] - start[e];
       if (n == 0) continue;
       const int64_t* sl = slots.data() + start[e];
-      const bool all = n == B;  // every token, in order (a token picks an expert at most once): h itself
-      auto x = all ? h : xe.narrow(0, 0, n);
-      if (!all)
-        for (int64_t j = 0; j < n; ++j)
-          std::memcpy(x.data_ptr<float>() + j * d_, hp + (sl[j] / k_) * d_, d_ * sizeof(float));
       auto y = ye.narrow(0, 0, n), gn = g.narrow(0, 0, n), un = u.narrow(0, 0, n), sn = s.narrow(0, 0, n);
-      experts_[e].forward(x, gn, un, sn, y, act_, simd);
+      if (round_once) {
+        for (int64_t j = 0; j < n; ++j) tok[j] = sl[j] / k_;
+        experts_[e].forward_rows(hr, h, tok.data(), n, xe, gn, un, sn, y, act_, simd);
+      } else {
+        const bool all = n == B;  // every token, in order (a token picks an expert at most once): h itself
+        auto x = all ? h : xe.narrow(0, 0, n);
+        if (!all)
+          for (int64_t j = 0; j < n; ++j)
+            std::memcpy(x.data_ptr<float>() + j * d_, hp + (sl[j] / k_) * d_, d_ * sizeof(float));
+        experts_[e].forward(x, gn, un, sn, y, act_, simd);
+      }
       const float* yp = y.data_ptr<float>();
       // out[t] += y * w, the product rounded before the add as index_add_ of y * w (the baseline target has no FMA
       // to contract them into)

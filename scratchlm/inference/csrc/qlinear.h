@@ -163,6 +163,30 @@ struct QLinear {
     return p;
   }
 
+  // How forward() rounds M rows of x to int8 at `path`: kind kNone (x stays float32, or a raw type whose kernels
+  // round x their own way: gguf_blocks32.h), kQAct (quantize_rows at resolved path p, then qgemm at p) or kKAct
+  // (raw K-quants: kq_quantize_x at p, then kq_gemm_rounded at p). forward_rounded takes x rounded so.
+  enum : int { kNone = 0, kQAct = 1, kKAct = 2 };
+  struct Rounding {
+    int kind = kNone, p = 0;
+  };
+  Rounding rounding(int64_t M, int path) const {
+    if (is_raw()) {
+      const int gp = gguf_path(path);
+      if (gp == scratchlm_gguf::kDequantPath || !scratchlm_gguf::kq_handles(raw.type)) return {};
+      return {kKAct, scratchlm_gguf::kq_resolve_path(raw, M, gp)};
+    }
+    if (is_panels() || !quantized()) return {};
+    const int p = resolve_path(M, path);
+    if (p == 0 || p == 3 || p == 4) return {};
+    return {kQAct, p == 5 ? 0 : p};
+  }
+  // y (a.M, N) from x rounded as rounding(a.M, path) says ({kind, p}): the values forward() gives for that x.
+  void forward_rounded(const QAct& a, torch::Tensor& y, int p) const { qgemm(a, mat, y.data_ptr<float>(), p); }
+  void forward_rounded(const scratchlm_gguf::KAct& a, torch::Tensor& y, int p) const {
+    scratchlm_gguf::kq_gemm_rounded(a, raw, y.data_ptr<float>(), p);
+  }
+
   // y (M, N) = x (M, K) W^T. `xq`: a cache of x quantized, shared by the matmuls of one input (q/k/v, gate/up):
   // used when valid, else filled; the caller clears `valid` when x changes. nullptr: no cache.
   // path: quant_gemm's code path (-1: the measured best for M on this CPU; 0: portable, also for float32 weights).

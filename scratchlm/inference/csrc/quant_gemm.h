@@ -864,6 +864,20 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QAct& a, int pat
   quantize_rows_scalar(x, M, K, a);
 }
 
+// Rows rows[0 .. n) of `all` into out, valid (a row's rounding does not depend on the other rows: these are the
+// bits quantize_rows makes of those rows of x alone).
+inline void gather_rows(const QAct& all, const int64_t* rows, int64_t n, QAct& out) {
+  const int64_t nb = all.nb, Kp = nb * kBlock;
+  out.M = n, out.K = all.K, out.nb = nb, out.valid = true;
+  out.q.resize(n * Kp), out.dx.resize(n * nb), out.sx.resize(n * nb);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = rows[j];
+    std::memcpy(out.q.data() + j * Kp, all.q.data() + r * Kp, Kp);
+    std::memcpy(out.dx.data() + j * nb, all.dx.data() + r * nb, nb * sizeof(float));
+    std::memcpy(out.sx.data() + j * nb, all.sx.data() + r * nb, nb * sizeof(float));
+  }
+}
+
 // y (M, N) = x (M, K) dequant(W)^T with float x: path 3 dequantizes 4-row tiles to L1 for the FMA micro kernels,
 // path 4 turns codes into floats in registers (needs AVX2; path 3 also K % 8 == 0).
 inline void qgemm_fma(const float* x, int64_t M, const QMat& w, float* y, int path = 3) {
