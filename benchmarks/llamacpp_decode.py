@@ -45,7 +45,8 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, Report, isa_env, set_threads
 
-PEERS = REPO_ROOT / ".peers"
+# resolved: the builds' RPATH and the venv's .pth get real paths, also through a symlinked .peers (a worktree's)
+PEERS = (REPO_ROOT / ".peers").resolve()
 VENV = PEERS / "llamacpp"
 SDIST_VERSION = "0.3.36"
 SDIST_DIR = PEERS / f"llama_cpp_python-{SDIST_VERSION}"

@@ -189,6 +189,17 @@ class Checks:
         self.rows.append([label, figure, fmt.format(pred), fmt.format(meas), f"{r:.2f}", verdict])
 
 
+
+def checks_tables(report: Report, checks, comm_rows: list[list[str]]) -> None:
+    """The predicted-vs-measured table and the communication-per-step table of a validation part."""
+    report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
+                 checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
+                 "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "
+                 "times that include waiting for the peer rank; they are not counted)")
+    report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
+                 comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
+                 "the peer) vs the alpha-beta prediction")
+
 def main(argv: list[str] | None = None) -> int:
     from scratchlm.defaults import default_model_path
     from scratchlm.model import load
@@ -350,13 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         report.table(["shapes of", *CALIBRATION_HEADERS[1:]], refreshed,
                      "The compute rates re-measured before each group of measurements (the predictions of a group "
                      "use its own; in order: SmolLM2 prefill, stories260K prefill, engine TP=1, TP=2, PP=2, DP=2)")
-        report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
-                     checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
-                     "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "
-                     "times that include waiting for the peer rank; they are not counted)")
-        report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
-                     comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
-                     "the peer) vs the alpha-beta prediction")
+        checks_tables(report, checks, comm_rows)
 
     # 4. projections on paper
     projections = [
@@ -474,13 +479,7 @@ def moe_main(args, argv) -> int:
                      cal_rows,
                      "Calibration of this machine at the MoE model's shapes (thread CPU time, one thread); the "
                      "compute rates re-measured before each engine layout")
-        report.table(["configuration", "figure", "predicted", "measured", "predicted / measured", "within +-30 %"],
-                     checks.rows, f"Predicted vs measured: {checks.n_ok} of {checks.n_all} checked figures within "
-                     "+-30 % (rows marked (info) are wall times on a shared, oversubscribed machine, or communication "
-                     "times that include waiting for the peer rank; they are not counted)")
-        report.table(["configuration", "load", "measured comm per decode step (rank 0)", "predicted network"],
-                     comm_rows, "Communication per decode step: measured on rank 0 (wall, includes waiting for "
-                     "the peer) vs the alpha-beta prediction")
+        checks_tables(report, checks, comm_rows)
     report.add(ep_benchmark_section(args.ep_json, log))
     report.add(moe_projections())
     report.write()
