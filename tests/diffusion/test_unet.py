@@ -184,3 +184,41 @@ def test_num_attention_heads_is_heads():
     a = UNetConfig(**dict(SD1, attention_head_dim=7, num_attention_heads=4))
     assert a.heads == (4, 4) and a.diffusers_config()["attention_head_dim"] == 4
     assert a.diffusers_config()["num_attention_heads"] is None
+
+
+# the unet/config.json of the shipped SD 1.5, SD 2.1 (768) and SDXL base folders (keys as they are on the hub)
+HUB_SD15 = {"act_fn": "silu", "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280],
+            "center_input_sample": False, "cross_attention_dim": 768,
+            "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+            "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+            "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4,
+            "sample_size": 64,
+            "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]}
+HUB_SD21 = dict(HUB_SD15, attention_head_dim=[5, 10, 20, 20], cross_attention_dim=1024, use_linear_projection=True,
+                upcast_attention=True, sample_size=96, dual_cross_attention=False, num_class_embeds=None,
+                only_cross_attention=False)
+HUB_SDXL = dict(HUB_SD15, attention_head_dim=[5, 10, 20], block_out_channels=[320, 640, 1280],
+                cross_attention_dim=2048, down_block_types=["DownBlock2D", "CrossAttnDownBlock2D",
+                                                            "CrossAttnDownBlock2D"],
+                up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                transformer_layers_per_block=[1, 2, 10], use_linear_projection=True, addition_embed_type="text_time",
+                addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816, sample_size=128)
+
+
+@pytest.mark.parametrize("cfg", [HUB_SD15, HUB_SD21, HUB_SDXL], ids=["sd15", "sd21", "sdxl"])
+def test_full_size_configs_have_diffusers_state_dict(cfg):
+    """Real checkpoints load strictly: same keys and shapes as diffusers' model (built on the meta device)."""
+    with torch.device("meta"):
+        ref = diffusers.UNet2DConditionModel(**cfg)
+        ours = UNet2DConditionModel(UNetConfig.from_diffusers({"_class_name": "UNet2DConditionModel", **cfg}))
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+
+
+def test_loaded_model_trains(tmp_path):
+    """from_pretrained assigns the file's tensors: they stay trainable parameters."""
+    _reference(SD1).save_pretrained(tmp_path)
+    ours = UNet2DConditionModel.from_pretrained(tmp_path).train()
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in ours.parameters())
+    x, t, text, _ = _inputs(SD1)
+    ours(x, t, text).square().mean().backward()
+    assert all(p.grad is not None for p in ours.parameters())
