@@ -90,7 +90,7 @@ class UNetConfig:
     """UNet2DConditionModel's config.json; field names and defaults are diffusers'."""
 
     sample_size: int | tuple[int, int] | None = field(default=None, metadata={
-        "help": "latent side the model was trained at (metadata: any size divisible by 2^(levels-1) runs)"})
+        "help": "latent side the model was trained at (metadata: any latent size runs)"})
     in_channels: int = field(default=4, metadata={"help": "latent channels in"})
     out_channels: int = field(default=4, metadata={"help": "channels predicted (noise / v / x0)"})
     center_input_sample: bool = field(default=False, metadata={"help": "map the input x -> 2x - 1 first"})
