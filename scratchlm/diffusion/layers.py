@@ -4,6 +4,9 @@
 - `attention`: bidirectional multi-head attention on (B, T, H, D) tensors, optionally chunked over
   queries (the memory wall: the (T, S) score matrix is the term that grows with the square of the
   latent's token count; chunking bounds it at (chunk, S) for the price of more, smaller GEMMs).
+  Three implementations (`attention_impl`): "fused" (the default: scratchlm's C++ kernel,
+  `fused_attention.py`, for head dims 8 and 16 where it beats torch's; torch's SDPA for the others),
+  "sdpa" (torch's fused kernel always), "math" (the scores materialised). All exact up to float rounding.
 - sinusoidal timestep and 2-D position embeddings, bit-for-bit the formulas diffusers uses
   (`get_timestep_embedding`, `get_2d_sincos_pos_embed`), so weights move between the two.
 """
@@ -20,10 +23,15 @@ from scratchlm.model.layers import Linear
 
 # Query rows per attention chunk (None: the whole score matrix at once). Set by `chunked_attention`.
 ATTENTION_CHUNK: int | None = None
+# "fused": scratchlm's kernel (fused_attention.py) for head dims in FUSED_HEAD_DIMS, torch's SDPA otherwise;
 # "sdpa": torch's fused scaled_dot_product_attention (on CPU a flash-style kernel that never holds the
 # (T, S) scores); "math": scores materialised, softmax, then @ V (what a plain implementation, or
 # diffusers' AttnProcessor, holds in memory). Set by `attention_impl`.
-ATTENTION_IMPL: str = "sdpa"
+ATTENTION_IMPL: str = "fused"
+IMPLS = ("fused", "sdpa", "math")
+# Head dims where scratchlm's kernel is faster than torch's SDPA on this CPU (1.5-2.7x at 8; about equal at 16,
+# slower from 32: there torch's GEMM-based kernel wins; benchmarks/sd_pipeline.py --parts attention).
+FUSED_HEAD_DIMS = (8, 16)
 
 
 class BiasLinear(Linear):
@@ -46,6 +54,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, chunk: int | None = None) -> Tens
     score matrix held at once is (B, H, chunk, S) instead of (B, H, T, S). Exact either way.
     """
     chunk = chunk if chunk is not None else ATTENTION_CHUNK
+    if ATTENTION_IMPL == "fused" and q.shape[-1] in FUSED_HEAD_DIMS:
+        from scratchlm.diffusion.fused_attention import attention as fused
+
+        return fused(q, k, v)  # holds 8 rows of scores at a time: already chunked, finer than any `chunk`
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T|S, D)
     core = _math_attention if ATTENTION_IMPL == "math" else F.scaled_dot_product_attention
     if not chunk or chunk >= q.shape[1]:
@@ -63,11 +75,12 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 class attention_impl:
-    """Context manager: `with attention_impl("math"): ...` materialises the attention scores."""
+    """Context manager: `with attention_impl("math"): ...` materialises the attention scores ("sdpa": torch's
+    fused kernel for every head dim; "fused": the default)."""
 
     def __init__(self, impl: str):
-        if impl not in ("sdpa", "math"):
-            raise ValueError(f"attention impl must be 'sdpa' or 'math', got {impl!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
         self.impl = impl
 
     def __enter__(self):

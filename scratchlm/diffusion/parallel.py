@@ -125,6 +125,9 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float =
     dies), the others are terminated and a RuntimeError names the rank and its traceback."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    from scratchlm.diffusion.fused_attention import prepare
+
+    prepare()  # build the attention kernel once here, not in every rank while its peers wait on a collective
     spawn = mp.get_context("spawn")
     out = spawn.Queue()
     port = _free_port()
