@@ -189,16 +189,11 @@ class CLIPTokenizer:
             raise ValueError(f"CLIPTokenizer: padding={padding!r} is not supported")
         limit = max_length if max_length is not None else self.model_max_length
         rows = [self.encode(p, max_length=limit if truncation else None) for p in prompts]
-        if padding == "max_length":
-            width = max(limit, *map(len, rows))
-        elif padding in ("longest", True):
-            width = max(map(len, rows))
-        else:
-            width = None
-        masks = [[1] * len(r) + [0] * ((width or len(r)) - len(r)) for r in rows]
-        rows = [r + [self.pad_token_id] * ((width or len(r)) - len(r)) for r in rows]
+        width = {"max_length": limit, "longest": max(map(len, rows)), True: max(map(len, rows))}.get(padding, 0)
+        masks = [[1] * len(r) + [0] * (width - len(r)) for r in rows]  # a row longer than width stays longer
+        rows = [r + [self.pad_token_id] * (width - len(r)) for r in rows]
         if return_tensors == "pt":
-            if width is None and len({len(r) for r in rows}) > 1:
+            if len({len(r) for r in rows}) > 1:
                 raise ValueError("CLIPTokenizer: rows of different lengths need padding for return_tensors='pt'")
             return {"input_ids": torch.tensor(rows, dtype=torch.long), "attention_mask": torch.tensor(masks)}
         if return_tensors is not None:

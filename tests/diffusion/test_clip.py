@@ -125,3 +125,31 @@ def test_config_errors_name_the_field(tmp_path):
     transformers.CLIPTextModel(_hf_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="text_projection"):
         CLIPTextModelWithProjection.from_pretrained(tmp_path)
+
+
+_SD15 = {"_name_or_path": "openai/clip-vit-large-patch14", "architectures": ["CLIPTextModel"], "attention_dropout": 0.0,
+         "bos_token_id": 0, "dropout": 0.0, "eos_token_id": 2, "hidden_act": "quick_gelu", "hidden_size": 768,
+         "initializer_factor": 1.0, "initializer_range": 0.02, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+         "max_position_embeddings": 77, "model_type": "clip_text_model", "num_attention_heads": 12,
+         "num_hidden_layers": 12, "pad_token_id": 1, "projection_dim": 768, "torch_dtype": "float32",
+         "transformers_version": "4.22.0.dev0", "vocab_size": 49408}
+_SD21 = {**_SD15, "hidden_act": "gelu", "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+         "num_hidden_layers": 23, "projection_dim": 512, "transformers_version": "4.25.0.dev0"}
+_SDXL2 = {**_SD15, "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu", "hidden_size": 1280,
+          "intermediate_size": 5120, "num_attention_heads": 20, "num_hidden_layers": 32, "projection_dim": 1280}
+
+
+@pytest.mark.parametrize("hf_cfg", [_SD15, _SD21, _SDXL2], ids=["sd15", "sd21", "sdxl_text_encoder_2"])
+def test_shipped_configs_build_transformers_keys(hf_cfg):
+    """The hub's text_encoder configs (as shipped, old bookkeeping keys included): our parameter names and shapes are
+    the checkpoints' (`text_model.` + transformers' names), built on the meta device."""
+    proj = hf_cfg["architectures"] == ["CLIPTextModelWithProjection"]
+    ours_cls = CLIPTextModelWithProjection if proj else CLIPTextModel
+    ref_cls = transformers.CLIPTextModelWithProjection if proj else transformers.CLIPTextModel
+    hf_fields = {k: v for k, v in hf_cfg.items() if k in CLIPTextConfig.__dataclass_fields__}
+    with torch.device("meta"):
+        ours = ours_cls(CLIPTextConfig.from_hf(hf_cfg))
+        ref = ref_cls(transformers.CLIPTextConfig(**hf_fields))
+    want = {(k if k.startswith(("text_model.", "text_projection")) else "text_model." + k): tuple(v.shape)
+            for k, v in ref.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == want

@@ -73,13 +73,13 @@ CHARS = st.characters(exclude_categories=("Cs", "Cn"))
 TEXT = st.lists(st.one_of(FRAGMENTS, st.text(CHARS, max_size=4), FRAGMENTS.map(str.upper)), max_size=40).map("".join)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT, name=st.sampled_from(["sd1", "sd2"]))
 def test_hypothesis_ids_equal(pairs, text, name):
     _check(*pairs[name], text)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(TEXT, min_size=1, max_size=4))
 def test_hypothesis_batches_longest_padding(pairs, batch):
     ours, hf = pairs["sd1"]
@@ -156,3 +156,14 @@ def test_every_code_point_pre_tokenizes_as_transformers(pairs):
         if want != ["".join(table[b] for b in p.encode()) for p in pre_tokenize(normalize(s))]:
             bad.append(hex(cp))
     assert not bad, bad[:20]
+
+
+def test_padding_without_truncation(pairs):
+    ours, hf = pairs["sd1"]
+    batch = ["a short one", "word " * 90]
+    for padding in ("max_length", "longest", False):
+        want = hf(batch, padding=padding, max_length=20, truncation=False)
+        got = ours(batch, padding=padding, max_length=20, truncation=False, return_tensors=None)
+        assert got["input_ids"] == want["input_ids"] and got["attention_mask"] == want["attention_mask"]
+    with pytest.raises(ValueError, match="padding"):
+        ours(batch, max_length=20, truncation=False)  # ragged rows cannot make one tensor
