@@ -8,7 +8,13 @@ Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMSchedu
 - prediction types: "epsilon" (the model predicts eps) and "v_prediction" (v = sqrt(alpha_bar) eps -
   sqrt(1 - alpha_bar) x_0, Salimans & Ho 2022);
 - samplers share one interface: `set_timesteps(n)`, `.timesteps`, `init_noise_sigma`,
-  `scale_model_input(x, t)`, `step(model_output, t, x, noise=None) -> x_prev`.
+  `scale_model_input(x, t)`, `step(model_output, t, x, noise=None) -> x_prev`;
+- a diffusers `scheduler_config.json` is read by `schedule_from_diffusers` (the field defaults of its class,
+  `steps_offset`, `set_alpha_to_one`, `clip_sample`, ...). Every field is either used, required to have the value
+  our samplers implement (else a ValueError naming it), or inert and listed in `_INERT` with the reason. Policy for
+  classes we do not implement: `PNDMScheduler` (Stable Diffusion 1.x's default, PLMS with `skip_prk_steps`) is
+  *mapped*: its noise schedule (betas, spacing, `steps_offset`, `set_alpha_to_one`) runs with the DDIM sampler,
+  and the loader says so in a log line; any other class is refused by name.
 
 Classifier-free guidance: eps = eps_uncond + w (eps_cond - eps_uncond) (`cfg_combine`).
 """
@@ -32,7 +38,13 @@ class ScheduleConfig:
     beta_end: float = field(default=0.02, metadata={"help": "last beta"})
     beta_schedule: str = field(default="linear", metadata={"help": "linear | scaled_linear | squaredcos_cap_v2"})
     prediction_type: str = field(default="epsilon", metadata={"help": "epsilon | v_prediction"})
-    timestep_spacing: str = field(default="trailing", metadata={"help": "leading | trailing (| linspace for Euler)"})
+    timestep_spacing: str = field(default="trailing", metadata={"help": "leading | trailing | linspace"})
+    steps_offset: int = field(default=0, metadata={"help": "added to the 'leading' timesteps (Stable Diffusion: 1)"})
+    set_alpha_to_one: bool = field(default=True, metadata={
+        "help": "DDIM's last step goes to alpha_bar = 1 (True) or to alpha_bar_0 (False, Stable Diffusion)"})
+    clip_sample: bool = field(default=False, metadata={
+        "help": "DDIM / DDPM clamp the predicted x_0 to [-clip_sample_range, clip_sample_range]"})
+    clip_sample_range: float = field(default=1.0, metadata={"help": "the clamp of clip_sample"})
 
     def __post_init__(self):
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -40,11 +52,15 @@ class ScheduleConfig:
         if self.beta_schedule not in ("linear", "scaled_linear", "squaredcos_cap_v2"):
             raise ValueError(f"beta_schedule must be linear, scaled_linear or squaredcos_cap_v2, "
                              f"got {self.beta_schedule!r}")
+        if self.timestep_spacing not in ("leading", "trailing", "linspace"):
+            raise ValueError(f"timestep_spacing must be leading, trailing or linspace, got {self.timestep_spacing!r}")
 
     def diffusers_config(self) -> dict:
         return dict(num_train_timesteps=self.num_train_timesteps, beta_start=self.beta_start, beta_end=self.beta_end,
                     beta_schedule=self.beta_schedule, prediction_type=self.prediction_type,
-                    timestep_spacing=self.timestep_spacing, clip_sample=False, set_alpha_to_one=True, steps_offset=0)
+                    timestep_spacing=self.timestep_spacing, clip_sample=self.clip_sample,
+                    clip_sample_range=self.clip_sample_range, set_alpha_to_one=self.set_alpha_to_one,
+                    steps_offset=self.steps_offset)
 
 
 def make_betas(cfg: ScheduleConfig) -> Tensor:
@@ -92,10 +108,10 @@ def _spacing(cfg: ScheduleConfig, n: int) -> np.ndarray:
     if n > t:
         raise ValueError(f"{n} sampling steps exceed the {t} training timesteps")
     if cfg.timestep_spacing == "leading":
-        return (np.arange(0, n) * (t // n)).round()[::-1].copy().astype(np.int64)
+        return (np.arange(0, n) * (t // n)).round()[::-1].copy().astype(np.int64) + cfg.steps_offset
     if cfg.timestep_spacing == "trailing":
         return np.round(np.arange(t, 0, -t / n)).astype(np.int64) - 1
-    raise ValueError(f"timestep_spacing must be 'leading' or 'trailing', got {cfg.timestep_spacing!r}")
+    return np.linspace(0, t - 1, n).round()[::-1].copy().astype(np.int64)  # linspace
 
 
 def _x0_eps(cfg: ScheduleConfig, out: Tensor, x: Tensor, ab: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,6 +120,10 @@ def _x0_eps(cfg: ScheduleConfig, out: Tensor, x: Tensor, ab: Tensor) -> tuple[Te
     if cfg.prediction_type == "epsilon":
         return (x - b**0.5 * out) / ab**0.5, out
     return ab**0.5 * x - b**0.5 * out, ab**0.5 * out + b**0.5 * x
+
+
+def _clip(cfg: ScheduleConfig, x0: Tensor) -> Tensor:
+    return x0.clamp(-cfg.clip_sample_range, cfg.clip_sample_range) if cfg.clip_sample else x0
 
 
 class _Sampler:
@@ -145,7 +165,7 @@ class DDPMSampler(_Sampler):
         ab, ab_prev = self._ab(t), self._ab(prev)
         alpha = ab / ab_prev
         beta = 1 - alpha
-        x0, _ = _x0_eps(self.config, out, x, ab)
+        x0 = _clip(self.config, _x0_eps(self.config, out, x, ab)[0])
         mean = (ab_prev**0.5 * beta / (1 - ab)) * x0 + (alpha**0.5 * (1 - ab_prev) / (1 - ab)) * x
         if t > 0:
             var = torch.clamp((1 - ab_prev) / (1 - ab) * beta, min=1e-20)
@@ -165,8 +185,11 @@ class DDIMSampler(_Sampler):
     def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
         t = int(t)
         prev = t - self._stride()
-        ab, ab_prev = self._ab(t), self._ab(prev)
+        ab = self._ab(t)
+        # the step past t = 0 lands on alpha_bar = 1, or on alpha_bar_0 with set_alpha_to_one = False
+        ab_prev = self._ab(prev) if prev >= 0 or self.config.set_alpha_to_one else self.alphas_cumprod[0]
         x0, eps = _x0_eps(self.config, out, x, ab)
+        x0 = _clip(self.config, x0)  # eps stays the model's (diffusers: use_clipped_model_output=False)
         std = self.eta * ((1 - ab_prev) / (1 - ab) * (1 - ab / ab_prev)) ** 0.5
         prev_x = ab_prev**0.5 * x0 + (1 - ab_prev - std**2) ** 0.5 * eps
         if self.eta > 0:
@@ -183,7 +206,7 @@ class EulerSampler(_Sampler):
     def set_timesteps(self, n: int, device=None) -> None:
         self.num_inference_steps = n
         t_train = self.config.num_train_timesteps
-        if self.config.timestep_spacing in ("linspace",):
+        if self.config.timestep_spacing == "linspace":  # not rounded, unlike DDIM / DDPM's
             ts = np.linspace(0, t_train - 1, n, dtype=np.float32)[::-1].copy()
         else:
             ts = _spacing(self.config, n).astype(np.float32)
@@ -225,3 +248,74 @@ def make_sampler(name: str, cfg: ScheduleConfig) -> _Sampler:
 def cfg_combine(out_uncond: Tensor, out_cond: Tensor, guidance: float) -> Tensor:
     """Classifier-free guidance (Ho & Salimans 2022): uncond + w (cond - uncond); w = 1 is plain conditional."""
     return out_uncond + guidance * (out_cond - out_uncond)
+
+
+# --- diffusers scheduler_config.json ----------------------------------------------------------------------------
+# class -> (our sampler, the class's defaults for the fields ScheduleConfig reads)
+_BASE = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
+             prediction_type="epsilon", timestep_spacing="leading", steps_offset=0)
+SCHEDULER_CLASSES: dict[str, tuple[str, dict]] = {
+    "DDIMScheduler": ("ddim", {**_BASE, "set_alpha_to_one": True, "clip_sample": True, "clip_sample_range": 1.0}),
+    "DDPMScheduler": ("ddpm", {**_BASE, "clip_sample": True, "clip_sample_range": 1.0}),
+    "EulerDiscreteScheduler": ("euler", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
+    # not implemented: mapped onto DDIM (its schedule and spacing; PNDM never clips), said in a log line
+    "PNDMScheduler": ("ddim", {**_BASE, "set_alpha_to_one": False, "clip_sample": False}),
+}
+# fields our samplers implement only at one value (diffusers' default); any other value is refused by name
+_REQUIRED = {"trained_betas": None, "thresholding": False, "rescale_betas_zero_snr": False,
+             "variance_type": "fixed_small", "interpolation_type": "linear", "use_karras_sigmas": False,
+             "use_exponential_sigmas": False, "use_beta_sigmas": False, "sigma_min": None, "sigma_max": None,
+             "timestep_type": "discrete", "final_sigmas_type": "zero"}
+# fields that change nothing in what we run, and why
+_INERT = {"_class_name": "metadata", "_diffusers_version": "metadata", "_name_or_path": "metadata",
+          "dynamic_thresholding_ratio": "used only with thresholding, which must be off",
+          "sample_max_value": "used only with thresholding, which must be off",
+          "skip_prk_steps": "a PNDM setting; PNDM itself is not run (mapped onto DDIM)"}
+
+
+def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> tuple[ScheduleConfig, str, str | None]:
+    """(ScheduleConfig, sampler name, note) from a diffusers scheduler config dict. `note` says what runs instead
+    when the class is not implemented (PNDMScheduler -> DDIM); the caller logs it. Unknown fields and
+    unsupported values raise ValueError naming `where` and the field. Fields of other classes that diffusers
+    writes into a config (SDXL's Euler config carries DDIM's set_alpha_to_one) are read: they matter if a
+    different sampler is chosen at run time."""
+    name = cfg.get("_class_name")
+    if name not in SCHEDULER_CLASSES:
+        raise ValueError(f"{where}: scheduler class {name!r} is not supported; supported: "
+                         f"{sorted(SCHEDULER_CLASSES)} (PNDMScheduler runs as DDIM)")
+    sampler, defaults = SCHEDULER_CLASSES[name]
+    ours = set(ScheduleConfig.__dataclass_fields__)
+    kw = {k: v for k, v in defaults.items()}
+    for key, value in cfg.items():
+        if key in ours:
+            kw[key] = value
+        elif key in _REQUIRED:
+            want = _REQUIRED[key]
+            if value != want and not (want is False and value is None):
+                raise ValueError(f"{where}: {key}={value!r} is not supported (only {want!r})")
+        elif key not in _INERT:
+            raise ValueError(f"{where}: unknown scheduler field {key!r} (class {name})")
+    if kw["prediction_type"] not in ("epsilon", "v_prediction"):
+        raise ValueError(f"{where}: prediction_type={kw['prediction_type']!r} is not supported "
+                         "(epsilon or v_prediction)")
+    note = None
+    if name == "PNDMScheduler":
+        note = (f"{where}: PNDMScheduler (PLMS) is not implemented; its noise schedule ({kw['beta_schedule']} betas "
+                f"{kw['beta_start']}..{kw['beta_end']}, {kw['timestep_spacing']} spacing, steps_offset "
+                f"{kw['steps_offset']}) runs with the DDIM sampler (eta 0): images differ from diffusers' PNDM")
+    return ScheduleConfig(**kw), sampler, note
+
+
+def scheduler_class_for(sampler: str) -> str:
+    """The diffusers scheduler class that runs `sampler` with the same numerics (for export)."""
+    return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler"}[sampler]
+
+
+def rescale_cfg(guided: Tensor, out_cond: Tensor, rescale: float) -> Tensor:
+    """`guidance_rescale` (Lin et al. 2023, sec. 3.4; diffusers' rescale_noise_cfg): mix the guided output with
+    itself rescaled to the conditional output's per-sample std; 0 leaves it unchanged."""
+    if rescale == 0.0:
+        return guided
+    dims = list(range(1, guided.ndim))
+    rescaled = guided * (out_cond.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+    return rescale * rescaled + (1 - rescale) * guided

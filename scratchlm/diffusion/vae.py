@@ -37,6 +37,9 @@ class VAEConfig:
     scaling_factor: float = field(default=1.0, metadata={"help": "latents are multiplied by this for diffusion"})
     mid_block_add_attention: bool = field(default=True, metadata={"help": "self-attention in the mid blocks"})
     sample_size: int = field(default=28, metadata={"help": "image side the model was trained on"})
+    force_upcast: bool = field(default=False, metadata={
+        "help": "diffusers decodes this VAE in fp32 inside an fp16 pipeline (SD's VAE overflows in fp16); "
+                "scratchlm's modules compute in fp32 whatever the stored dtype, so this is kept for export only"})
 
     def diffusers_config(self) -> dict:
         n = len(self.block_out_channels)
@@ -45,7 +48,7 @@ class VAEConfig:
                     block_out_channels=list(self.block_out_channels), layers_per_block=self.layers_per_block,
                     act_fn="silu", latent_channels=self.latent_channels, norm_num_groups=self.norm_num_groups,
                     sample_size=self.sample_size, scaling_factor=self.scaling_factor, shift_factor=None,
-                    force_upcast=False, use_quant_conv=True, use_post_quant_conv=True,
+                    force_upcast=self.force_upcast, use_quant_conv=True, use_post_quant_conv=True,
                     mid_block_add_attention=self.mid_block_add_attention)
 
     @classmethod
@@ -56,9 +59,15 @@ class VAEConfig:
         for key, want in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
             if any(b != want for b in cfg.get(key, [want])):
                 raise ValueError(f"VAE config: {key}={cfg[key]} is not supported (only {want})")
-        if cfg.get("shift_factor") not in (None, 0, 0.0):
-            raise ValueError(f"VAE config: shift_factor={cfg['shift_factor']} is not supported")
+        for key in ("shift_factor", "latents_mean", "latents_std"):  # SD3 / Flux / SDXL-refiner conventions
+            if cfg.get(key) not in (None, 0, 0.0):
+                raise ValueError(f"VAE config: {key}={cfg[key]} is not supported (only null)")
         names = set(cls.__dataclass_fields__)
+        checked = {"act_fn", "use_quant_conv", "use_post_quant_conv", "down_block_types", "up_block_types",
+                   "shift_factor", "latents_mean", "latents_std", "_class_name", "_diffusers_version", "_name_or_path"}
+        unknown = sorted(set(cfg) - names - checked)
+        if unknown:
+            raise ValueError(f"VAE config: unknown field(s) {unknown}")
         kw = {k: v for k, v in cfg.items() if k in names}
         kw["block_out_channels"] = tuple(kw.get("block_out_channels", (64,)))
         kw.setdefault("in_channels", 3)
@@ -261,20 +270,21 @@ class AutoencoderKL(nn.Module):
         return self.decode(self.encode(x).mode())
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> AutoencoderKL:
-        """Load a diffusers AutoencoderKL folder (config.json + diffusion_pytorch_model.safetensors)."""
+    def from_pretrained(cls, path: str | Path, variant: str | None = None) -> AutoencoderKL:
+        """Load a diffusers AutoencoderKL folder (config.json + diffusion_pytorch_model[.<variant>].safetensors);
+        fp16 weights are cast into the fp32 modules."""
         from scratchlm.diffusion.dit import _load_strict
         from scratchlm.diffusion.io import load_diffusers_dir
 
-        cfg, sd = load_diffusers_dir(path)
+        cfg, sd = load_diffusers_dir(path, variant)
         model = cls(VAEConfig.from_diffusers(cfg))
         _load_strict(model, sd, path)
         return model
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, variant: str | None = None) -> None:
         from scratchlm.diffusion.io import save_diffusers_dir
 
-        save_diffusers_dir(path, "AutoencoderKL", self.config.diffusers_config(), self.state_dict())
+        save_diffusers_dir(path, "AutoencoderKL", self.config.diffusers_config(), self.state_dict(), variant)
 
 
 def _ramp(n: int, overlap: int, fade_in: bool, fade_out: bool, like: Tensor) -> Tensor:

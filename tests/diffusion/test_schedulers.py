@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ def _reference(name: str, cfg: ScheduleConfig):
         kw.pop("set_alpha_to_one")
     if name == "EulerDiscreteScheduler":
         kw.pop("clip_sample")
+        kw.pop("clip_sample_range")
     return getattr(diffusers, name)(**kw)
 
 
@@ -71,3 +74,85 @@ def test_bad_config_is_rejected():
         ScheduleConfig(prediction_type="sample")
     with pytest.raises(ValueError, match="exceed"):
         DDIMSampler(ScheduleConfig(num_train_timesteps=10)).set_timesteps(20)
+
+
+# --- scheduler_config.json as Stable Diffusion folders ship it ----------------------------------------------------
+SD15_PNDM = {"_class_name": "PNDMScheduler", "_diffusers_version": "0.6.0", "beta_end": 0.012,
+             "beta_schedule": "scaled_linear", "beta_start": 0.00085, "num_train_timesteps": 1000,
+             "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+             "clip_sample": False}
+SD21_DDIM = {"_class_name": "DDIMScheduler", "_diffusers_version": "0.8.0", "beta_end": 0.012,
+             "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False, "num_train_timesteps": 1000,
+             "prediction_type": "v_prediction", "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+             "trained_betas": None}
+SDXL_EULER = {"_class_name": "EulerDiscreteScheduler", "_diffusers_version": "0.19.0.dev0", "beta_end": 0.012,
+              "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
+              "interpolation_type": "linear", "num_train_timesteps": 1000, "prediction_type": "epsilon",
+              "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+              "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False}
+
+
+def _saved_config(tmp_path, sched) -> dict:
+    """The config as diffusers writes it (save_config), so every default the class has is in it."""
+    sched.save_config(tmp_path)
+    return json.loads((tmp_path / "scheduler_config.json").read_text())
+
+
+def _same_trajectory(ref, ours, steps: int = 25):
+    ref.set_timesteps(steps)
+    ours.set_timesteps(steps)
+    assert torch.equal(ref.timesteps.float(), ours.timesteps.float())
+    assert abs(float(ref.init_noise_sigma) - float(ours.init_noise_sigma)) <= 1e-5 * float(ref.init_noise_sigma)
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, 5) * float(ref.init_noise_sigma)
+    for i, t in enumerate(ref.timesteps):
+        out = torch.randn(2, 4, 5, 5) * 3  # large enough that clip_sample clamps
+        assert (ref.scale_model_input(x, t) - ours.scale_model_input(x, t)).abs().max() <= 1e-5
+        want = ref.step(out, t, x, generator=torch.Generator().manual_seed(i)).prev_sample
+        got = ours.step(out, t, x, generator=torch.Generator().manual_seed(i))
+        assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+        x = want
+
+
+@pytest.mark.parametrize("cls_name,kw,sampler", [
+    ("DDIMScheduler", SD21_DDIM, "ddim"),                                     # SD 2.1: v, offset 1, alpha_0 last
+    ("DDIMScheduler", {"timestep_spacing": "linspace"}, "ddim"),              # class defaults: clip_sample on
+    ("DDIMScheduler", {"timestep_spacing": "trailing", "set_alpha_to_one": False, "clip_sample_range": 0.5}, "ddim"),
+    ("EulerDiscreteScheduler", SDXL_EULER, "euler"),                          # SDXL's, with DDIM / PNDM keys in it
+    ("EulerDiscreteScheduler", {"prediction_type": "v_prediction"}, "euler"),  # default spacing: linspace
+    ("DDPMScheduler", {"steps_offset": 1, "beta_schedule": "scaled_linear"}, "ddpm"),  # clip_sample on
+])
+def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sampler):
+    from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers
+
+    kw = {k: v for k, v in kw.items() if not k.startswith("_")}
+    ref = getattr(diffusers, cls_name).from_config(kw)
+    cfg, name, note = schedule_from_diffusers(_saved_config(tmp_path, ref) | {k: v for k, v in kw.items()})
+    assert name == sampler and note is None
+    _same_trajectory(ref, make_sampler(name, cfg))
+
+
+def test_pndm_runs_as_ddim_and_says_so():
+    from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers
+
+    cfg, name, note = schedule_from_diffusers(SD15_PNDM, "sd15/scheduler/scheduler_config.json")
+    assert name == "ddim" and "PNDMScheduler" in note and "DDIM" in note and "sd15/scheduler" in note
+    assert cfg.steps_offset == 1 and not cfg.set_alpha_to_one and cfg.timestep_spacing == "leading"
+    # what runs is exactly diffusers' DDIM built from the same config (SD 1.5's own mapping in diffusers' docs)
+    _same_trajectory(diffusers.DDIMScheduler.from_config(SD15_PNDM), make_sampler(name, cfg))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"_class_name": "LMSDiscreteScheduler"}, "LMSDiscreteScheduler"),
+    ({"use_karras_sigmas": True}, "use_karras_sigmas"),
+    ({"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+    ({"trained_betas": [0.1, 0.2]}, "trained_betas"),
+    ({"prediction_type": "sample"}, "prediction_type"),
+    ({"timestep_spacing": "karras"}, "timestep_spacing"),
+    ({"made_up_field": 1}, "made_up_field"),
+])
+def test_unsupported_scheduler_fields_are_named(change, match):
+    from scratchlm.diffusion.schedulers import schedule_from_diffusers
+
+    with pytest.raises(ValueError, match=match):
+        schedule_from_diffusers(SDXL_EULER | change, "x/scheduler_config.json")
