@@ -59,6 +59,33 @@ def test_vae_matches_autoencoder_kl(tmp_path, attn):
         assert (ref(x).sample - ours(x)).abs().max().item() <= TOL
 
 
+def test_sd_shaped_vae_config_and_fp16_variant_load(tmp_path):
+    """SD's VAE config as diffusers writes it (3 channels, 4 levels, scaling 0.18215, force_upcast, null
+    shift_factor / latents_mean, quant convs), stored as an fp16 variant: loads, decodes within fp16 rounding of
+    the fp16-weighted oracle, and writes force_upcast back."""
+    torch.manual_seed(0)
+    ref = diffusers.AutoencoderKL(block_out_channels=(8, 8, 16, 16), down_block_types=["DownEncoderBlock2D"] * 4,
+                                  up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=4, layers_per_block=2,
+                                  sample_size=32).eval()
+    ref.to(torch.float16).save_pretrained(tmp_path, variant="fp16")
+    with pytest.raises(FileNotFoundError, match="variant"):
+        AutoencoderKL.from_pretrained(tmp_path)
+    ours = AutoencoderKL.from_pretrained(tmp_path, variant="fp16").eval()
+    c = ours.config
+    assert (c.in_channels, c.out_channels, c.downsample, c.scaling_factor, c.force_upcast) == (3, 3, 8, 0.18215, True)
+    assert next(ours.parameters()).dtype == torch.float32  # fp16 storage, fp32 compute
+    ref.float()
+    z = torch.randn(1, 4, 4, 4)
+    with torch.no_grad():
+        assert (ref.decode(z).sample - ours.decode(z)).abs().max().item() <= TOL
+    ours.save_pretrained(tmp_path / "out")
+    assert diffusers.AutoencoderKL.from_pretrained(tmp_path / "out").config.force_upcast is True
+    with pytest.raises(ValueError, match="latents_mean"):
+        VAEConfig.from_diffusers({**ref.config, "latents_mean": [0.0] * 4})
+    with pytest.raises(ValueError, match="made_up"):
+        VAEConfig.from_diffusers({**ref.config, "made_up": 1})
+
+
 def test_loader_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         DiT.from_pretrained(tmp_path)
