@@ -1,30 +1,57 @@
-"""The text-to-image pipeline: prompt -> text tokens -> DiT denoising loop (with CFG) -> VAE decode.
+"""The text-to-image pipeline: prompt -> text tokens -> denoising loop (with CFG) -> VAE decode.
 
-A pipeline folder is laid out like a diffusers one, and its `vae/` and `transformer/` folders *are*
-diffusers checkpoints (AutoencoderKL, PixArtTransformer2DModel), `scheduler/scheduler_config.json` is
-a diffusers scheduler config; the text encoder (scratchlm's own) and its BPE tokenizer sit beside them:
+One `DiffusionPipeline` runs two families of folders, both laid out as diffusers lays them out:
 
-    model_index.json  vae/  transformer/  scheduler/  text_encoder/  tokenizer/
+- **scratchlm's DiT pipelines** (`model_index.json` `_class_name` "scratchlm.DiffusionPipeline"): `vae/` and
+  `transformer/` *are* diffusers checkpoints (AutoencoderKL, PixArtTransformer2DModel), the text encoder
+  (scratchlm's `TextEncoder`) and its BPE `PromptTokenizer` sit beside them. A trained MNIST one ships inside the
+  package (`SHIPPED_MNIST`, fp16 storage): `scratchlm diffusion sample|serve` use it when no `--model` is given.
+- **Stable Diffusion folders** as diffusers ships them (`_class_name` "StableDiffusionPipeline"): `unet/`
+  (`unet.UNet2DConditionModel`), `vae/`, `text_encoder/` (`clip.CLIPTextModel`), `tokenizer/`
+  (`clip_tokenizer.CLIPTokenizer`), `scheduler/scheduler_config.json` (`schedulers.schedule_from_diffusers`:
+  DDIM / Euler / DDPM run as configured, PNDM -> DDIM, logged). Weights fp32 or fp16 (`variant="fp16"` picks the
+  `*.fp16.safetensors` files); the modules compute in fp32 whatever the stored dtype. `safety_checker`,
+  `feature_extractor` and `image_encoder` entries are accepted, present or null, and are **not run**: a load
+  note says so (`pipe.notes`, also logged). `save_pretrained` writes a folder diffusers'
+  `StableDiffusionPipeline.from_pretrained` loads (without those three).
 
-A trained MNIST pipeline ships inside the package (`SHIPPED_MNIST`, weights stored in fp16, computed in
-fp32): `scratchlm diffusion sample|serve` use it when no `--model` is given.
+The loop is diffusers' StableDiffusionPipeline's: prompts and negative prompts (default "") padded to the
+tokenizer's length, CFG on a batch of [negative; prompt] (`guidance_rescale` too), latents scaled by the sampler's
+`init_noise_sigma`, `scale_model_input` before each denoiser call, decode of latents / `scaling_factor`. One
+difference: CFG runs for any guidance != 1 (diffusers switches it off for guidance <= 1).
+
+The API the parallel and benchmark code build on stays plain: `encode_prompts(prompts) -> (B, L, d)`,
+`initial_latents`, `denoise(latents, text, uncond, ...)`, `decode(latents)`; `denoiser` is the DiT or the UNet
+(`pipe.transformer` / `pipe.unet` name it when it is that kind, else None).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from scratchlm import atomic
 from scratchlm.diffusion.dit import DiT
-from scratchlm.diffusion.schedulers import ScheduleConfig, cfg_combine, make_sampler
+from scratchlm.diffusion.schedulers import (
+    SAMPLERS,
+    ScheduleConfig,
+    cfg_combine,
+    make_sampler,
+    rescale_cfg,
+    schedule_from_diffusers,
+    scheduler_class_for,
+)
 from scratchlm.diffusion.text import PromptTokenizer, TextEncoder
 from scratchlm.diffusion.vae import AutoencoderKL
+
+log = logging.getLogger(__name__)
 
 # the trained MNIST pipeline shipped with the package (docs/diffusion.md: how it was trained, its accuracy)
 SHIPPED_MNIST = Path(__file__).resolve().parent / "pretrained" / "mnist"
@@ -32,39 +59,104 @@ SHIPPED_MNIST = Path(__file__).resolve().parent / "pretrained" / "mnist"
 # denoiser(x (B, C, h, w), t (B,), text (B, L, d)) -> model output
 Denoiser = Callable[[Tensor, Tensor, Tensor], Tensor]
 
+SD_CLASS = "StableDiffusionPipeline"
+SCRATCH_CLASS = "scratchlm.DiffusionPipeline"
+# model_index.json entries of an SD folder: component -> the [library, class] pairs we load
+SD_COMPONENTS = {
+    "unet": {("diffusers", "UNet2DConditionModel")},
+    "vae": {("diffusers", "AutoencoderKL")},
+    "text_encoder": {("transformers", "CLIPTextModel")},
+    "tokenizer": {("transformers", "CLIPTokenizer"), ("transformers", "CLIPTokenizerFast")},
+    "scheduler": {("diffusers", c) for c in ("DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
+                                              "PNDMScheduler")},
+}
+# entries accepted, present or null, and not run (a note says so when present)
+SD_NOT_RUN = {"safety_checker": "the NSFW safety checker is not run: images are returned unfiltered",
+              "feature_extractor": "the feature extractor (the safety checker's image preprocessing) is not run",
+              "image_encoder": "the IP-Adapter image encoder is not run: image prompts are not supported"}
+SD_META = {"_class_name", "_diffusers_version", "_name_or_path", "requires_safety_checker"}
+
 
 class DiffusionPipeline:
-    """Tokenizer + text encoder + DiT + VAE + noise schedule; `__call__(prompts)` -> images in [-1, 1]."""
+    """Tokenizer + text encoder + denoiser (DiT or SD UNet) + VAE + noise schedule; `__call__(prompts)` -> images
+    in [-1, 1]. `sampler` is the one the folder's scheduler config names (ddim for scratchlm's folders)."""
 
-    def __init__(self, tokenizer: PromptTokenizer, text_encoder: TextEncoder, transformer: DiT,
-                 vae: AutoencoderKL, schedule: ScheduleConfig, latent_size: int):
-        self.tokenizer, self.text_encoder, self.transformer, self.vae = tokenizer, text_encoder, transformer, vae
+    def __init__(self, tokenizer, text_encoder: nn.Module, denoiser: nn.Module, vae: AutoencoderKL,
+                 schedule: ScheduleConfig, latent_size: int | tuple[int, int], sampler: str = "ddim",
+                 scheduler_config: dict | None = None, clip_skip: int | None = None, notes: list[str] | None = None):
+        self.tokenizer, self.text_encoder, self.denoiser, self.vae = tokenizer, text_encoder, denoiser, vae
         self.schedule = schedule
         self.latent_size = latent_size
-        for m in (text_encoder, transformer, vae):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}: expected one of {sorted(SAMPLERS)}")
+        self.sampler = sampler
+        self.scheduler_config = scheduler_config  # the folder's own, written back verbatim by save_pretrained
+        self.clip_skip = clip_skip
+        self.notes = list(notes or [])  # what loading mapped or left out (also logged)
+        for m in (text_encoder, denoiser, vae):
             m.eval()
+
+    @property
+    def transformer(self) -> DiT | None:
+        return self.denoiser if isinstance(self.denoiser, DiT) else None
+
+    @property
+    def unet(self):
+        return None if isinstance(self.denoiser, DiT) else self.denoiser
+
+    @property
+    def is_sd(self) -> bool:
+        """A Stable Diffusion pipeline (UNet + CLIP) rather than a scratchlm DiT one."""
+        return not isinstance(self.text_encoder, TextEncoder)
 
     @property
     def latent_channels(self) -> int:
         return self.vae.config.latent_channels
 
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        s = self.latent_size
+        return (s, s) if isinstance(s, int) else tuple(s)
+
+    @property
+    def image_hw(self) -> tuple[int, int]:
+        """The native image size (height, width): the latent size times the VAE's downsampling."""
+        f = self.vae.config.downsample
+        return self.latent_hw[0] * f, self.latent_hw[1] * f
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Tensor:
-        return self.text_encoder(self.tokenizer(prompts))  # (B, L, d)
+        """(B, L, d) text features the denoiser cross-attends to; for CLIP, L = the tokenizer's 77 and the
+        features are `last_hidden_state` (or, with `clip_skip`, an earlier layer through the final norm)."""
+        if isinstance(self.text_encoder, TextEncoder):
+            return self.text_encoder(self.tokenizer(prompts))  # (B, L, d)
+        from scratchlm.diffusion.clip import encode_prompt_hidden
 
-    def initial_latents(self, n: int, seed: int = 0, size: int | None = None) -> Tensor:
-        s = size or self.latent_size
+        ids = self.tokenizer(prompts)  # (B, 77), padded and truncated as diffusers asks the tokenizer to
+        out = self.text_encoder(ids, output_hidden_states=self.clip_skip is not None)
+        return encode_prompt_hidden(out, self.text_encoder.text_model.final_layer_norm, self.clip_skip)
+
+    def initial_latents(self, n: int, seed: int = 0, size: int | tuple[int, int] | None = None) -> Tensor:
+        s = size or self.latent_hw
+        h, w = (s, s) if isinstance(s, int) else s
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, self.latent_channels, s, s, generator=g)  # (B, c, h, w), unit variance
+        return torch.randn(n, self.latent_channels, h, w, generator=g)  # (B, c, h, w), unit variance
+
+    def _denoiser_fn(self) -> Denoiser:
+        if isinstance(self.denoiser, DiT):
+            return self.denoiser
+        unet = self.denoiser
+        return lambda x, t, text: unet(x, t, text)
 
     @torch.no_grad()
     def denoise(self, latents: Tensor, text: Tensor, uncond: Tensor | None, steps: int = 25, guidance: float = 3.0,
-                sampler: str = "ddim", denoiser: Denoiser | None = None, seed: int = 0,
-                progress: Callable[[int], None] | None = None) -> Tensor:
-        """Run the sampler from unit-variance `latents`; with `uncond` and guidance != 1, CFG on a batch of
-        [uncond; cond]. `denoiser` replaces the DiT call (the parallel variants plug in here)."""
-        den = denoiser or self.transformer
-        sch = make_sampler(sampler, self.schedule)
+                sampler: str | None = None, denoiser: Denoiser | None = None, seed: int = 0,
+                progress: Callable[[int], None] | None = None, guidance_rescale: float = 0.0) -> Tensor:
+        """Run the sampler (default: the folder's, `self.sampler`) from unit-variance `latents`; with `uncond` and
+        guidance != 1, CFG on a batch of [uncond; cond]. `denoiser` replaces the DiT / UNet call (the parallel
+        variants plug in here)."""
+        den = denoiser or self._denoiser_fn()
+        sch = make_sampler(sampler or self.sampler, self.schedule)
         sch.set_timesteps(steps)
         x = latents * sch.init_noise_sigma
         g = torch.Generator().manual_seed(seed + 1)
@@ -75,7 +167,7 @@ class DiffusionPipeline:
             if use_cfg:
                 out = den(torch.cat([xin, xin]), torch.cat([tt, tt]), torch.cat([uncond, text]))
                 out_u, out_c = out.chunk(2)
-                out = cfg_combine(out_u, out_c, guidance)
+                out = rescale_cfg(cfg_combine(out_u, out_c, guidance), out_c, guidance_rescale)
             else:
                 out = den(xin, tt, text)
             x = sch.step(out, t, x, generator=g)
@@ -88,54 +180,155 @@ class DiffusionPipeline:
         return self.vae.decode(latents / self.vae.config.scaling_factor, tile=tile).clamp(-1, 1)
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], steps: int = 25, guidance: float = 3.0, sampler: str = "ddim",
-                 seed: int = 0, latents: Tensor | None = None, progress=None) -> Tensor:
+    def __call__(self, prompts: list[str], steps: int = 25, guidance: float = 3.0, sampler: str | None = None,
+                 seed: int = 0, latents: Tensor | None = None, progress=None,
+                 negative_prompts: list[str] | None = None, guidance_rescale: float = 0.0,
+                 size: int | tuple[int, int] | None = None) -> Tensor:
+        """Images (B, C, H, W) in [-1, 1]. `negative_prompts` (one per prompt) replace the empty prompt as CFG's
+        unconditional input; `size` is the latent size (h, w) (default: the model's native one)."""
+        if negative_prompts is not None and len(negative_prompts) != len(prompts):
+            raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
         text = self.encode_prompts(prompts)
-        uncond = self.encode_prompts([""] * len(prompts))
-        lat = latents if latents is not None else self.initial_latents(len(prompts), seed)
-        z = self.denoise(lat, text, uncond, steps, guidance, sampler, seed=seed, progress=progress)
+        uncond = self.encode_prompts(negative_prompts or [""] * len(prompts))
+        lat = latents if latents is not None else self.initial_latents(len(prompts), seed, size)
+        z = self.denoise(lat, text, uncond, steps, guidance, sampler, seed=seed, progress=progress,
+                         guidance_rescale=guidance_rescale)
         return self.decode(z)
 
     # --- folders ------------------------------------------------------------------------------------
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None, variant: str | None = None) -> None:
         """Write the pipeline folder; `dtype` (e.g. torch.float16) stores the weights in that precision
-        (loading casts them back into the fp32 modules)."""
+        (loading casts them back into the fp32 modules); `variant` names the weight files
+        (`*.<variant>.safetensors`, SD folders only). An SD pipeline writes what diffusers'
+        StableDiffusionPipeline.from_pretrained loads (no safety checker / feature extractor)."""
+        if self.is_sd:
+            return self._save_sd(Path(path), dtype, variant)
+        if variant is not None:
+            raise ValueError("variant= is for Stable Diffusion folders; a scratchlm DiT folder has one weight file "
+                             "per component")
         if dtype is not None:
             stored = copy.deepcopy(self)
-            for m in (stored.vae, stored.transformer, stored.text_encoder):
+            for m in (stored.vae, stored.denoiser, stored.text_encoder):
                 m.to(dtype)
             stored.save_pretrained(path)
             return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.vae.save_pretrained(path / "vae")
-        self.transformer.save_pretrained(path / "transformer")
+        self.denoiser.save_pretrained(path / "transformer")
         self.text_encoder.save_pretrained(path / "text_encoder")
         self.tokenizer.save(path / "tokenizer")
-        (path / "scheduler").mkdir(exist_ok=True)
-        (path / "scheduler" / "scheduler_config.json").write_text(json.dumps(
-            {"_class_name": "DDIMScheduler", **self.schedule.diffusers_config()}, indent=2))
+        self._save_scheduler(path)
         (path / "model_index.json").write_text(json.dumps({
-            "_class_name": "scratchlm.DiffusionPipeline", "latent_size": self.latent_size,
+            "_class_name": SCRATCH_CLASS, "latent_size": self.latent_size,
             "schedule": asdict(self.schedule), "vae": ["diffusers", "AutoencoderKL"],
             "transformer": ["diffusers", "PixArtTransformer2DModel"], "scheduler": ["diffusers", "DDIMScheduler"],
             "text_encoder": ["scratchlm", "TextEncoder"], "tokenizer": ["scratchlm", "PromptTokenizer"]}, indent=2))
 
+    def _scheduler_json(self) -> dict:
+        if self.scheduler_config is not None:
+            return self.scheduler_config
+        return {"_class_name": scheduler_class_for(self.sampler), **self.schedule.diffusers_config()}
+
+    def _save_scheduler(self, path: Path) -> None:
+        (path / "scheduler").mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path / "scheduler" / "scheduler_config.json", json.dumps(self._scheduler_json(), indent=2))
+
+    def _save_sd(self, path: Path, dtype: torch.dtype | None, variant: str | None) -> None:
+        from scratchlm.diffusion.io import _diffusers_version
+
+        path.mkdir(parents=True, exist_ok=True)
+        vae = self.vae if dtype is None else copy.deepcopy(self.vae).to(dtype)
+        vae.save_pretrained(path / "vae", variant=variant)
+        self.denoiser.save_pretrained(path / "unet", dtype=dtype, variant=variant)
+        self.text_encoder.save_pretrained(path / "text_encoder", dtype=dtype, variant=variant)
+        self.tokenizer.save_pretrained(path / "tokenizer")
+        self._save_scheduler(path)
+        atomic.write_text(path / "model_index.json", json.dumps({
+            "_class_name": SD_CLASS, "_diffusers_version": _diffusers_version(),
+            "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+            "safety_checker": [None, None], "scheduler": ["diffusers", self._scheduler_json()["_class_name"]],
+            "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+            "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}, indent=2))
+
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> DiffusionPipeline:
+    def from_pretrained(cls, path: str | Path, variant: str | None = None) -> DiffusionPipeline:
+        """Load a scratchlm DiT pipeline folder or a Stable Diffusion folder (see the module docstring);
+        `variant` ("fp16") picks the `*.<variant>.safetensors` weight files of an SD folder."""
         path = Path(path)
         idx = path / "model_index.json"
         if not idx.is_file():
-            raise FileNotFoundError(f"{idx} not found: expected a scratchlm diffusion pipeline folder "
-                                    "(model_index.json, vae/, transformer/, text_encoder/, tokenizer/, scheduler/)")
+            raise FileNotFoundError(f"{idx} not found: expected a diffusion pipeline folder (scratchlm's: "
+                                    "model_index.json, vae/, transformer/, text_encoder/, tokenizer/, scheduler/; "
+                                    "or Stable Diffusion's: model_index.json, unet/, vae/, text_encoder/, "
+                                    "tokenizer/, scheduler/)")
         meta = json.loads(idx.read_text())
+        kind = meta.get("_class_name")
+        if kind == SD_CLASS:
+            return cls._load_sd(path, meta, variant)
+        if kind not in (SCRATCH_CLASS, None):
+            raise ValueError(f"{idx}: _class_name {kind!r} is not supported: this loads {SD_CLASS!r} and "
+                             f"{SCRATCH_CLASS!r} folders")
+        if variant is not None:
+            raise ValueError(f"{path}: variant= is for Stable Diffusion folders, this is a scratchlm DiT folder")
+        for sub in ("tokenizer", "text_encoder", "transformer", "vae"):
+            if not (path / sub).is_dir():
+                raise FileNotFoundError(f"{path / sub} not found: the pipeline folder lacks its {sub}/")
         return cls(PromptTokenizer.load(path / "tokenizer"), TextEncoder.from_pretrained(path / "text_encoder"),
                    DiT.from_pretrained(path / "transformer"), AutoencoderKL.from_pretrained(path / "vae"),
                    ScheduleConfig(**meta["schedule"]), meta["latent_size"])
 
+    @classmethod
+    def _load_sd(cls, path: Path, meta: dict, variant: str | None) -> DiffusionPipeline:
+        from scratchlm.diffusion.clip import CLIPTextModel
+        from scratchlm.diffusion.clip_tokenizer import CLIPTokenizer
+        from scratchlm.diffusion.unet import UNet2DConditionModel
+
+        idx = path / "model_index.json"
+        notes = []
+        for key, entry in meta.items():
+            if key in SD_META or key in SD_COMPONENTS:
+                continue
+            if key not in SD_NOT_RUN:
+                raise ValueError(f"{idx}: unknown entry {key!r}: {entry}")
+            if entry is not None and list(entry) != [None, None]:
+                notes.append(f"{path}: {key} {entry}: {SD_NOT_RUN[key]}")
+        for key, allowed in SD_COMPONENTS.items():
+            entry = meta.get(key)
+            if entry is None or list(entry) == [None, None]:
+                raise ValueError(f"{idx}: the {key!r} component is missing (a Stable Diffusion pipeline needs "
+                                 f"{sorted(SD_COMPONENTS)})")
+            if tuple(entry) not in allowed:
+                raise ValueError(f"{idx}: {key} is {entry}; supported: {sorted(map(list, allowed))}")
+            if not (path / key).is_dir():
+                raise FileNotFoundError(f"{path / key} not found: model_index.json lists {key} {entry}")
+        sch_path = path / "scheduler" / "scheduler_config.json"
+        if not sch_path.is_file():
+            raise FileNotFoundError(f"{sch_path} not found")
+        sch_cfg = json.loads(sch_path.read_text())
+        if sch_cfg.get("_class_name") != meta["scheduler"][1]:
+            raise ValueError(f"{sch_path}: _class_name {sch_cfg.get('_class_name')!r} differs from model_index.json's "
+                             f"scheduler {meta['scheduler']}")
+        schedule, sampler, note = schedule_from_diffusers(sch_cfg, str(sch_path))
+        if note:
+            notes.append(note)
+        unet = UNet2DConditionModel.from_pretrained(path / "unet", variant=variant)
+        vae = AutoencoderKL.from_pretrained(path / "vae", variant=variant)
+        text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", variant=variant)
+        tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
+        if text_encoder.config.hidden_size != unet.config.cross_attention_dim:
+            raise ValueError(f"{path}: text_encoder hidden_size {text_encoder.config.hidden_size} != unet "
+                             f"cross_attention_dim {unet.config.cross_attention_dim}")
+        for n in notes:
+            log.warning(n)
+        size = unet.config.sample_size
+        return cls(tokenizer, text_encoder, unet, vae, schedule, size if isinstance(size, int) else tuple(size),
+                   sampler=sampler, scheduler_config=sch_cfg, notes=notes)
+
 
 def is_pipeline_dir(path: str | Path) -> bool:
-    return (Path(path) / "model_index.json").is_file() and (Path(path) / "transformer").is_dir()
+    p = Path(path)
+    return (p / "model_index.json").is_file() and ((p / "transformer").is_dir() or (p / "unet").is_dir())
 
 
 def image_grid(images: Tensor, nrow: int) -> Tensor:

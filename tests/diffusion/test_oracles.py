@@ -68,6 +68,7 @@ def test_sd_shaped_vae_config_and_fp16_variant_load(tmp_path):
                                   up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=4, layers_per_block=2,
                                   sample_size=32).eval()
     ref.to(torch.float16).save_pretrained(tmp_path, variant="fp16")
+    (tmp_path / "diffusion_pytorch_model.fp32.safetensors").write_bytes(b"")  # two variants: one must be named
     with pytest.raises(FileNotFoundError, match="variant"):
         AutoencoderKL.from_pretrained(tmp_path)
     ours = AutoencoderKL.from_pretrained(tmp_path, variant="fp16").eval()
