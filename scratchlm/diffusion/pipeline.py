@@ -132,7 +132,8 @@ class DiffusionPipeline:
             return self.text_encoder(self.tokenizer(prompts))  # (B, L, d)
         from scratchlm.diffusion.clip import encode_prompt_hidden
 
-        ids = self.tokenizer(prompts)  # (B, 77), padded and truncated as diffusers asks the tokenizer to
+        tok = self.tokenizer  # padded and truncated to 77 as diffusers asks the tokenizer to; no attention mask
+        ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True)["input_ids"]
         out = self.text_encoder(ids, output_hidden_states=self.clip_skip is not None)
         return encode_prompt_hidden(out, self.text_encoder.text_model.final_layer_norm, self.clip_skip)
 

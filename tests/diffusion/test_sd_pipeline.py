@@ -1,0 +1,199 @@
+"""Stable Diffusion folders: a tiny SD pipeline built from diffusers' / transformers' own classes and saved with
+`save_pretrained` loads into `DiffusionPipeline`, and a whole 25-step text-to-image run equals diffusers'
+`StableDiffusionPipeline` from the same latents and prompts; fp16 folders, export round trip, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+from scratchlm.diffusion.clip_tokenizer import CLIPTokenizer  # noqa: E402
+from scratchlm.diffusion.pipeline import DiffusionPipeline, is_pipeline_dir  # noqa: E402
+
+TOL = 1e-4  # images in [0, 1] after 25 fp32 steps with CFG (measured below 1e-6: see docs/diffusion.md)
+CORPUS = ["a photo of a cat", "a painting of a red fox in the snow", "blurry, low quality", "an astronaut riding a "
+          "horse on the moon", "a bowl of fruit, oil painting", "a dog", "the city at night, neon lights"]
+PROMPTS = ["a red fox in the snow", "an astronaut riding a horse"]
+NEGATIVE = ["blurry, low quality", ""]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread each (two oversubscribe and run ~20x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def sd_folder(path, scheduler: str = "DDIMScheduler", dtype=torch.float32, variant=None, seed: int = 0,
+              prediction: str = "epsilon"):
+    """A tiny SD 1.x-shaped folder written by diffusers' StableDiffusionPipeline.save_pretrained."""
+    torch.manual_seed(seed)
+    tok = CLIPTokenizer.train(CORPUS, 60)
+    tok.save_pretrained(path / "_tok")
+    hf_tok = transformers.CLIPTokenizer.from_pretrained(path / "_tok")
+    text = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)).eval()
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=4, norm_num_groups=4).eval()
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=["DownEncoderBlock2D"] * 2,
+                                  up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=4, sample_size=16).eval()
+    with torch.no_grad():  # zero-initialised projections would hide mistakes
+        for m in (unet, text, vae):
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    sched_kw = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
+                    prediction_type=prediction)
+    if scheduler in ("DDIMScheduler", "DDPMScheduler"):
+        sched_kw.update(clip_sample=False)
+    if scheduler in ("DDIMScheduler", "PNDMScheduler"):
+        sched_kw.update(set_alpha_to_one=False)
+    if scheduler == "PNDMScheduler":
+        sched_kw.update(skip_prk_steps=True)
+    sched = getattr(diffusers, scheduler)(**sched_kw)
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=hf_tok, unet=unet, scheduler=sched,
+                                             safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+    pipe.to(dtype).save_pretrained(path, variant=variant)
+    shutil.rmtree(path / "_tok")
+    return path
+
+
+def reference_images(path, latents, steps=25, guidance=7.5, negative=None, variant=None, **kw) -> torch.Tensor:
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(path, variant=variant, torch_dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return ref(PROMPTS, negative_prompt=negative, latents=latents.clone(), num_inference_steps=steps,
+                   guidance_scale=guidance, output_type="pt", **kw).images  # (B, 3, H, W) in [0, 1]
+
+
+def ours_images(pipe, latents, steps=25, guidance=7.5, negative=None, **kw) -> torch.Tensor:
+    return (pipe(PROMPTS, steps=steps, guidance=guidance, latents=latents, negative_prompts=negative, **kw) + 1) / 2
+
+
+@pytest.mark.parametrize("scheduler,prediction", [("DDIMScheduler", "epsilon"),
+                                                  ("EulerDiscreteScheduler", "v_prediction")])
+def test_25_step_run_equals_stable_diffusion_pipeline(tmp_path, scheduler, prediction):
+    sd_folder(tmp_path, scheduler, prediction=prediction)
+    assert is_pipeline_dir(tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.is_sd and pipe.unet is not None and pipe.transformer is None
+    assert pipe.sampler == {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler"}[scheduler]
+    assert pipe.image_hw == (16, 16) and pipe.notes == []
+    lat = pipe.initial_latents(2, seed=3)
+    want = reference_images(tmp_path, lat, negative=NEGATIVE)
+    got = ours_images(pipe, lat, negative=NEGATIVE)
+    assert got.shape == want.shape == (2, 3, 16, 16)
+    err = (got - want).abs().max().item()
+    print(f"{scheduler}: max |ours - diffusers| over the 25-step image = {err:.2e}")
+    assert err <= TOL
+    # the loop really depends on the prompt and the negative prompt (else equality would prove little)
+    assert (ours_images(pipe, lat) - got).abs().max() > 1e-3
+
+
+def test_guidance_rescale_and_clip_skip_match(tmp_path):
+    sd_folder(tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    lat = pipe.initial_latents(2, seed=1)
+    want = reference_images(tmp_path, lat, steps=6, guidance_rescale=0.7)
+    assert (ours_images(pipe, lat, steps=6, guidance_rescale=0.7) - want).abs().max().item() <= TOL
+    # clip_skip: diffusers 0.42's own clip_skip path reaches for `text_encoder.text_model`, which transformers 5's
+    # CLIPTextModel no longer has, so the reference embeddings come from transformers directly (hidden_states[-2]
+    # through the final layer norm, as diffusers means it) and go in as prompt_embeds
+    pipe.clip_skip = 1
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(tmp_path)
+    ids = ref.tokenizer(PROMPTS + ["", ""], padding="max_length", max_length=77, truncation=True,
+                        return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden = ref.text_encoder(ids, output_hidden_states=True).hidden_states[-2]
+        emb = ref.text_encoder.final_layer_norm(hidden)
+        assert (pipe.encode_prompts(PROMPTS + ["", ""]) - emb).abs().max().item() <= 1e-5
+        want = ref(prompt_embeds=emb[:2], negative_prompt_embeds=emb[2:], latents=lat.clone(), num_inference_steps=6,
+                   guidance_scale=7.5, output_type="pt").images
+    assert (ours_images(pipe, lat, steps=6) - want).abs().max().item() <= TOL
+
+
+def test_fp16_variant_folder_and_export_round_trip(tmp_path):
+    src = sd_folder(tmp_path / "fp16", dtype=torch.float16, variant="fp16")
+    assert (src / "unet" / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    pipe = DiffusionPipeline.from_pretrained(src, variant="fp16")
+    assert all(p.dtype == torch.float32 for p in pipe.unet.parameters())  # fp16 storage, fp32 compute
+    lat = pipe.initial_latents(2, seed=2)
+    ours = ours_images(pipe, lat, steps=8)
+    assert (ours - reference_images(src, lat, steps=8, variant="fp16")).abs().max().item() <= TOL
+
+    out = tmp_path / "export"
+    pipe.save_pretrained(out)
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline" and index["unet"] == ["diffusers", "UNet2DConditionModel"]
+    assert (ours - reference_images(out, lat, steps=8)).abs().max().item() <= TOL  # diffusers loads the export
+    assert torch.equal(ours_images(DiffusionPipeline.from_pretrained(out), lat, steps=8), ours)
+
+    out16 = tmp_path / "export16"
+    pipe.save_pretrained(out16, dtype=torch.float16, variant="fp16")
+    again = DiffusionPipeline.from_pretrained(out16, variant="fp16")
+    assert torch.equal(ours_images(again, lat, steps=8), ours)  # fp16 -> fp32 -> fp16 is lossless
+
+
+def test_pndm_folder_runs_as_ddim_and_says_so(tmp_path, caplog):
+    sd_folder(tmp_path, "PNDMScheduler")
+    with caplog.at_level("WARNING"):
+        pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.sampler == "ddim" and any("PNDMScheduler" in n and "DDIM" in n for n in pipe.notes)
+    assert "PNDMScheduler" in caplog.text
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(tmp_path)
+    # what the note says runs: DDIM on PNDM's schedule, never clipping x_0 (PNDM does not; DDIM's default would)
+    ref.scheduler = diffusers.DDIMScheduler.from_config(ref.scheduler.config, clip_sample=False)
+    lat = pipe.initial_latents(2, seed=4)
+    with torch.no_grad():
+        want = ref(PROMPTS, latents=lat.clone(), num_inference_steps=10, guidance_scale=5.0, output_type="pt").images
+    assert (ours_images(pipe, lat, steps=10, guidance=5.0) - want).abs().max().item() <= TOL
+
+
+def test_safety_checker_entries_are_said_not_run(tmp_path):
+    sd_folder(tmp_path)
+    idx = json.loads((tmp_path / "model_index.json").read_text())
+    idx["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
+    idx["feature_extractor"] = ["transformers", "CLIPImageProcessor"]
+    (tmp_path / "model_index.json").write_text(json.dumps(idx))
+    notes = DiffusionPipeline.from_pretrained(tmp_path).notes
+    assert any("safety_checker" in n and "not run" in n for n in notes)
+    assert any("feature_extractor" in n and "not run" in n for n in notes)
+
+
+@pytest.mark.parametrize("breakage,error,match", [
+    (lambda p: shutil.rmtree(p / "unet"), FileNotFoundError, "unet"),
+    (lambda p: (p / "vae" / "diffusion_pytorch_model.safetensors").unlink(), FileNotFoundError,
+     "vae/diffusion_pytorch_model.safetensors"),
+    (lambda p: (p / "text_encoder" / "config.json").unlink(), FileNotFoundError, "text_encoder/config.json"),
+    (lambda p: (p / "scheduler" / "scheduler_config.json").unlink(), FileNotFoundError, "scheduler_config.json"),
+    (lambda p: (p / "tokenizer" / "tokenizer.json").unlink(), FileNotFoundError, "tokenizer"),
+    (lambda p: _edit(p / "model_index.json", _class_name="StableDiffusionXLInpaintPipeline"), ValueError,
+     "StableDiffusionXLInpaintPipeline"),
+    (lambda p: _edit(p / "model_index.json", text_encoder=["transformers", "T5EncoderModel"]), ValueError,
+     "T5EncoderModel"),
+    (lambda p: _edit(p / "model_index.json", controlnet=["diffusers", "ControlNetModel"]), ValueError, "controlnet"),
+    (lambda p: _edit(p / "scheduler" / "scheduler_config.json", use_karras_sigmas=True), ValueError,
+     "use_karras_sigmas"),
+    (lambda p: _edit(p / "unet" / "config.json", made_up_field=3), ValueError, "made_up_field"),
+])
+def test_broken_folders_are_named(tmp_path, breakage, error, match):
+    sd_folder(tmp_path)
+    breakage(tmp_path)
+    with pytest.raises(error, match=match):
+        DiffusionPipeline.from_pretrained(tmp_path)
+
+
+def _edit(path, **changes):
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
