@@ -6,8 +6,13 @@ serve the images API with its page.
     scratchlm diffusion train --config recipes/diffusion_mnist.toml [--out-dir runs/x --dit-time-s 600 ...]
     scratchlm diffusion sample --model runs/diffusion_mnist/pipeline --prompt "a handwritten seven" \\
         --n 16 --steps 25 --guidance 3 --sampler ddim --seed 0 --out grid.png
+    scratchlm diffusion sample --model path/to/stable-diffusion-folder "a red fox in the snow" \\
+        --negative-prompt "blurry" --size 512x512 --steps 25 --guidance 7.5 --seed 1 --out fox.png
+    scratchlm diffusion serve --model path/to/stable-diffusion-folder   # or: scratchlm serve path/to/folder
 
-Without `--model`, sample and serve use the trained pipeline shipped with the package and say so.
+Without `--model`, sample and serve use the trained pipeline shipped with the package and say so. A Stable
+Diffusion folder (diffusers layout) runs with its own scheduler unless `--sampler` picks another; what loading
+maps or leaves out (PNDM run as DDIM, the safety checker not run) is printed.
 """
 
 from __future__ import annotations
@@ -45,26 +50,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tr.add_argument("--config", type=Path, help="recipe file, e.g. recipes/diffusion_mnist.toml")
     add_dataclass_arguments(tr, DiffusionTrainConfig)
     sa = sub.add_parser("sample", help="generate images for a prompt and write a PNG grid")
-    sa.add_argument("--model", default=None, help="a pipeline folder written by `diffusion train` "
-                                                  "(default: the trained MNIST pipeline shipped with scratchlm)")
-    sa.add_argument("--prompt", action="append", required=True,
+    sa.add_argument("prompts", nargs="*", metavar="PROMPT", help="the prompt(s); --prompt works as well")
+    sa.add_argument("--model", default=None, help="a pipeline folder: one written by `diffusion train`, or a Stable "
+                                                  "Diffusion folder in diffusers' layout (default: the trained "
+                                                  "MNIST pipeline shipped with scratchlm)")
+    sa.add_argument("--variant", default=None, help='weight files of an SD folder: "fp16" reads *.fp16.safetensors')
+    sa.add_argument("--prompt", action="append", default=[],
                     help="the prompt (repeat the flag for several; each gets --n images)")
+    sa.add_argument("--negative-prompt", default=None,
+                    help="what to steer away from (classifier-free guidance's unconditional input; default empty)")
     sa.add_argument("--n", type=int, default=8, help="images per prompt")
+    sa.add_argument("--size", default=None, help="image size WxH or N (pixels; multiples of the VAE's factor, "
+                                                 "8 for SD); default: the model's native size")
     sa.add_argument("--steps", type=int, default=25, help="sampling steps")
-    sa.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = none)")
-    sa.add_argument("--sampler", default="ddim", choices=sorted(SAMPLERS), help="sampler")
+    sa.add_argument("--guidance", type=float, default=None,
+                    help="classifier-free guidance scale (1 = none; default 7.5 for SD folders, 3 otherwise)")
+    sa.add_argument("--guidance-rescale", type=float, default=0.0, help="guidance_rescale in [0, 1] (0 = off)")
+    sa.add_argument("--sampler", default=None, choices=sorted(SAMPLERS),
+                    help="sampler (default: the folder's scheduler; ddim for scratchlm folders)")
     sa.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
     add_threads_argument(sa)
     sa.add_argument("--out", type=Path, default=Path("grid.png"), help="output PNG (one row per prompt)")
     se = sub.add_parser("serve", help="serve POST /v1/images/generations and a prompt page at /",
                         epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    se.add_argument("model", nargs="?", default=None, help="a pipeline folder (default: the shipped MNIST pipeline)")
+    se.add_argument("model", nargs="?", default=None, help="a pipeline folder, scratchlm's or a Stable Diffusion one "
+                                                          "(default: the shipped MNIST pipeline)")
+    se.add_argument("--model", dest="model_flag", default=None, help="the pipeline folder (same as the positional)")
     _add_server_arguments(se)
 
 
 SERVE_EPILOG = """examples:
   scratchlm diffusion serve                         # the shipped MNIST pipeline on http://127.0.0.1:8000
   scratchlm diffusion serve runs/diffusion_mnist/pipeline --port 8001 --api-key secret
+  scratchlm diffusion serve --model path/to/stable-diffusion-folder     # size= any WxH in multiples of 8
 
 then open http://127.0.0.1:8000/ (a prompt box), or
   curl http://127.0.0.1:8000/v1/images/generations -H 'Content-Type: application/json' \\
@@ -115,21 +133,30 @@ def _train(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from scratchlm.diffusion.pipeline import DiffusionPipeline, save_png
+    from scratchlm.diffusion.pipeline import DiffusionPipeline, parse_size, save_png
 
+    given = list(args.prompts) + list(args.prompt)
+    if not given:
+        raise ValueError("no prompt: pass it as an argument (`diffusion sample \"a prompt\"`) or with --prompt")
     if args.n < 1 or args.steps < 1:
         raise ValueError(f"--n and --steps must be >= 1 (got {args.n}, {args.steps})")
     apply_threads(args.threads)
     t0 = time.perf_counter()
-    pipe = DiffusionPipeline.from_pretrained(resolve_model(args.model, log=lambda s: print(s, file=sys.stderr)))
-    prompts = [p for p in args.prompt for _ in range(args.n)]
+    pipe = DiffusionPipeline.from_pretrained(resolve_model(args.model, log=lambda s: print(s, file=sys.stderr)),
+                                             variant=args.variant)
+    for note in pipe.notes:
+        print(f"note: {note}", file=sys.stderr)
+    size = None if args.size is None else pipe.latent_size_for(parse_size(args.size))
+    prompts = [p for p in given for _ in range(args.n)]
+    negative = None if args.negative_prompt is None else [args.negative_prompt] * len(prompts)
     with tqdm(total=args.steps, desc="denoising", unit="step") as bar:
         images = pipe(prompts, steps=args.steps, guidance=args.guidance, sampler=args.sampler, seed=args.seed,
-                      progress=lambda i: bar.update(1))
+                      progress=lambda i: bar.update(1), negative_prompts=negative, size=size,
+                      guidance_rescale=args.guidance_rescale)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_png(images, args.out, nrow=args.n)
-    side = images.shape[-1]
-    print(f"wrote {len(prompts)} {side}x{side} images ({len(args.prompt)} row(s) of {args.n}) to "
+    h, w = images.shape[-2:]
+    print(f"wrote {len(prompts)} {w}x{h} images ({len(given)} row(s) of {args.n}) to "
           f"{args.out.resolve()} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -138,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
     """`scratchlm serve` on a pipeline folder (the server builds the images app for it)."""
     from scratchlm.server import cli as server_cli
 
-    args.model = str(resolve_model(args.model, log=lambda s: print(s, file=sys.stderr)))
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    args.model = str(resolve_model(args.model or args.model_flag, log=lambda s: print(s, file=sys.stderr)))
     args.engine_process = False
     return server_cli.run(args)

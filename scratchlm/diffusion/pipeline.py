@@ -124,6 +124,21 @@ class DiffusionPipeline:
         f = self.vae.config.downsample
         return self.latent_hw[0] * f, self.latent_hw[1] * f
 
+    @property
+    def default_guidance(self) -> float:
+        """The guidance scale when none is given: diffusers' 7.5 for SD folders, 3 for scratchlm's (its recipe)."""
+        return 7.5 if self.is_sd else 3.0
+
+    def latent_size_for(self, image_hw: tuple[int, int]) -> tuple[int, int]:
+        """The latent (h, w) of an image (height, width) in pixels; each must be a multiple of the VAE's
+        downsampling factor (times the DiT's patch), else a ValueError saying which multiples work."""
+        f = self.vae.config.downsample
+        step = f * (self.transformer.config.patch_size if self.transformer is not None else 1)
+        h, w = image_hw
+        if h % step or w % step:
+            raise ValueError(f"size {w}x{h} is not supported: width and height must be multiples of {step}")
+        return h // f, w // f
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Tensor:
         """(B, L, d) text features the denoiser cross-attends to; for CLIP, L = the tokenizer's 77 and the
@@ -181,12 +196,14 @@ class DiffusionPipeline:
         return self.vae.decode(latents / self.vae.config.scaling_factor, tile=tile).clamp(-1, 1)
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], steps: int = 25, guidance: float = 3.0, sampler: str | None = None,
+    def __call__(self, prompts: list[str], steps: int = 25, guidance: float | None = None, sampler: str | None = None,
                  seed: int = 0, latents: Tensor | None = None, progress=None,
                  negative_prompts: list[str] | None = None, guidance_rescale: float = 0.0,
                  size: int | tuple[int, int] | None = None) -> Tensor:
         """Images (B, C, H, W) in [-1, 1]. `negative_prompts` (one per prompt) replace the empty prompt as CFG's
-        unconditional input; `size` is the latent size (h, w) (default: the model's native one)."""
+        unconditional input; `size` is the latent size (h, w) (default: the model's native one); `guidance`
+        defaults to `default_guidance`."""
+        guidance = self.default_guidance if guidance is None else guidance
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
             raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
         text = self.encode_prompts(prompts)
@@ -330,6 +347,18 @@ class DiffusionPipeline:
 def is_pipeline_dir(path: str | Path) -> bool:
     p = Path(path)
     return (p / "model_index.json").is_file() and ((p / "transformer").is_dir() or (p / "unet").is_dir())
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """"WxH" or "N" (pixels) -> (height, width)."""
+    parts = text.lower().split("x")
+    try:
+        w, h = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except ValueError:
+        raise ValueError(f"size {text!r} is not WxH or N (pixels)") from None
+    if len(parts) > 2 or w < 1 or h < 1:
+        raise ValueError(f"size {text!r} is not WxH or N (pixels)")
+    return h, w
 
 
 def image_grid(images: Tensor, nrow: int) -> Tensor:

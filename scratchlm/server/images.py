@@ -5,10 +5,17 @@
 key, body limit) and its OpenAI-shaped errors. Generation runs in one worker thread (one request at a
 time: the denoiser is compute-bound, batching several requests' images is left to `n`).
 
-Request: `prompt` (required), `n` (1..16), `size` (the model's native "WxH" only), `response_format`
-("b64_json"; "url" is refused: this server stores no files), `model` (optional, must match), and the
-scratchlm extensions `steps` (1..1000, default 25), `guidance_scale` (default 3), `sampler`
-(ddim | ddpm | euler), `seed`. Response: `{"created": ..., "data": [{"b64_json": PNG, "revised_prompt": null}]}`.
+The folder is either scratchlm's DiT pipeline or a Stable Diffusion one (diffusers layout; see
+`diffusion/pipeline.py`): the same route serves both.
+
+Request: `prompt` (required), `n` (1..16), `size` ("WxH" in pixels: each side a multiple of the VAE's factor, 8
+for SD, up to 4x the native side; default the native size, which maps to the model's latent size), `response_format`
+("b64_json"; "url" is refused: this server stores no files), `model` (optional, must match), `user` (accepted,
+changes nothing), and the scratchlm extensions `negative_prompt`, `steps` (1..1000, default 25), `guidance_scale`
+(default 7.5 for SD folders, 3 otherwise), `guidance_rescale` (0..1), `sampler` (ddim | ddpm | euler; default the
+folder's scheduler), `seed`. Unknown fields, and OpenAI's `quality` / `style` set to anything but null, are a 400
+naming the field (nothing is silently ignored). Response: `{"created": ..., "data": [{"b64_json": PNG,
+"revised_prompt": null}]}`.
 
 Also served: `/` (static/images.html: a prompt box that posts to `/v1/images/generations` and shows the
 PNGs), `/favicon.svg`, `/health`, `/v1/models` and `/metrics` (Prometheus text: requests, images,
@@ -31,27 +38,37 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import Field, field_validator
 
 from scratchlm.server.app import STATIC_DIR, GuardMiddleware, error_response
 from scratchlm.server.config import ServerConfig
+from scratchlm.server.protocol import UNSUPPORTED, StrictModel, unsupported
 
 log = logging.getLogger("scratchlm.server.images")
 
 
-class ImageRequest(BaseModel):
+class ImageRequest(StrictModel):
     prompt: str = Field(min_length=1, max_length=1000)
     model: str | None = None
     n: int = Field(default=1, ge=1, le=16)
     size: str | None = None
     response_format: str = "b64_json"
-    quality: str | None = None
-    style: str | None = None
+    quality: str | None = Field(None, description="not supported: 400 unless null")
+    style: str | None = Field(None, description="not supported: 400 unless null")
     user: str | None = None
+    negative_prompt: str | None = Field(default=None, max_length=1000)
     steps: int = Field(default=25, ge=1, le=1000)
-    guidance_scale: float = Field(default=3.0, ge=0.0, le=50.0)
-    sampler: str = "ddim"
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=50.0)
+    guidance_rescale: float = Field(default=0.0, ge=0.0, le=1.0)
+    sampler: str | None = None
     seed: int | None = None
+
+    @field_validator("quality", "style")
+    @classmethod
+    def _null_only(cls, value, info):
+        if value is not None:
+            raise unsupported(info.field_name)
+        return value
 
 
 @dataclass
@@ -83,6 +100,19 @@ def _png_b64(img) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _latent_size(pipe, size: str) -> tuple[int, int]:
+    """The latent (h, w) for an OpenAI `size` "WxH": multiples of the VAE's factor, at most 4x the native side."""
+    from scratchlm.diffusion.pipeline import parse_size
+
+    if "x" not in size:
+        raise ValueError(f"size {size!r} is not WxH")
+    h, w = parse_size(size)
+    nh, nw = pipe.image_hw
+    if h > 4 * nh or w > 4 * nw:
+        raise ValueError(f"size {size!r} is not supported: at most {4 * nw}x{4 * nh}")
+    return pipe.latent_size_for((h, w))
+
+
 def create_images_app(path: str | Path, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
     """The images-only app around the pipeline folder at `path`."""
     from scratchlm.diffusion.pipeline import DiffusionPipeline
@@ -94,8 +124,10 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
     name = config.served_model_name or model_name or (path.name if path.name != "pipeline" else path.parent.name)
     state = ImagesState(pipe, name, config, ThreadPoolExecutor(1, thread_name_prefix="scratchlm-images"),
                         threading.Lock())
-    side = pipe.latent_size * pipe.vae.config.downsample
-    native = f"{side}x{side}"
+    for note in pipe.notes:
+        log.warning(note)
+    native_h, native_w = pipe.image_hw
+    native = f"{native_w}x{native_h}"
     app = FastAPI(title="scratchlm images server", version="0.1.0")
     app.state.server = state
 
@@ -103,7 +135,9 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        return error_response(400, f"Invalid request: {where}: {err.get('msg', 'invalid value')}", param=where)
+        code = UNSUPPORTED if err.get("type") in ("extra_forbidden", UNSUPPORTED) else None
+        return error_response(400, f"Invalid request: {where}: {err.get('msg', 'invalid value')}", param=where,
+                              code=code)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -135,18 +169,21 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
         if req.response_format != "b64_json":
             return error_response(400, f"response_format {req.response_format!r} is not supported: only "
                                        "'b64_json' (this server stores no files to link to)", param="response_format")
-        if req.size not in (None, native):
-            return error_response(400, f"size {req.size!r} is not supported: this model generates {native} images",
-                                  param="size")
-        if req.sampler not in SAMPLERS:
+        try:
+            latent = None if req.size in (None, native) else _latent_size(pipe, req.size)
+        except ValueError as e:
+            return error_response(400, f"{e} (this model's native size is {native})", param="size")
+        if req.sampler is not None and req.sampler not in SAMPLERS:
             return error_response(400, f"sampler {req.sampler!r} is not one of {sorted(SAMPLERS)}", param="sampler")
         seed = req.seed if req.seed is not None else int(time.time_ns() % (2**31))
 
         def work():
             with state.lock:
                 t = time.perf_counter()
+                neg = None if req.negative_prompt is None else [req.negative_prompt] * req.n
                 out = pipe([req.prompt] * req.n, steps=req.steps, guidance=req.guidance_scale,
-                           sampler=req.sampler, seed=seed)
+                           sampler=req.sampler, seed=seed, negative_prompts=neg, size=latent,
+                           guidance_rescale=req.guidance_rescale)
                 state.requests, state.images = state.requests + 1, state.images + req.n
                 state.seconds += time.perf_counter() - t
                 return out

@@ -88,3 +88,34 @@ def test_diffusion_serve_page_and_its_fetch_targets(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert re.search(rf"serving digits on {re.escape(url)} \(playground at /, .*metrics at /metrics", out), out
+
+
+def test_openai_images_on_a_stable_diffusion_folder(tmp_path):
+    """The same route serves an SD folder: size maps to the latent size, negative_prompt is honoured, the folder's
+    own scheduler runs, and unsupported fields are refused by name."""
+    import numpy as np
+    from PIL import Image
+
+    pytest.importorskip("diffusers")
+    from scratchlm.diffusion.pipeline import DiffusionPipeline
+    from tests.diffusion.helpers import sd_folder
+
+    sd_folder(tmp_path / "sd", "EulerDiscreteScheduler")
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "sd")
+    app = build_app(str(tmp_path / "sd"), ServerConfig(), engine_config=None)
+    with BackgroundServer(app, start_timeout_s=30) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        res = client.images.generate(prompt="a red fox", size="24x16", response_format="b64_json",
+                                     extra_body={"steps": 3, "seed": 7, "negative_prompt": "blurry"})
+        img = np.array(Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))))
+        assert img.shape == (16, 24, 3)
+        want = pipe(["a red fox"], steps=3, seed=7, negative_prompts=["blurry"], size=(8, 12))[0]  # guidance 7.5
+        got = torch.from_numpy(img).permute(2, 0, 1).float() / 127.5 - 1
+        assert (got - want).abs().max().item() <= 1 / 127.5 + 1e-6
+        assert Image.open(io.BytesIO(base64.b64decode(client.images.generate(
+            prompt="a dog", extra_body={"steps": 1}).data[0].b64_json))).size == (16, 16)  # native: 8x8 latents
+        for kw, field in [({"size": "15x16"}, "size"), ({"size": "256x256"}, "size"), ({"quality": "hd"}, "quality"),
+                          ({"extra_body": {"made_up": 1}}, "made_up"),
+                          ({"extra_body": {"sampler": "pndm"}}, "sampler")]:
+            with pytest.raises(openai.BadRequestError, match=field):
+                client.images.generate(prompt="a dog", **kw)

@@ -13,12 +13,10 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
-from scratchlm.diffusion.clip_tokenizer import CLIPTokenizer  # noqa: E402
 from scratchlm.diffusion.pipeline import DiffusionPipeline, is_pipeline_dir  # noqa: E402
+from tests.diffusion.helpers import sd_folder  # noqa: E402
 
 TOL = 1e-4  # images in [0, 1] after 25 fp32 steps with CFG (measured below 1e-6: see docs/diffusion.md)
-CORPUS = ["a photo of a cat", "a painting of a red fox in the snow", "blurry, low quality", "an astronaut riding a "
-          "horse on the moon", "a bowl of fruit, oil painting", "a dog", "the city at night, neon lights"]
 PROMPTS = ["a red fox in the snow", "an astronaut riding a horse"]
 NEGATIVE = ["blurry, low quality", ""]
 
@@ -30,44 +28,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def sd_folder(path, scheduler: str = "DDIMScheduler", dtype=torch.float32, variant=None, seed: int = 0,
-              prediction: str = "epsilon"):
-    """A tiny SD 1.x-shaped folder written by diffusers' StableDiffusionPipeline.save_pretrained."""
-    torch.manual_seed(seed)
-    tok = CLIPTokenizer.train(CORPUS, 60)
-    tok.save_pretrained(path / "_tok")
-    hf_tok = transformers.CLIPTokenizer.from_pretrained(path / "_tok")
-    text = transformers.CLIPTextModel(transformers.CLIPTextConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id)).eval()
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=4, norm_num_groups=4).eval()
-    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=["DownEncoderBlock2D"] * 2,
-                                  up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=4, sample_size=16).eval()
-    with torch.no_grad():  # zero-initialised projections would hide mistakes
-        for m in (unet, text, vae):
-            for p in m.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-    sched_kw = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
-                    prediction_type=prediction)
-    if scheduler in ("DDIMScheduler", "DDPMScheduler"):
-        sched_kw.update(clip_sample=False)
-    if scheduler in ("DDIMScheduler", "PNDMScheduler"):
-        sched_kw.update(set_alpha_to_one=False)
-    if scheduler == "PNDMScheduler":
-        sched_kw.update(skip_prk_steps=True)
-    sched = getattr(diffusers, scheduler)(**sched_kw)
-    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=hf_tok, unet=unet, scheduler=sched,
-                                             safety_checker=None, feature_extractor=None,
-                                             requires_safety_checker=False)
-    pipe.to(dtype).save_pretrained(path, variant=variant)
-    shutil.rmtree(path / "_tok")
-    return path
 
 
 def reference_images(path, latents, steps=25, guidance=7.5, negative=None, variant=None, **kw) -> torch.Tensor:
