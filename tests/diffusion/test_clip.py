@@ -153,3 +153,14 @@ def test_shipped_configs_build_transformers_keys(hf_cfg):
     want = {(k if k.startswith(("text_model.", "text_projection")) else "text_model." + k): tuple(v.shape)
             for k, v in ref.state_dict().items()}
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == want
+
+
+def test_sharded_folder_loads(tmp_path):
+    torch.manual_seed(0)
+    ref = _perturb(transformers.CLIPTextModel(_hf_config()).eval())
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    ours = CLIPTextModel.from_pretrained(tmp_path)
+    ids = _ids(98)
+    with torch.no_grad():
+        assert (ref(ids).last_hidden_state - ours(ids).last_hidden_state).abs().max() <= TOL
