@@ -96,10 +96,10 @@ class CLIPTokenizer:
         self.merges = [tuple(m) for m in merges]
         self.ranks = {m: i for i, m in enumerate(self.merges)}
         self.id_to_token = {i: t for t, i in self.vocab.items()}
-        self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
-        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            if getattr(self, name) not in self.vocab:
-                raise ValueError(f"CLIPTokenizer: {name}={getattr(self, name)!r} is not in the vocabulary")
+        self._tokens = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
+        for name, token in self._tokens.items():
+            if token not in self.vocab:
+                raise ValueError(f"CLIPTokenizer: {name}={token!r} is not in the vocabulary")
         self.model_max_length = model_max_length
         # The special tokens' strings are cut out of the raw text first, as transformers' added tokens: with SD 2's
         # pad token "!", every "!" in a prompt becomes that token (id of "!", not of "!</w>"), as it does there.
@@ -108,7 +108,11 @@ class CLIPTokenizer:
         self.byte_encoder = bytes_to_unicode()
         self._cache: dict[str, list[int]] = {}
 
-    # --- ids of the special tokens (transformers' names) ------------------------------------------------
+    # --- the special tokens and their ids (transformers' names; fixed at construction) -------------------
+    bos_token = property(lambda self: self._tokens["bos_token"])
+    eos_token = property(lambda self: self._tokens["eos_token"])
+    unk_token = property(lambda self: self._tokens["unk_token"])
+    pad_token = property(lambda self: self._tokens["pad_token"])
     bos_token_id = property(lambda self: self.vocab[self.bos_token])
     eos_token_id = property(lambda self: self.vocab[self.eos_token])
     unk_token_id = property(lambda self: self.vocab[self.unk_token])
@@ -251,8 +255,7 @@ class CLIPTokenizer:
         path.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path / "vocab.json", json.dumps(self.vocab, ensure_ascii=False))
         atomic.write_text(path / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in self.merges))
-        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
-                  "pad_token": self.pad_token}
+        tokens = dict(self._tokens)
         atomic.write_text(path / "special_tokens_map.json", json.dumps(tokens, indent=2))
         cfg = {"tokenizer_class": "CLIPTokenizer", "model_max_length": self.model_max_length, "do_lower_case": True,
                "errors": "replace", "add_prefix_space": False, **tokens}
