@@ -60,6 +60,7 @@ SHIPPED_MNIST = Path(__file__).resolve().parent / "pretrained" / "mnist"
 Denoiser = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 SD_CLASS = "StableDiffusionPipeline"
+SDXL_CLASS = "StableDiffusionXLPipeline"
 SCRATCH_CLASS = "scratchlm.DiffusionPipeline"
 # model_index.json entries of an SD folder: component -> the [library, class] pairs we load
 SD_COMPONENTS = {
@@ -70,11 +71,15 @@ SD_COMPONENTS = {
     "scheduler": {("diffusers", c) for c in ("DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
                                               "PNDMScheduler")},
 }
+# SDXL adds a second tokenizer and a second text encoder, whose projected pooled output conditions the UNet
+SDXL_COMPONENTS = {**SD_COMPONENTS, "tokenizer_2": SD_COMPONENTS["tokenizer"],
+                   "text_encoder_2": {("transformers", "CLIPTextModelWithProjection")}}
 # entries accepted, present or null, and not run (a note says so when present)
 SD_NOT_RUN = {"safety_checker": "the NSFW safety checker is not run: images are returned unfiltered",
               "feature_extractor": "the feature extractor (the safety checker's image preprocessing) is not run",
               "image_encoder": "the IP-Adapter image encoder is not run: image prompts are not supported"}
-SD_META = {"_class_name", "_diffusers_version", "_name_or_path", "requires_safety_checker"}
+SD_META = {"_class_name", "_diffusers_version", "_name_or_path", "requires_safety_checker",
+           "force_zeros_for_empty_prompt"}
 
 
 class DiffusionPipeline:
@@ -83,8 +88,12 @@ class DiffusionPipeline:
 
     def __init__(self, tokenizer, text_encoder: nn.Module, denoiser: nn.Module, vae: AutoencoderKL,
                  schedule: ScheduleConfig, latent_size: int | tuple[int, int], sampler: str = "ddim",
-                 scheduler_config: dict | None = None, clip_skip: int | None = None, notes: list[str] | None = None):
+                 scheduler_config: dict | None = None, clip_skip: int | None = None, notes: list[str] | None = None,
+                 tokenizer_2=None, text_encoder_2: nn.Module | None = None, force_zeros_for_empty_prompt: bool = False):
         self.tokenizer, self.text_encoder, self.denoiser, self.vae = tokenizer, text_encoder, denoiser, vae
+        # SDXL: the second CLIP (with projection) and whether an absent negative prompt is all-zero embeddings
+        self.tokenizer_2, self.text_encoder_2 = tokenizer_2, text_encoder_2
+        self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
         self.schedule = schedule
         self.latent_size = latent_size
         if sampler not in SAMPLERS:
@@ -93,8 +102,9 @@ class DiffusionPipeline:
         self.scheduler_config = scheduler_config  # the folder's own, written back verbatim by save_pretrained
         self.clip_skip = clip_skip
         self.notes = list(notes or [])  # what loading mapped or left out (also logged)
-        for m in (text_encoder, denoiser, vae):
-            m.eval()
+        for m in (text_encoder, denoiser, vae, text_encoder_2):
+            if m is not None:
+                m.eval()
 
     @property
     def transformer(self) -> DiT | None:
@@ -108,6 +118,10 @@ class DiffusionPipeline:
     def is_sd(self) -> bool:
         """A Stable Diffusion pipeline (UNet + CLIP) rather than a scratchlm DiT one."""
         return not isinstance(self.text_encoder, TextEncoder)
+
+    @property
+    def is_sdxl(self) -> bool:
+        return self.text_encoder_2 is not None
 
     @property
     def latent_channels(self) -> int:
@@ -126,8 +140,9 @@ class DiffusionPipeline:
 
     @property
     def default_guidance(self) -> float:
-        """The guidance scale when none is given: diffusers' 7.5 for SD folders, 3 for scratchlm's (its recipe)."""
-        return 7.5 if self.is_sd else 3.0
+        """The guidance scale when none is given: diffusers' (7.5 for SD, 5 for SDXL), 3 for scratchlm's (its
+        recipe)."""
+        return 5.0 if self.is_sdxl else 7.5 if self.is_sd else 3.0
 
     def latent_size_for(self, image_hw: tuple[int, int]) -> tuple[int, int]:
         """The latent (h, w) of an image (height, width) in pixels; each must be a multiple of the VAE's
@@ -143,14 +158,36 @@ class DiffusionPipeline:
     def encode_prompts(self, prompts: list[str]) -> Tensor:
         """(B, L, d) text features the denoiser cross-attends to; for CLIP, L = the tokenizer's 77 and the
         features are `last_hidden_state` (or, with `clip_skip`, an earlier layer through the final norm)."""
+        return self.encode_prompts_pooled(prompts)[0]
+
+    @torch.no_grad()
+    def encode_prompts_pooled(self, prompts: list[str]) -> tuple[Tensor, Tensor | None]:
+        """(text features (B, L, d), pooled (B, p) or None). SDXL: both encoders' penultimate hidden states
+        (no final norm) concatenated along d, and the second encoder's projected pooled output; others: None."""
         if isinstance(self.text_encoder, TextEncoder):
-            return self.text_encoder(self.tokenizer(prompts))  # (B, L, d)
+            return self.text_encoder(self.tokenizer(prompts)), None  # (B, L, d)
         from scratchlm.diffusion.clip import encode_prompt_hidden
 
-        tok = self.tokenizer  # padded and truncated to 77 as diffusers asks the tokenizer to; no attention mask
-        ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True)["input_ids"]
-        out = self.text_encoder(ids, output_hidden_states=self.clip_skip is not None)
-        return encode_prompt_hidden(out, self.text_encoder.text_model.final_layer_norm, self.clip_skip)
+        def run(tok, enc, want_hidden: bool):
+            # padded and truncated to 77 as diffusers asks the tokenizer to; no attention mask
+            ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True)["input_ids"]
+            return enc(ids, output_hidden_states=want_hidden)
+
+        if not self.is_sdxl:
+            out = run(self.tokenizer, self.text_encoder, self.clip_skip is not None)
+            return encode_prompt_hidden(out, self.text_encoder.text_model.final_layer_norm, self.clip_skip), None
+        if self.clip_skip is not None:
+            raise ValueError("clip_skip is not supported for SDXL pipelines (they always take hidden_states[-2])")
+        out1 = run(self.tokenizer, self.text_encoder, True)
+        out2 = run(self.tokenizer_2, self.text_encoder_2, True)
+        text = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)  # (B, 77, d1 + d2)
+        return text, out2.text_embeds  # (B, projection_dim)
+
+    def sdxl_time_ids(self, n: int, image_hw: tuple[int, int]) -> Tensor:
+        """SDXL's micro-conditioning (B, 6): original size, crop top-left (0, 0), target size, all = the image's
+        (diffusers' defaults)."""
+        h, w = image_hw
+        return torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32).expand(n, 6)
 
     def initial_latents(self, n: int, seed: int = 0, size: int | tuple[int, int] | None = None) -> Tensor:
         s = size or self.latent_hw
@@ -158,34 +195,42 @@ class DiffusionPipeline:
         g = torch.Generator().manual_seed(seed)
         return torch.randn(n, self.latent_channels, h, w, generator=g)  # (B, c, h, w), unit variance
 
-    def _denoiser_fn(self) -> Denoiser:
+    def _denoiser_fn(self) -> Callable[..., Tensor]:
         if isinstance(self.denoiser, DiT):
             return self.denoiser
         unet = self.denoiser
-        return lambda x, t, text: unet(x, t, text)
+        return lambda x, t, text, added_cond_kwargs=None: unet(x, t, text, added_cond_kwargs=added_cond_kwargs)
 
     @torch.no_grad()
     def denoise(self, latents: Tensor, text: Tensor, uncond: Tensor | None, steps: int = 25, guidance: float = 3.0,
                 sampler: str | None = None, denoiser: Denoiser | None = None, seed: int = 0,
-                progress: Callable[[int], None] | None = None, guidance_rescale: float = 0.0) -> Tensor:
+                progress: Callable[[int], None] | None = None, guidance_rescale: float = 0.0,
+                added: dict[str, Tensor] | None = None, added_uncond: dict[str, Tensor] | None = None) -> Tensor:
         """Run the sampler (default: the folder's, `self.sampler`) from unit-variance `latents`; with `uncond` and
         guidance != 1, CFG on a batch of [uncond; cond]. `denoiser` replaces the DiT / UNet call (the parallel
-        variants plug in here)."""
+        variants plug in here). SDXL: `added` / `added_uncond` are the UNet's added conditions ({"text_embeds":
+        pooled, "time_ids": ...}) of the prompts / of the unconditional input; a `denoiser` then also receives
+        `added_cond_kwargs=`."""
         den = denoiser or self._denoiser_fn()
         sch = make_sampler(sampler or self.sampler, self.schedule)
         sch.set_timesteps(steps)
         x = latents * sch.init_noise_sigma
         g = torch.Generator().manual_seed(seed + 1)
         use_cfg = uncond is not None and guidance != 1.0
+        if use_cfg and added is not None:
+            if added_uncond is None:
+                raise ValueError("added conditions for the prompts but none for the unconditional input")
+            cfg_added = {k: torch.cat([added_uncond[k], added[k]]) for k in added}  # (2B, ...) as [uncond; cond]
         for i, t in enumerate(sch.timesteps):
             xin = sch.scale_model_input(x, t)
             tt = torch.full((x.shape[0],), float(t))
             if use_cfg:
-                out = den(torch.cat([xin, xin]), torch.cat([tt, tt]), torch.cat([uncond, text]))
+                kw = {} if added is None else {"added_cond_kwargs": cfg_added}
+                out = den(torch.cat([xin, xin]), torch.cat([tt, tt]), torch.cat([uncond, text]), **kw)
                 out_u, out_c = out.chunk(2)
                 out = rescale_cfg(cfg_combine(out_u, out_c, guidance), out_c, guidance_rescale)
             else:
-                out = den(xin, tt, text)
+                out = den(xin, tt, text, **({} if added is None else {"added_cond_kwargs": added}))
             x = sch.step(out, t, x, generator=g)
             if progress is not None:
                 progress(i)
@@ -206,11 +251,19 @@ class DiffusionPipeline:
         guidance = self.default_guidance if guidance is None else guidance
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
             raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
-        text = self.encode_prompts(prompts)
-        uncond = self.encode_prompts(negative_prompts or [""] * len(prompts))
+        text, pooled = self.encode_prompts_pooled(prompts)
+        if self.is_sdxl and negative_prompts is None and self.force_zeros_for_empty_prompt:
+            uncond, pooled_u = torch.zeros_like(text), torch.zeros_like(pooled)  # SDXL's no-negative-prompt rule
+        else:
+            uncond, pooled_u = self.encode_prompts_pooled(negative_prompts or [""] * len(prompts))
         lat = latents if latents is not None else self.initial_latents(len(prompts), seed, size)
+        added = added_u = None
+        if self.is_sdxl:
+            f = self.vae.config.downsample
+            ids = self.sdxl_time_ids(len(prompts), (lat.shape[-2] * f, lat.shape[-1] * f))
+            added, added_u = {"text_embeds": pooled, "time_ids": ids}, {"text_embeds": pooled_u, "time_ids": ids}
         z = self.denoise(lat, text, uncond, steps, guidance, sampler, seed=seed, progress=progress,
-                         guidance_rescale=guidance_rescale)
+                         guidance_rescale=guidance_rescale, added=added, added_uncond=added_u)
         return self.decode(z)
 
     # --- folders ------------------------------------------------------------------------------------
@@ -262,12 +315,20 @@ class DiffusionPipeline:
         self.text_encoder.save_pretrained(path / "text_encoder", dtype=dtype, variant=variant)
         self.tokenizer.save_pretrained(path / "tokenizer")
         self._save_scheduler(path)
-        atomic.write_text(path / "model_index.json", json.dumps({
-            "_class_name": SD_CLASS, "_diffusers_version": _diffusers_version(),
-            "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
-            "safety_checker": [None, None], "scheduler": ["diffusers", self._scheduler_json()["_class_name"]],
-            "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-            "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}, indent=2))
+        index = {"_class_name": SD_CLASS, "_diffusers_version": _diffusers_version(),
+                 "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+                 "safety_checker": [None, None], "scheduler": ["diffusers", self._scheduler_json()["_class_name"]],
+                 "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+                 "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}
+        if self.is_sdxl:
+            self.text_encoder_2.save_pretrained(path / "text_encoder_2", dtype=dtype, variant=variant)
+            self.tokenizer_2.save_pretrained(path / "tokenizer_2")
+            for key in ("safety_checker", "requires_safety_checker"):
+                del index[key]
+            index.update(_class_name=SDXL_CLASS, force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
+                         text_encoder_2=["transformers", "CLIPTextModelWithProjection"],
+                         tokenizer_2=["transformers", "CLIPTokenizer"])
+        atomic.write_text(path / "model_index.json", json.dumps(dict(sorted(index.items())), indent=2))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, variant: str | None = None) -> DiffusionPipeline:
@@ -282,11 +343,11 @@ class DiffusionPipeline:
                                     "tokenizer/, scheduler/)")
         meta = json.loads(idx.read_text())
         kind = meta.get("_class_name")
-        if kind == SD_CLASS:
+        if kind in (SD_CLASS, SDXL_CLASS):
             return cls._load_sd(path, meta, variant)
         if kind not in (SCRATCH_CLASS, None):
-            raise ValueError(f"{idx}: _class_name {kind!r} is not supported: this loads {SD_CLASS!r} and "
-                             f"{SCRATCH_CLASS!r} folders")
+            raise ValueError(f"{idx}: _class_name {kind!r} is not supported: this loads {SD_CLASS!r}, "
+                             f"{SDXL_CLASS!r} and {SCRATCH_CLASS!r} folders")
         if variant is not None:
             raise ValueError(f"{path}: variant= is for Stable Diffusion folders, this is a scratchlm DiT folder")
         for sub in ("tokenizer", "text_encoder", "transformer", "vae"):
@@ -298,24 +359,26 @@ class DiffusionPipeline:
 
     @classmethod
     def _load_sd(cls, path: Path, meta: dict, variant: str | None) -> DiffusionPipeline:
-        from scratchlm.diffusion.clip import CLIPTextModel
+        from scratchlm.diffusion.clip import CLIPTextModel, CLIPTextModelWithProjection
         from scratchlm.diffusion.clip_tokenizer import CLIPTokenizer
         from scratchlm.diffusion.unet import UNet2DConditionModel
 
         idx = path / "model_index.json"
+        xl = meta["_class_name"] == SDXL_CLASS
+        components = SDXL_COMPONENTS if xl else SD_COMPONENTS
         notes = []
         for key, entry in meta.items():
-            if key in SD_META or key in SD_COMPONENTS:
+            if key in SD_META or key in components:
                 continue
             if key not in SD_NOT_RUN:
                 raise ValueError(f"{idx}: unknown entry {key!r}: {entry}")
             if entry is not None and list(entry) != [None, None]:
                 notes.append(f"{path}: {key} {entry}: {SD_NOT_RUN[key]}")
-        for key, allowed in SD_COMPONENTS.items():
+        for key, allowed in components.items():
             entry = meta.get(key)
             if entry is None or list(entry) == [None, None]:
-                raise ValueError(f"{idx}: the {key!r} component is missing (a Stable Diffusion pipeline needs "
-                                 f"{sorted(SD_COMPONENTS)})")
+                raise ValueError(f"{idx}: the {key!r} component is missing (a {meta['_class_name']} needs "
+                                 f"{sorted(components)}; SDXL refiners without text_encoder are not supported)")
             if tuple(entry) not in allowed:
                 raise ValueError(f"{idx}: {key} is {entry}; supported: {sorted(map(list, allowed))}")
             if not (path / key).is_dir():
@@ -334,14 +397,32 @@ class DiffusionPipeline:
         vae = AutoencoderKL.from_pretrained(path / "vae", variant=variant)
         text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", variant=variant)
         tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
-        if text_encoder.config.hidden_size != unet.config.cross_attention_dim:
-            raise ValueError(f"{path}: text_encoder hidden_size {text_encoder.config.hidden_size} != unet "
-                             f"cross_attention_dim {unet.config.cross_attention_dim}")
+        extra = {}
+        width = text_encoder.config.hidden_size
+        if xl:
+            te2 = CLIPTextModelWithProjection.from_pretrained(path / "text_encoder_2", variant=variant)
+            extra = dict(tokenizer_2=CLIPTokenizer.from_pretrained(path / "tokenizer_2"), text_encoder_2=te2,
+                         force_zeros_for_empty_prompt=bool(meta.get("force_zeros_for_empty_prompt", True)))
+            width += te2.config.hidden_size
+            uc = unet.config
+            if uc.addition_embed_type != "text_time":
+                raise ValueError(f"{path / 'unet'}: an SDXL unet needs addition_embed_type 'text_time', "
+                                 f"got {uc.addition_embed_type!r}")
+            added = 6 * uc.addition_time_embed_dim + te2.config.projection_dim
+            if added != uc.projection_class_embeddings_input_dim:
+                raise ValueError(f"{path}: 6 time ids x addition_time_embed_dim {uc.addition_time_embed_dim} + "
+                                 f"text_encoder_2 projection_dim {te2.config.projection_dim} = {added} != unet "
+                                 f"projection_class_embeddings_input_dim {uc.projection_class_embeddings_input_dim}")
+        elif "force_zeros_for_empty_prompt" in meta:
+            raise ValueError(f"{idx}: force_zeros_for_empty_prompt is an SDXL setting, not {SD_CLASS}'s")
+        if width != unet.config.cross_attention_dim:
+            raise ValueError(f"{path}: text encoder width {width} != unet cross_attention_dim "
+                             f"{unet.config.cross_attention_dim}")
         for n in notes:
             log.warning(n)
         size = unet.config.sample_size
         return cls(tokenizer, text_encoder, unet, vae, schedule, size if isinstance(size, int) else tuple(size),
-                   sampler=sampler, scheduler_config=sch_cfg, notes=notes)
+                   sampler=sampler, scheduler_config=sch_cfg, notes=notes, **extra)
 
 
 def is_pipeline_dir(path: str | Path) -> bool:

@@ -79,3 +79,47 @@ def sd_folder(path, scheduler: str = "DDIMScheduler", dtype=torch.float32, varia
     pipe.to(dtype).save_pretrained(path, variant=variant)
     shutil.rmtree(path / "_tok")
     return path
+
+
+def sdxl_folder(path, seed: int = 0):
+    """A tiny SDXL-shaped folder (two CLIPs, the second with projection and "!" padding, a text_time UNet with
+    transformer_layers_per_block, Euler) written by diffusers' StableDiffusionXLPipeline.save_pretrained."""
+    import diffusers
+    import transformers
+
+    from scratchlm.diffusion.clip_tokenizer import CLIPTokenizer
+
+    torch.manual_seed(seed)
+    toks = []
+    for i, pad in enumerate(("<|endoftext|>", "!")):
+        CLIPTokenizer.train(CORPUS, 60, pad_token=pad).save_pretrained(path / f"_tok{i}")
+        toks.append(transformers.CLIPTokenizer.from_pretrained(path / f"_tok{i}"))
+    ids = dict(bos_token_id=toks[0].bos_token_id, eos_token_id=toks[0].eos_token_id)
+    te1 = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=len(toks[0]), hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        pad_token_id=toks[0].pad_token_id, **ids)).eval()
+    te2 = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+        vocab_size=len(toks[1]), hidden_size=16, intermediate_size=29, num_hidden_layers=2, num_attention_heads=2,
+        projection_dim=12, hidden_act="gelu", pad_token_id=toks[1].pad_token_id, **ids)).eval()
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=48, attention_head_dim=(2, 4), use_linear_projection=True, norm_num_groups=4,
+        addition_embed_type="text_time", addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 12,
+        transformer_layers_per_block=(1, 2)).eval()
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=["DownEncoderBlock2D"] * 2,
+                                  up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=4, sample_size=16,
+                                  scaling_factor=0.13025).eval()
+    with torch.no_grad():
+        for m in (unet, te1, te2, vae):
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    sched = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                             steps_offset=1, timestep_spacing="leading")
+    pipe = diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=te1, text_encoder_2=te2, tokenizer=toks[0],
+                                               tokenizer_2=toks[1], unet=unet, scheduler=sched,
+                                               force_zeros_for_empty_prompt=True, add_watermarker=False)
+    pipe.save_pretrained(path)
+    for i in range(2):
+        shutil.rmtree(path / f"_tok{i}")
+    return path

@@ -157,3 +157,30 @@ def test_broken_folders_are_named(tmp_path, breakage, error, match):
 
 def _edit(path, **changes):
     path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_sdxl_folder_25_steps_equal_stable_diffusion_xl_pipeline(tmp_path):
+    from tests.diffusion.helpers import sdxl_folder
+
+    sdxl_folder(tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.is_sdxl and pipe.sampler == "euler" and pipe.force_zeros_for_empty_prompt
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(tmp_path, add_watermarker=False)
+    ref.set_progress_bar_config(disable=True)
+    lat = pipe.initial_latents(2, seed=5)
+    images = []
+    for negative in (NEGATIVE, None):  # None: SDXL's all-zero unconditional embeddings
+        with torch.no_grad():
+            want = ref(PROMPTS, negative_prompt=negative, latents=lat.clone(), num_inference_steps=25,
+                       guidance_scale=5.0, output_type="pt").images
+        got = ours_images(pipe, lat, guidance=5.0, negative=negative)
+        err = (got - want).abs().max().item()
+        print(f"SDXL (negative={negative}): max |ours - diffusers| over the 25-step image = {err:.2e}")
+        assert err <= TOL
+        images.append(got)
+    assert (images[0] - images[1]).abs().max() > 1e-3  # the two unconditional inputs really differ
+    pipe.save_pretrained(tmp_path / "export", dtype=torch.float16)
+    index = json.loads((tmp_path / "export" / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionXLPipeline" and index["force_zeros_for_empty_prompt"] is True
+    again = diffusers.StableDiffusionXLPipeline.from_pretrained(tmp_path / "export", add_watermarker=False)
+    assert again.text_encoder_2.config.projection_dim == 12 and again.tokenizer_2.pad_token == "!"
