@@ -72,9 +72,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "diffusion": Subcommand(
         "scratchlm.diffusion.cli",
-        "sample, serve or train the latent-diffusion case study (VAE + text encoder + DiT)",
+        "sample, serve or train the latent-diffusion case study (VAE + text encoder + DiT; Stable Diffusion folders)",
         "`diffusion sample --prompt \"a seven\"` writes a PNG grid from the shipped MNIST pipeline; "
-        "`diffusion serve` serves it with a page at /; "
+        "`diffusion sample --model SD_FOLDER \"a prompt\"` runs a Stable Diffusion / SDXL folder (diffusers layout); "
+        "`diffusion serve [--model DIR]` serves either with a page at /; "
         "`diffusion train --config recipes/diffusion_mnist.toml` trains your own.",
         "the diffusion case study issue",
     ),
