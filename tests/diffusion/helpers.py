@@ -38,9 +38,29 @@ CORPUS = ["a photo of a cat", "a painting of a red fox in the snow", "blurry, lo
           "horse on the moon", "a bowl of fruit, oil painting", "a dog", "the city at night, neon lights"]
 
 
+# SD 1.5's UNet / VAE / text-encoder layout (4 levels, 2 ResNets per level, cross-attention in the first three,
+# `attention_head_dim` 8 read as 8 heads, as SD 1.5's config has it) at a reduced width
+SD15_SHAPE = dict(
+    unet=dict(sample_size=32, layers_per_block=2, block_out_channels=(32, 64, 128, 128),
+              down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+              up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=64,
+              attention_head_dim=8, norm_num_groups=32),
+    vae=dict(block_out_channels=(16, 32, 64, 64), down_block_types=["DownEncoderBlock2D"] * 4,
+             up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=16, layers_per_block=2, sample_size=256),
+    text=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4))
+TINY_SHAPE = dict(
+    unet=dict(sample_size=8, layers_per_block=1, block_out_channels=(8, 16),
+              down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+              up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=4,
+              norm_num_groups=4),
+    vae=dict(block_out_channels=(8, 16), down_block_types=["DownEncoderBlock2D"] * 2,
+             up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=4, sample_size=16),
+    text=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4))
+
+
 def sd_folder(path, scheduler: str = "DDIMScheduler", dtype=torch.float32, variant=None, seed: int = 0,
-              prediction: str = "epsilon"):
-    """A tiny SD 1.x-shaped folder written by diffusers' StableDiffusionPipeline.save_pretrained."""
+              prediction: str = "epsilon", shape: dict = TINY_SHAPE):
+    """An SD 1.x-shaped folder (tiny by default) written by diffusers' StableDiffusionPipeline.save_pretrained."""
     import diffusers
     import transformers
 
@@ -51,15 +71,10 @@ def sd_folder(path, scheduler: str = "DDIMScheduler", dtype=torch.float32, varia
     tok.save_pretrained(path / "_tok")
     hf_tok = transformers.CLIPTokenizer.from_pretrained(path / "_tok")
     text = transformers.CLIPTextModel(transformers.CLIPTextConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id)).eval()
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=4, norm_num_groups=4).eval()
-    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=["DownEncoderBlock2D"] * 2,
-                                  up_block_types=["UpDecoderBlock2D"] * 2, norm_num_groups=4, sample_size=16).eval()
+        vocab_size=tok.vocab_size, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape["text"])).eval()
+    unet = diffusers.UNet2DConditionModel(in_channels=4, out_channels=4, **shape["unet"]).eval()
+    vae = diffusers.AutoencoderKL(**shape["vae"]).eval()
     with torch.no_grad():  # zero-initialised projections would hide mistakes
         for m in (unet, text, vae):
             for p in m.parameters():

@@ -184,3 +184,20 @@ def test_sdxl_folder_25_steps_equal_stable_diffusion_xl_pipeline(tmp_path):
     assert index["_class_name"] == "StableDiffusionXLPipeline" and index["force_zeros_for_empty_prompt"] is True
     again = diffusers.StableDiffusionXLPipeline.from_pretrained(tmp_path / "export", add_watermarker=False)
     assert again.text_encoder_2.config.projection_dim == 12 and again.tokenizer_2.pad_token == "!"
+
+
+@pytest.mark.slow
+def test_sd15_shaped_25_steps_equal_stable_diffusion_pipeline(tmp_path):
+    """SD 1.5's layout at reduced width (UNet 32/64/128/128, 32x32 latents -> 256x256 images), 25 DDIM steps with
+    CFG 7.5 and a negative prompt: the same image as diffusers within TOL (measured in docs/diffusion.md)."""
+    from tests.diffusion.helpers import SD15_SHAPE
+
+    sd_folder(tmp_path, shape=SD15_SHAPE)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    lat = pipe.initial_latents(2, seed=3)
+    want = reference_images(tmp_path, lat, negative=NEGATIVE)
+    got = ours_images(pipe, lat, negative=NEGATIVE)
+    assert got.shape == (2, 3, 256, 256)
+    err = (got - want).abs().max().item()
+    print(f"SD 1.5-shaped: max |ours - diffusers| over the 25-step 256x256 image = {err:.2e}")
+    assert err <= TOL
