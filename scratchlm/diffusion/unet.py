@@ -387,17 +387,16 @@ class Transformer2DModel(nn.Module):
     def forward(self, x: Tensor, context: Tensor, ops: SpatialOps) -> Tensor:
         b, c, h, w = x.shape
         t = ops.group_norm(self.n_norm, self.norm, x)
-        if self.linear:
-            t = self.proj_in(t.permute(0, 2, 3, 1).reshape(b, h * w, c))  # (B, HW, inner)
-        else:
-            t = self.proj_in(t).permute(0, 2, 3, 1).reshape(b, h * w, self.inner)  # (B, HW, inner)
+        t = t.permute(0, 2, 3, 1).reshape(b, h * w, c)  # (B, HW, C): a view when x is channels_last
+        # the 1x1-conv projections (SD 1) as the matmuls they are, on the token rows: no NCHW <-> NHWC copies
+        t = self.proj_in(t) if self.linear else F.linear(t, self.proj_in.weight.view(self.inner, c),
+                                                         self.proj_in.bias)  # (B, HW, inner)
         for blk in self.transformer_blocks:
             t = blk(t, context, ops)
-        if self.linear:
-            t = self.proj_out(t).reshape(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W)
-        else:
-            t = self.proj_out(t.reshape(b, h, w, self.inner).permute(0, 3, 1, 2).contiguous())
-        return t + x
+        t = self.proj_out(t) if self.linear else F.linear(t, self.proj_out.weight.view(c, self.inner),
+                                                          self.proj_out.bias)  # (B, HW, C)
+        t = t.view(b, h, w, c).permute(0, 3, 1, 2)  # (B, C, H, W), channels_last strides
+        return x + t if x.is_contiguous(memory_format=torch.channels_last) else x + t.contiguous()
 
 
 class _Resample(nn.Module):
@@ -534,6 +533,7 @@ class UNet2DConditionModel(nn.Module):
         self.conv_norm_out = nn.GroupNorm(cfg.norm_num_groups, ch[0], eps=cfg.norm_eps)
         self.conv_out = nn.Conv2d(ch[0], cfg.out_channels, cfg.conv_out_kernel, padding=cfg.conv_out_kernel // 2)
         _named(self, "")
+        self.to(memory_format=torch.channels_last)  # conv weights NHWC as the local forward runs: no per-call reorder
 
     def time_embed(self, timestep: Tensor | float | int, batch: int, dtype: torch.dtype, device,
                    added_cond_kwargs: dict | None = None) -> Tensor:
@@ -561,6 +561,11 @@ class UNet2DConditionModel(nn.Module):
         cfg = self.config
         if cfg.center_input_sample:
             sample = 2 * sample - 1.0
+        # the local ops run channels_last (NHWC): oneDNN's convs without layout reorders, GroupNorm's NHWC kernel, and
+        # the transformers' token rows as views; a SpatialOps subclass (patch parallelism) gets the sample as given
+        nhwc = type(ops) is SpatialOps and sample.device.type == "cpu"
+        if nhwc:
+            sample = sample.contiguous(memory_format=torch.channels_last)
         emb = self.time_embed(timestep, sample.shape[0], sample.dtype, sample.device, added_cond_kwargs)
         temb_act = F.silu(emb)  # every ResNet's time_emb_proj input
         # sides not divisible by the total downsampling: upsample to the skip tensors' sizes (diffusers' rule)
@@ -577,7 +582,8 @@ class UNet2DConditionModel(nn.Module):
             size = skips[-n - 1].shape[2:] if odd and i < cfg.levels - 1 else None
             x = blk(x, skips, temb_act, encoder_hidden_states, ops, size)
         x = F.silu(ops.group_norm("conv_norm_out", self.conv_norm_out, x))
-        return self._conv("conv_out", self.conv_out, x, ops)
+        out = self._conv("conv_out", self.conv_out, x, ops)
+        return out.contiguous() if nhwc else out
 
     @staticmethod
     def _conv(name: str, conv: nn.Conv2d, x: Tensor, ops: SpatialOps) -> Tensor:
@@ -601,6 +607,7 @@ class UNet2DConditionModel(nn.Module):
                              f"missing {missing[:8]}, unexpected {unexpected[:8]}")
         dtype = dtype or torch.float32
         model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+        model.to(memory_format=torch.channels_last)  # the loaded conv weights NHWC too (see forward)
         return model.eval()
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None, variant: str | None = None) -> None:

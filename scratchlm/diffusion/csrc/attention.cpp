@@ -36,8 +36,11 @@ namespace {
 
 // 2^x for x <= 0 (scores minus their row maximum, in log2 units): x = n + f with n = round(x), |f| <= 1/2,
 // 2^f = e^(f ln 2) by its degree-6 Taylor polynomial (relative error < 1.3e-7, about one float ulp), times 2^n by
-// scalef (exact, and 0 for n below the float range: no clamp needed).
+// scalef (exact). Below x = -126 the result is flushed to 0: those terms are < 2^-126 of the row's largest (1), far
+// under float rounding of the sum, and as subnormal floats they would make every later FMA on them take a
+// microcode assist (tens of times slower: scores spread over a wide range, as in trained models, hit this).
 F512 inline __m512 exp2_512(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f));  // f ln 2
   __m512 y = _mm512_set1_ps(1.f / 720.f);
@@ -47,7 +50,7 @@ F512 inline __m512 exp2_512(__m512 x) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.5f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
+  return _mm512_maskz_scalef_ps(normal, y, n);
 }
 
 struct Item {
