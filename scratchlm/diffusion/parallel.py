@@ -17,9 +17,8 @@ Four forms, each a function run on every rank of a group (see `launch`):
   at the same layer of the next step, so communication overlaps a whole step of compute. Same
   volume as exact, off the critical path; the result is approximate (activations change slowly
   between adjacent steps).
-- **Component pipelining** (`component_pipeline`, 3 ranks): text encoder, denoiser and VAE decoder on
-  different ranks, a stream of requests flowing through them point to point (encode k+1 and
-  decode k-1 while k denoises).
+- **Component pipelining** lives in `components.py` (text encoder, denoiser and VAE decoder on
+  different ranks, a queue of requests streaming through them point to point); it uses `launch`.
 
 Groups and timeouts come from `scratchlm.parallel.comm` (`init_default_group`, `backend_for`); every
 collective of a step has the step timeout, so a dead peer turns into an error, never a hang, and
@@ -34,7 +33,7 @@ import socket
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -117,21 +116,28 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, thre
         os._exit(1)
 
 
-def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float = 30.0, device: str = "cpu",
-           deadline_s: float = 600.0) -> list[Any]:
+def launch(fn: Callable, world: int, *args, threads: int | Sequence[int] = 1, timeout_s: float = 30.0,
+           device: str = "cpu", deadline_s: float = 600.0, names: Sequence[str] | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on `world` spawned ranks; returns the per-rank results (rank order).
 
-    `timeout_s` bounds every collective of a step; if any rank fails (an exception, or a process that
-    dies), the others are terminated and a RuntimeError names the rank and its traceback."""
+    `threads`: torch threads per rank (one count for all, or one per rank). `timeout_s` bounds every
+    collective of a step; if any rank fails (an exception, or a process that dies), the others are
+    terminated and a RuntimeError names the rank (with its `names` entry, e.g. its pipeline stage), the
+    ranks that died without a traceback first, and the first traceback received."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    per_rank = [threads] * world if isinstance(threads, int) else list(threads)
+    if len(per_rank) != world or (names is not None and len(names) != world):
+        raise ValueError(f"launch: {world} ranks, {len(per_rank)} thread counts, "
+                         f"{'no' if names is None else len(names)} names")
+    label = [f"rank {r}" + (f" ({names[r]})" if names else "") for r in range(world)]
     from scratchlm.diffusion.fused_attention import prepare
 
     prepare()  # build the attention kernel once here, not in every rank while its peers wait on a collective
     spawn = mp.get_context("spawn")
     out = spawn.Queue()
     port = _free_port()
-    procs = [spawn.Process(target=_rank_main, args=(r, world, port, fn, args, threads, timeout_s, device, out),
+    procs = [spawn.Process(target=_rank_main, args=(r, world, port, fn, args, per_rank[r], timeout_s, device, out),
                            daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -143,9 +149,12 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float =
             rank, ok, val = item
             if not ok:
                 time.sleep(0.5)
+                reported = {rank} | _drain_failures(out)
                 exits = ", ".join(f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs)
                                   if p.exitcode not in (None, 0))
-                raise RuntimeError(f"rank {rank} of {world} failed ({exits or 'no rank exited yet'}):\n{val}")
+                died = [label[r] for r, p in enumerate(procs) if p.exitcode not in (None, 0, 1) and r not in reported]
+                cause = f"{', '.join(died)} died; " if died else ""
+                raise RuntimeError(f"{cause}{label[rank]} of {world} failed ({exits or 'no rank exited yet'}):\n{val}")
             results[rank] = _wire(val, to_numpy=False)
         for p in procs:
             p.join(timeout=30)
@@ -156,6 +165,18 @@ def launch(fn: Callable, world: int, *args, threads: int = 1, timeout_s: float =
         for p in procs:
             p.join(timeout=5)
     return [results[r] for r in range(world)]
+
+
+def _drain_failures(out) -> set[int]:
+    """The ranks whose failure reports are already queued (after the first one)."""
+    ranks = set()
+    while True:
+        try:
+            rank, ok, _ = out.get(timeout=0.05)
+        except queue.Empty:
+            return ranks
+        if not ok:
+            ranks.add(rank)
 
 
 def _wire(obj: Any, to_numpy: bool) -> Any:
@@ -306,64 +327,6 @@ def patch_parallel_denoise(ctx: RankContext, pipe: DiffusionPipeline, latents: T
     return torch.cat([xp[:, :, :b * p] for xp, b in zip(parts, bands)], dim=2)  # (B, C, H, W)
 
 
-# --- component pipelining -----------------------------------------------------------------------------
-@torch.no_grad()
-def component_pipeline(ctx: RankContext, pipe: DiffusionPipeline, requests: list[list[str]], steps: int,
-                       guidance: float, sampler: str = "ddim", seed: int = 0) -> dict:
-    """Rank 0: text encoder; rank 1: denoiser; rank 2: VAE decoder. Requests (prompt lists of one size B)
-    stream through; returns on rank 2 the images and per-request (start, end) wall times."""
-    if ctx.world != 3:
-        raise ValueError(f"component pipelining needs 3 ranks (text encoder, denoiser, VAE), got {ctx.world}")
-    b = len(requests[0])
-    if any(len(r) != b for r in requests):
-        raise ValueError("component pipelining: every request must have the same number of prompts")
-    L, d = pipe.tokenizer.max_len, pipe.text_encoder.config.d_model
-    c, s = pipe.latent_channels, pipe.latent_size
-    timeout = timedelta(seconds=ctx.timeout_s)
-    starts, sends = [], []
-    if ctx.rank == 0:
-        for k, prompts in enumerate(requests):
-            starts.append(time.time())
-            emb = torch.stack([pipe.encode_prompts([""] * b), pipe.encode_prompts(prompts)])  # (2, B, L, d)
-            sends.append(dist.isend(emb.contiguous(), 1, group=ctx.group, tag=k))
-            sends.append(dist.isend(torch.tensor([starts[-1]], dtype=torch.float64), 2, group=ctx.group, tag=k))
-        for w in sends:
-            w.wait(timeout)
-        return {}
-    if ctx.rank == 1:
-        for k in range(len(requests)):
-            emb = torch.empty(2, b, L, d)
-            dist.irecv(emb, 0, group=ctx.group, tag=k).wait(timeout)
-            z = pipe.denoise(pipe.initial_latents(b, seed + k), emb[1], emb[0], steps, guidance, sampler, seed=seed + k)
-            sends.append(dist.isend(z.contiguous(), 2, group=ctx.group, tag=k))
-        for w in sends:
-            w.wait(timeout)
-        return {}
-    images, spans = [], []
-    for k in range(len(requests)):
-        t0 = torch.empty(1, dtype=torch.float64)
-        z = torch.empty(b, c, s, s)
-        dist.irecv(t0, 0, group=ctx.group, tag=k).wait(timeout)
-        dist.irecv(z, 1, group=ctx.group, tag=k).wait(timeout)
-        images.append(pipe.decode(z))
-        spans.append((float(t0), time.time()))
-    return {"images": images, "spans": spans}
-
-
-def serial_requests(pipe: DiffusionPipeline, requests: list[list[str]], steps: int, guidance: float,
-                    sampler: str = "ddim", seed: int = 0) -> dict:
-    """One rank doing the component pipeline's work in order (its reference)."""
-    images, spans = [], []
-    for k, prompts in enumerate(requests):
-        t0 = time.time()
-        b = len(prompts)
-        text, uncond = pipe.encode_prompts(prompts), pipe.encode_prompts([""] * b)
-        z = pipe.denoise(pipe.initial_latents(b, seed + k), text, uncond, steps, guidance, sampler, seed=seed + k)
-        images.append(pipe.decode(z))
-        spans.append((t0, time.time()))
-    return {"images": images, "spans": spans}
-
-
 # --- rank entry points (module level so that spawn can import them) --------------------------------------
 def run_patch(ctx: RankContext, path: str, prompts: list[str], steps: int, guidance: float, sampler: str,
               mode: str, warmup: int, seed: int, latent_size: int | None = None, die_at_step: int | None = None
@@ -388,15 +351,6 @@ def run_cfg(ctx: RankContext, path: str, prompts: list[str], steps: int, guidanc
     t = time.perf_counter()
     z = cfg_parallel_denoise(ctx, pipe, lat, text, uncond, steps, guidance, sampler, seed)
     return {"latents": z, "seconds": time.perf_counter() - t, **ctx.stats()}
-
-
-def run_components(ctx: RankContext, path: str, requests: list[list[str]], steps: int, guidance: float,
-                   sampler: str, seed: int) -> dict:
-    pipe = DiffusionPipeline.from_pretrained(path)
-    dist.barrier(group=ctx.group)
-    t = time.perf_counter()
-    out = component_pipeline(ctx, pipe, requests, steps, guidance, sampler, seed)
-    return {**out, "seconds": time.perf_counter() - t}
 
 
 def _die_after(pipe: DiffusionPipeline, step: int) -> None:
@@ -429,12 +383,3 @@ def run_cfg_latents(ctx: RankContext, path: str, prompts: list[str], steps: int,
     text, uncond = pipe.encode_prompts(prompts), pipe.encode_prompts([""] * len(prompts))
     lat = torch.load(latents_file, weights_only=True)
     return {"latents": cfg_parallel_denoise(ctx, pipe, lat, text, uncond, steps, guidance, sampler), **ctx.stats()}
-
-
-def run_serial_requests(ctx: RankContext, path: str, requests: list[list[str]], steps: int, guidance: float,
-                        sampler: str, seed: int) -> dict:
-    """One rank doing the component pipeline's requests in order (same process set-up as the pipelined run)."""
-    pipe = DiffusionPipeline.from_pretrained(path)
-    t = time.perf_counter()
-    out = serial_requests(pipe, requests, steps, guidance, sampler, seed)
-    return {**out, "seconds": time.perf_counter() - t}
