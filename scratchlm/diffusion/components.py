@@ -68,9 +68,11 @@ class ImageRequest:
     prompts: tuple[str, ...]  # one image per prompt (the request's batch)
     seed: int = 0  # initial latents and sampler noise; the same seed gives the same images on any layout
     steps: int = 25  # denoising steps
-    guidance: float = 3.0  # classifier-free guidance scale (1.0: no unconditional branch)
+    guidance: float | None = None  # classifier-free guidance scale (1.0: no unconditional branch); None: the
+    # pipeline's default (7.5 for SD folders, 5.0 SDXL, 3.0 scratchlm's DiT)
     sampler: str | None = None  # ddim | ddpm | euler; None: the pipeline's own (its folder's scheduler)
-    negative_prompt: str = ""  # the unconditional branch's prompt
+    negative_prompt: str | None = None  # the unconditional input's prompt; None: "" (SDXL folders that force zeros
+    # for an empty prompt: zero embeddings, as the pipeline's own call)
     size: tuple[int, int] | None = None  # latent (h, w); None: the pipeline's native size
     guidance_rescale: float = 0.0  # CFG rescale (SD pipelines); 0: off
     arrival_s: float = 0.0  # when it joins the queue, seconds after the start (0: queued from the start)
@@ -89,33 +91,55 @@ class StageError(RuntimeError):
 
 # --- the three stages, over the pipeline's plain API -------------------------------------------------------
 class Stages:
-    """What each component does to a request; the pipelined and the serial runs both call exactly these."""
+    """What each component does to a request, exactly as the pipeline's own `__call__` does it (DiT, SD and SDXL
+    pipelines); the pipelined and the serial runs both call these. The text stage's output is a dict of named
+    tensors: 'text' (B, L, d), and with CFG 'uncond'; SDXL adds 'pooled' / 'pooled_uncond' (B, p)."""
 
     def __init__(self, pipe: DiffusionPipeline):
         self.pipe = pipe
 
-    @torch.no_grad()
-    def encode(self, req: ImageRequest) -> list[Tensor]:
-        """[text] or [text, uncond] embeddings, each (B, L, d)."""
-        text = self.pipe.encode_prompts(list(req.prompts))
-        if req.guidance == 1.0:
-            return [text]
-        return [text, self.pipe.encode_prompts([req.negative_prompt] * len(req.prompts))]
+    def guidance(self, req: ImageRequest) -> float:
+        return self.pipe.default_guidance if req.guidance is None else req.guidance
 
     @torch.no_grad()
-    def denoise(self, req: ImageRequest, cond: list[Tensor]) -> Tensor:
-        text, uncond = cond[0], (cond[1] if len(cond) > 1 else None)
-        size = {} if req.size is None else {"size": req.size}
-        lat = self.pipe.initial_latents(len(req.prompts), req.seed, **size)  # (B, c, h, w)
-        # only what the request sets, so a pipeline without an option is asked for it only when it is used
-        opt = {} if req.sampler is None else {"sampler": req.sampler}
-        if req.guidance_rescale:
-            opt["guidance_rescale"] = req.guidance_rescale
-        return self.pipe.denoise(lat, text, uncond, req.steps, req.guidance, seed=req.seed, **opt)
+    def encode(self, req: ImageRequest) -> dict[str, Tensor]:
+        pipe, b = self.pipe, len(req.prompts)
+        text, pooled = pipe.encode_prompts_pooled(list(req.prompts))
+        cond = {"text": text} if pooled is None else {"text": text, "pooled": pooled}
+        if self.guidance(req) == 1.0:  # no unconditional branch
+            return cond
+        if pipe.is_sdxl and req.negative_prompt is None and pipe.force_zeros_for_empty_prompt:
+            cond.update(uncond=torch.zeros_like(text), pooled_uncond=torch.zeros_like(pooled))  # SDXL's rule
+            return cond
+        uncond, pooled_u = pipe.encode_prompts_pooled([req.negative_prompt or ""] * b)
+        cond["uncond"] = uncond
+        if pooled_u is not None:
+            cond["pooled_uncond"] = pooled_u
+        return cond
+
+    @torch.no_grad()
+    def denoise(self, req: ImageRequest, cond: dict[str, Tensor]) -> Tensor:
+        pipe, b = self.pipe, len(req.prompts)
+        lat = pipe.initial_latents(b, req.seed, req.size)  # (B, c, h, w)
+        kw = {}
+        if pipe.is_sdxl:
+            f = pipe.vae.config.downsample
+            ids = pipe.sdxl_time_ids(b, (lat.shape[-2] * f, lat.shape[-1] * f))
+            kw["added"] = {"text_embeds": cond["pooled"], "time_ids": ids}
+            if "pooled_uncond" in cond:
+                kw["added_uncond"] = {"text_embeds": cond["pooled_uncond"], "time_ids": ids}
+        return pipe.denoise(lat, cond["text"], cond.get("uncond"), req.steps, self.guidance(req), req.sampler,
+                            seed=req.seed, guidance_rescale=req.guidance_rescale, **kw)
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
         return self.pipe.decode(z)  # (B, C, H, W) in [-1, 1]
+
+    def reference(self, req: ImageRequest) -> Tensor:
+        """The pipeline's own text-to-image call for `req` (what the stages must reproduce)."""
+        neg = None if req.negative_prompt is None else [req.negative_prompt] * len(req.prompts)
+        return self.pipe(list(req.prompts), steps=req.steps, guidance=req.guidance, sampler=req.sampler, seed=req.seed,
+                         negative_prompts=neg, guidance_rescale=req.guidance_rescale, size=req.size)
 
 
 # --- layout ---------------------------------------------------------------------------------------------
@@ -167,15 +191,16 @@ class _Peer:
         except RuntimeError as e:
             raise StageError(f"{self._where(peer, what)} failed within {seconds:g} s: {e}") from e
 
-    def send(self, dst: int, meta: dict, tensors: list[Tensor], what: str) -> None:
+    def send(self, dst: int, meta: dict, tensors: dict[str, Tensor], what: str) -> None:
         q = self.pending[dst]
         while len(q) >= self.lookahead:  # back-pressure: wait for the peer to take the oldest message
             self._complete(dst, q.popleft())
-        tensors = [t.detach().contiguous() for t in tensors]
-        meta = {**meta, "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in tensors]}
+        tensors = {k: t.detach().contiguous() for k, t in tensors.items()}
+        specs = [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in tensors.items()]
+        meta = {**meta, "tensors": specs}
         head = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         size = torch.tensor([head.numel()], dtype=torch.int64)
-        bufs = [size, head, *tensors]  # kept alive until the sends complete
+        bufs = [size, head, *tensors.values()]  # kept alive until the sends complete
         works = [dist.isend(b, dst, group=self.ctx.group) for b in bufs]
         self.ctx.bytes_received["sent"] += sum(b.numel() * b.element_size() for b in bufs)
         q.append((works, bufs, f"sending {what} to"))
@@ -192,19 +217,19 @@ class _Peer:
             while q:
                 self._complete(dst, q.popleft())
 
-    def recv(self, src: int, what: str) -> tuple[dict, list[Tensor]]:
+    def recv(self, src: int, what: str) -> tuple[dict, dict[str, Tensor]]:
         """The next message from `src`: its start waits up to `idle_s`, the rest up to the step timeout."""
         size = torch.empty(1, dtype=torch.int64)
         self.wait(dist.irecv(size, src, group=self.ctx.group), src, f"receiving {what} from", self.idle_s)
         head = torch.empty(int(size), dtype=torch.uint8)
         self.wait(dist.irecv(head, src, group=self.ctx.group), src, f"receiving {what} from")
         meta = json.loads(bytes(head.numpy()).decode())
-        tensors = []
-        for shape, dtype in meta.pop("tensors"):
+        tensors = {}
+        for name, shape, dtype in meta.pop("tensors"):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
             self.wait(dist.irecv(t, src, group=self.ctx.group), src, f"receiving {what} from")
             self.ctx.bytes_received[self.names[src]] += t.numel() * t.element_size()
-            tensors.append(t)
+            tensors[name] = t
         return meta, tensors
 
 
@@ -303,7 +328,7 @@ def _denoise_rank(peer: _Peer, stages: Stages, ranks, clock: _Clock, busy, die) 
     while True:
         meta, cond = peer.recv(text, "a request")
         if meta.get("stop"):
-            peer.send(vae, {"stop": True}, [], "the stop message")
+            peer.send(vae, {"stop": True}, {}, "the stop message")
             return
         req = ImageRequest(**meta["request"])
         _maybe_die(die, "denoise", meta["index"])
@@ -311,7 +336,7 @@ def _denoise_rank(peer: _Peer, stages: Stages, ranks, clock: _Clock, busy, die) 
         z = stages.denoise(req, cond)  # (B, c, h, w)
         busy["denoise"].append((t, clock.now()))
         stamps = {**meta["stages"], "denoise": busy["denoise"][-1]}
-        peer.send(vae, {**meta, "stages": stamps, "denoise_rank": peer.ctx.rank}, [z], f"request {req.id!r}")
+        peer.send(vae, {**meta, "stages": stamps, "denoise_rank": peer.ctx.rank}, {"latents": z}, f"request {req.id!r}")
 
 
 def _edge_rank(peer: _Peer, stages: Stages, ranks, requests: Iterable[ImageRequest], clock: _Clock, busy,
@@ -330,7 +355,7 @@ def _edge_rank(peer: _Peer, stages: Stages, ranks, requests: Iterable[ImageReque
         if encoding:
             if nxt is None:  # the queue is exhausted: tell every denoiser rank
                 for r in den:
-                    peer.send(r, {"stop": True}, [], "the stop message")
+                    peer.send(r, {"stop": True}, {}, "the stop message")
                 encoding = False
                 continue
             wait = clock.until(nxt.arrival_s)
@@ -362,7 +387,7 @@ def _take(item, results: list[dict], stages: Stages, clock: _Clock, busy, die) -
     if item is None:
         return False
     meta, tensors = item
-    results.append(_decode(stages, meta, tensors[0], clock, busy, die))
+    results.append(_decode(stages, meta, tensors["latents"], clock, busy, die))
     return True
 
 

@@ -10,15 +10,27 @@ import torch
 
 from scratchlm.diffusion import components as cp
 from scratchlm.diffusion.pipeline import DiffusionPipeline
-from tests.diffusion.helpers import tiny_pipeline
+from tests.diffusion.helpers import sd_folder, sdxl_folder, tiny_pipeline
+
+FOLDERS = {"dit": tiny_pipeline, "sd": sd_folder, "sdxl": sdxl_folder}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread (the spawned ranks take theirs from `launch`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _queue(n: int = 5) -> list[cp.ImageRequest]:
-    """Mixed requests: batch sizes, steps, guidance (1.0: no unconditional branch), samplers, negative prompts."""
-    prompts = ["a handwritten one", "the digit 4", "seven", "nine", "the number two", "8"]
+    """Mixed requests: batch sizes, steps, guidance (1.0: no unconditional branch; None: the pipeline's default),
+    samplers (None: the folder's), negative prompts (None: the pipeline's rule)."""
+    prompts = ["a handwritten one", "the digit 4", "seven", "a dog", "the number two", "a photo of a cat"]
     return [cp.ImageRequest(id=f"req-{k}", prompts=tuple(prompts[k % 6:k % 6 + 1 + k % 2]), seed=10 + k,
-                            steps=2 + k % 3, guidance=(3.0, 1.0, 5.0)[k % 3], sampler=("ddim", "euler")[k % 2],
-                            negative_prompt="" if k % 4 else "blurry")
+                            steps=2 + k % 3, guidance=(3.0, 1.0, None)[k % 3], sampler=("ddim", None, "euler")[k % 3],
+                            negative_prompt=None if k % 4 else "blurry")
             for k in range(n)]
 
 
@@ -26,7 +38,7 @@ def _check_equal(got: dict, want: dict, reqs: list[cp.ImageRequest]) -> None:
     assert [r["id"] for r in got["results"]] == [q.id for q in reqs]  # ids, in queue order
     assert [r["index"] for r in got["results"]] == list(range(len(reqs)))
     for a, b, q in zip(got["results"], want["results"], reqs):
-        assert a["images"].shape == (len(q.prompts), 1, 8, 8)
+        assert a["images"].shape == b["images"].shape and a["images"].shape[0] == len(q.prompts)
         assert (a["images"] - b["images"]).abs().max().item() <= 1e-5
         assert a["latency_s"] > 0 and a["stages"]["text"][0] <= a["stages"]["vae"][1]
 
@@ -42,16 +54,16 @@ def test_layout_rules():
         cp.ImageRequest(id="x", prompts=())
 
 
-def test_serial_service_is_the_pipeline(tmp_path):
-    """The stages run one after another are the pipeline's own text-to-image call, request for request."""
-    pipe = tiny_pipeline()
+@pytest.mark.parametrize("kind", ["dit", "sd", "sdxl"])
+def test_serial_service_is_the_pipeline(tmp_path, kind):
+    """The three stages one after another are the pipeline's own text-to-image call, request for request (DiT,
+    SD and SDXL pipelines: SDXL's pooled text and zeroed empty negative prompt travel with the text stage)."""
+    FOLDERS[kind](tmp_path)
+    stages = cp.Stages(DiffusionPipeline.from_pretrained(tmp_path))
     reqs = _queue(3)
-    out = cp.serial_service(cp.Stages(pipe), reqs)
+    out = cp.serial_service(stages, reqs)
     for r, q in zip(out["results"], reqs):
-        want = pipe(list(q.prompts), steps=q.steps, guidance=q.guidance, sampler=q.sampler, seed=q.seed) \
-            if not q.negative_prompt else None
-        if want is not None:
-            assert torch.equal(r["images"], want)
+        assert torch.equal(r["images"], stages.reference(q))
     s = cp.summarize([out])
     assert s["n"] == 3 and set(s["stages"]) == {"text", "denoise", "vae"}
     assert all(0 < st["utilisation"] <= 1 for st in s["stages"].values())
@@ -64,9 +76,10 @@ def test_percentiles():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["text|denoise|vae", "text+vae|denoise|denoise"])
-def test_pipelined_equals_serial(tmp_path, layout):
-    tiny_pipeline(tmp_path)
+@pytest.mark.parametrize("kind,layout", [("sd", "text|denoise|vae"), ("sd", "text+vae|denoise|denoise"),
+                                         ("dit", "text+vae|denoise|denoise"), ("sdxl", "text|denoise|vae")])
+def test_pipelined_equals_serial(tmp_path, kind, layout):
+    FOLDERS[kind](tmp_path)
     reqs = _queue(5)
     want = cp.serial_service(cp.Stages(DiffusionPipeline.from_pretrained(tmp_path)), reqs)
     got = cp.run_service(str(tmp_path), reqs, layout, timeout_s=60)
