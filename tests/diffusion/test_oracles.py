@@ -115,3 +115,16 @@ def test_tiled_decode_blends_tiles_exactly():
         full, tiled = vae.decode(z), vae.decode(z, tile=6, overlap=2)
     assert tiled.shape == full.shape == (2, 1, 26, 22)
     assert (full - tiled).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("extra,scale,upcast", [
+    ({"_diffusers_version": "0.6.0"}, 0.18215, False),  # SD 1.5 / 2.1: no scaling_factor key (the default)
+    ({"_name_or_path": "x", "force_upcast": True, "scaling_factor": 0.13025}, 0.13025, True),  # SDXL
+])
+def test_hub_sd_vae_configs_parse(extra, scale, upcast):
+    hub = {"_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
+           "down_block_types": ["DownEncoderBlock2D"] * 4, "in_channels": 3, "latent_channels": 4,
+           "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 3, "sample_size": 512,
+           "up_block_types": ["UpDecoderBlock2D"] * 4, **extra}
+    cfg = VAEConfig.from_diffusers(hub)
+    assert (cfg.downsample, cfg.scaling_factor, cfg.force_upcast, cfg.layers_per_block) == (8, scale, upcast, 2)
