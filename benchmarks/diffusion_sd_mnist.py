@@ -118,7 +118,50 @@ def _diffusers_check(pipe, model: str, lat: torch.Tensor, args) -> str:
 
 
 def part_parallel(report: Report, args) -> None:
-    raise NotImplementedError("parallel: waiting for scratchlm.diffusion.unet_parallel")
+    from dataclasses import asdict
+
+    from scratchlm.diffusion import parallel as pp
+    from scratchlm.diffusion import unet_parallel as up
+    from scratchlm.diffusion.data import canonical_prompt
+    from scratchlm.diffusion.judge import load_judge, predict
+    from scratchlm.diffusion.pipeline import DiffusionPipeline, save_png
+
+    torch.set_num_threads(args.threads)
+    judge = load_judge(args.judge)
+    pipe = DiffusionPipeline.from_pretrained(args.model)
+    n = args.par_per_class
+    labels = torch.arange(10).repeat_interleave(n)
+    prompts = [canonical_prompt(int(k)) for k in labels]
+    lat = pipe.initial_latents(10 * n, seed=321)
+    text, uncond = pipe.encode_prompts(prompts), pipe.encode_prompts([""] * len(prompts))
+    unet_dir, sched = str(Path(args.model) / "unet"), asdict(pipe.schedule)
+    common = (unet_dir, sched, lat, text, uncond, args.steps, args.guidance, "ddim")
+
+    def judged(z: torch.Tensor) -> tuple[torch.Tensor, float]:
+        img = pipe.decode(z)
+        return img, (predict(judge, judge_view(img))[0] == labels).float().mean().item()
+
+    t0 = time.perf_counter()
+    base_img, base_acc = judged(pp.launch(up.run_unet_reference, 1, *common, threads=1, timeout_s=900)[0]["latents"])
+    rows = [["one rank", "-", f"{time.perf_counter() - t0:.0f} s", f"{base_acc * 100:.1f} %"]]
+    save_png(grid_of(base_img, n), RESULTS_DIR / "diffusion_sd_mnist_grid_one_rank.png", nrow=min(10, n))
+    variants = [("exact patch parallel (2 ranks)", "exact", 0)]
+    variants += [(f"displaced patch parallel (2 ranks, {w} warm-up step{'s' if w > 1 else ''})", "displaced", w)
+                 for w in (int(v) for v in args.warmup.split(","))]
+    for name, mode, warmup in variants:
+        t0 = time.perf_counter()
+        res = pp.launch(up.run_unet_patch, 2, *common, mode, warmup, threads=1, timeout_s=900)
+        img, acc = judged(res[0]["latents"])
+        diff = (img - base_img).abs()
+        rows.append([name, f"{diff.max().item():.2e} max, {diff.mean().item():.2e} mean",
+                     f"{time.perf_counter() - t0:.0f} s", f"{acc * 100:.1f} %"])
+        tag = mode + (f"_w{warmup}" if mode == "displaced" else "")
+        save_png(grid_of(img, n), RESULTS_DIR / f"diffusion_sd_mnist_grid_{tag}.png", nrow=min(10, n))
+    report.table(["variant", "per-pixel abs error vs one rank (images in [-1, 1])", "wall (2 shared cores)",
+                  "prompted-class accuracy (judge)"], rows,
+                 caption=f"DistriFusion on the trained SD UNet: {10 * n} digits ({n} per class), the same latents "
+                         f"{tuple(lat.shape[1:])} split into 2 bands of 4 rows, {args.steps} DDIM steps, guidance "
+                         f"{args.guidance}, 1 thread per rank; grids diffusion_sd_mnist_grid_<variant>.png")
 
 
 def main(argv: list[str] | None = None) -> int:
