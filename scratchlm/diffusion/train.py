@@ -74,8 +74,8 @@ class SDUNetRecipe:
 class CLIPRecipe:
     """The CLIP text encoder and tokenizer of architecture "sd" (transformers' CLIPTextConfig field names)."""
 
-    vocab_size: int = field(default=600, metadata={
-        "help": "CLIP BPE vocabulary trained on the prompt corpus (>= 514: 512 byte symbols + start/end tokens)"})
+    num_merges: int = field(default=200, metadata={
+        "help": "BPE merges learned on the prompt corpus (vocabulary: 512 byte symbols + merges + start/end)"})
     model_max_length: int = field(default=16, metadata={
         "help": "tokens per prompt with the start/end tokens, padded (SD: 77; the prompts here need <= 12)"})
     hidden_size: int = field(default=64, metadata={"help": "width (= the UNet's cross_attention_dim)"})
@@ -217,6 +217,7 @@ class _Parts:
     tokenizer: object
     text_encoder: torch.nn.Module
     denoiser: torch.nn.Module
+    tokenize: object  # prompts -> ids (B, L)
     encode: object  # ids (B, L) -> text features (B, L, d)
 
 
@@ -228,7 +229,7 @@ def _dit_parts(cfg: DiffusionTrainConfig, latent: int) -> _Parts:
     dit = DiT(DiTConfig(sample_size=latent, in_channels=cfg.latent_channels, out_channels=cfg.latent_channels,
                         patch_size=1, num_layers=cfg.dit_layers, num_attention_heads=cfg.dit_heads,
                         attention_head_dim=d // cfg.dit_heads, cross_attention_dim=d))
-    return _Parts(tok, text, dit, text)
+    return _Parts(tok, text, dit, tok, text)
 
 
 def _sd_parts(cfg: DiffusionTrainConfig, latent: int) -> _Parts:
@@ -239,7 +240,7 @@ def _sd_parts(cfg: DiffusionTrainConfig, latent: int) -> _Parts:
     from scratchlm.diffusion.unet import UNet2DConditionModel, UNetConfig
 
     c, u = cfg.clip, cfg.unet
-    tok = CLIPTokenizer.train(prompt_corpus(), vocab_size=c.vocab_size, model_max_length=c.model_max_length)
+    tok = CLIPTokenizer.train(prompt_corpus(), c.num_merges, model_max_length=c.model_max_length)
     text = CLIPTextModel(CLIPTextConfig(
         vocab_size=tok.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -251,7 +252,7 @@ def _sd_parts(cfg: DiffusionTrainConfig, latent: int) -> _Parts:
         block_out_channels=tuple(u.block_out_channels), layers_per_block=u.layers_per_block,
         attention_head_dim=u.attention_head_dim, norm_num_groups=u.norm_num_groups,
         cross_attention_dim=c.hidden_size))
-    return _Parts(tok, text, unet, lambda ids: text(ids).last_hidden_state)
+    return _Parts(tok, text, unet, lambda prompts: tok(prompts)["input_ids"], lambda ids: text(ids).last_hidden_state)
 
 
 def train_denoiser(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tensor, y: torch.Tensor, log,
@@ -285,7 +286,7 @@ def train_denoiser(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tenso
         prompts = ["" if rng.random() < cfg.p_uncond else prompt_for(int(k), rng) for k in y[idx]]
         noise = torch.randn(z0.shape, generator=g)
         t = schedule.sample_timesteps(len(idx), g)
-        out = parts.denoiser(schedule.add_noise(z0, noise, t), t, parts.encode(parts.tokenizer(prompts)))
+        out = parts.denoiser(schedule.add_noise(z0, noise, t), t, parts.encode(parts.tokenize(prompts)))
         loss = schedule.training_loss(out, z0, noise, t)
         opt.zero_grad(set_to_none=True)
         loss.backward()
