@@ -171,6 +171,10 @@ class DiffusionPipeline:
         def run(tok, enc, want_hidden: bool):
             # padded and truncated to 77 as diffusers asks the tokenizer to; no attention mask
             ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True)["input_ids"]
+            for p in prompts:  # what the cut drops is said, as diffusers does
+                if (n := len(tok.encode(p))) > tok.model_max_length:
+                    log.warning("prompt %r... is %d tokens: the text encoder reads the first %d (with start/end)",
+                                p[:40], n, tok.model_max_length)
             return enc(ids, output_hidden_states=want_hidden)
 
         if not self.is_sdxl:

@@ -17,10 +17,11 @@ folder's scheduler), `seed`. Unknown fields, and OpenAI's `quality` / `style` se
 naming the field (nothing is silently ignored). Response: `{"created": ..., "data": [{"b64_json": PNG,
 "revised_prompt": null}]}`.
 
-Also served: `/` (static/images.html: a prompt box that posts to `/v1/images/generations` and shows the
-PNGs), `/favicon.svg`, `/health`, `/v1/models` and `/metrics` (Prometheus text: requests, images,
-generation seconds), so the start-up line of `scratchlm serve` ("playground at /, metrics at /metrics")
-holds for this app too.
+Also served: `/` (static/images.html: a prompt box, with a negative prompt, that posts to
+`/v1/images/generations` and shows the PNGs; its guidance field starts at the model's default, which `/v1/models`
+gives as the extension `default_guidance_scale`), `/favicon.svg`, `/health`, `/v1/models` and `/metrics`
+(Prometheus text: requests, images, generation seconds), so the start-up line of `scratchlm serve` ("playground
+at /, metrics at /metrics") holds for this app too.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scratchlm"}]}
+        # default_guidance_scale and size: scratchlm extensions (the page at / sets its guidance field from them)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scratchlm",
+                                            "default_guidance_scale": pipe.default_guidance, "size": native}]}
 
     @app.post("/v1/images/generations")
     async def generations(req: ImageRequest):

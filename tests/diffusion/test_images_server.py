@@ -105,6 +105,8 @@ def test_openai_images_on_a_stable_diffusion_folder(tmp_path):
     app = build_app(str(tmp_path / "sd"), ServerConfig(), engine_config=None)
     with BackgroundServer(app, start_timeout_s=30) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        card = client.models.list().data[0]
+        assert card.default_guidance_scale == 7.5 and card.size == "16x16"  # the page's defaults
         res = client.images.generate(prompt="a red fox", size="24x16", response_format="b64_json",
                                      extra_body={"steps": 3, "seed": 7, "negative_prompt": "blurry"})
         img = np.array(Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))))

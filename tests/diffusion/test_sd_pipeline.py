@@ -121,6 +121,15 @@ def test_pndm_folder_runs_as_ddim_and_says_so(tmp_path, caplog):
     assert (ours_images(pipe, lat, steps=10, guidance=5.0) - want).abs().max().item() <= TOL
 
 
+def test_long_prompt_is_cut_at_77_and_said(tmp_path, caplog):
+    sd_folder(tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    long = " ".join(["a red fox in the snow"] * 30)
+    with caplog.at_level("WARNING"):
+        emb = pipe.encode_prompts([long])
+    assert emb.shape[1] == 77 and "the text encoder reads the first 77" in caplog.text
+
+
 def test_safety_checker_entries_are_said_not_run(tmp_path):
     sd_folder(tmp_path)
     idx = json.loads((tmp_path / "model_index.json").read_text())
