@@ -129,6 +129,9 @@ class DiffusionTrainConfig:
         "help": "sampling grid saved with the pipeline: 'leading' (first step t = T - T/n) or 'trailing' (t = T-1); "
                 "with squaredcos_cap_v2, alpha_bar(999) = 2.4e-9 makes an eps model's x0 estimate at t = 999 blow up "
                 "(1/sqrt(alpha_bar) = 2e4), so trailing needs v_prediction"})
+    steps_offset: int = field(default=0, metadata={
+        "help": "added to the 'leading' sampling timesteps, saved with the pipeline (SD folders: 1, which diffusers' "
+                "StableDiffusionPipeline imposes on load whatever the folder says)"})
     log_every: int = field(default=25, metadata={"help": "log every N steps"})
     budget_clock: str = field(default="wall", metadata={
         "help": "what the *_time_s budgets count: 'wall' seconds, or 'cpu' seconds of this process (all threads; "
@@ -266,7 +269,7 @@ def train_denoiser(cfg: DiffusionTrainConfig, vae: AutoencoderKL, x: torch.Tenso
     latent = mean.shape[-1]
     parts = (_sd_parts if cfg.architecture == "sd" else _dit_parts)(cfg, latent)
     sched_cfg = ScheduleConfig(prediction_type=cfg.prediction_type, beta_schedule=cfg.beta_schedule,
-                               timestep_spacing=cfg.timestep_spacing)
+                               timestep_spacing=cfg.timestep_spacing, steps_offset=cfg.steps_offset)
     schedule = NoiseSchedule(sched_cfg)
     params = list(parts.denoiser.parameters()) + list(parts.text_encoder.parameters())
     stage = "dit" if cfg.architecture == "dit" else "unet"

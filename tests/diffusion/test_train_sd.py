@@ -51,6 +51,7 @@ def test_cli_trains_a_tiny_sd_pipeline_that_loads(tmp_path, data_dir, capsys):
     log = json.loads((out / "train_log.json").read_text())["log"]
     assert [r["done_steps"] for r in log if "done_steps" in r] == [2]
     assert any("scaling_factor_on_padded" in r for r in log)  # the shipped VAE's scale, measured on 32x32
+    assert json.loads((folder / "scheduler" / "scheduler_config.json").read_text())["steps_offset"] == 1
     pipe = DiffusionPipeline.from_pretrained(folder)
     assert isinstance(pipe.denoiser, UNet2DConditionModel) and pipe.latent_hw == (8, 8)
     assert pipe(["a handwritten seven"], steps=2).shape == (1, 1, 32, 32)
