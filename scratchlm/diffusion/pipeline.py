@@ -31,7 +31,7 @@ import copy
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -397,6 +397,12 @@ class DiffusionPipeline:
         schedule, sampler, note = schedule_from_diffusers(sch_cfg, str(sch_path))
         if note:
             notes.append(note)
+        if not xl:  # StableDiffusionPipeline rewrites "outdated" scheduler configs on load; so do we, and say so
+            for key, value in (("steps_offset", 1), ("clip_sample", False)):
+                if getattr(schedule, key) != value:
+                    notes.append(f"{sch_path}: {key} {getattr(schedule, key)} -> {value}, as diffusers' "
+                                 f"StableDiffusionPipeline sets it for SD 1.x / 2.x folders")
+                    schedule = replace(schedule, **{key: value})
         unet = UNet2DConditionModel.from_pretrained(path / "unet", variant=variant)
         vae = AutoencoderKL.from_pretrained(path / "vae", variant=variant)
         text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", variant=variant)
@@ -422,11 +428,26 @@ class DiffusionPipeline:
         if width != unet.config.cross_attention_dim:
             raise ValueError(f"{path}: text encoder width {width} != unet cross_attention_dim "
                              f"{unet.config.cross_attention_dim}")
+        size = unet.config.sample_size
+        made_by = json.loads((path / "unet" / "config.json").read_text()).get("_diffusers_version", "1")
+        if not xl and isinstance(size, int) and size < 64 and _version(made_by) < (0, 9):
+            notes.append(f"{path / 'unet' / 'config.json'}: sample_size {size} from diffusers {made_by} -> 64 (the "
+                         "default image size), as diffusers' StableDiffusionPipeline sets it for such old configs")
+            size = 64
         for n in notes:
             log.warning(n)
-        size = unet.config.sample_size
         return cls(tokenizer, text_encoder, unet, vae, schedule, size if isinstance(size, int) else tuple(size),
                    sampler=sampler, scheduler_config=sch_cfg, notes=notes, **extra)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """"0.8.0.dev0" -> (0, 8, 0): the numeric release parts."""
+    parts = []
+    for p in text.split("."):
+        if not p.isdigit():
+            break
+        parts.append(int(p))
+    return tuple(parts)
 
 
 def is_pipeline_dir(path: str | Path) -> bool:

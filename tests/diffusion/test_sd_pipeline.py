@@ -130,6 +130,24 @@ def test_long_prompt_is_cut_at_77_and_said(tmp_path, caplog):
     assert emb.shape[1] == 77 and "the text encoder reads the first 77" in caplog.text
 
 
+def test_outdated_scheduler_config_is_rewritten_as_diffusers_does(tmp_path):
+    """StableDiffusionPipeline forces steps_offset 1 and clip_sample False on load, and sample_size 64 for an old
+    (< 0.9) UNet config below it: so do we, with notes."""
+    sd_folder(tmp_path)
+    cfg_path = tmp_path / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["clip_sample"]  # DDIM's default: True
+    cfg["steps_offset"] = 0
+    cfg_path.write_text(json.dumps(cfg))
+    _edit(tmp_path / "unet" / "config.json", _diffusers_version="0.3.0")  # sample_size 8 < 64: SD 1.4's old case
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.latent_size == 64 and any("sample_size 8 from diffusers 0.3.0 -> 64" in n for n in pipe.notes)
+    assert pipe.schedule.steps_offset == 1 and not pipe.schedule.clip_sample
+    assert any("steps_offset 0 -> 1" in n for n in pipe.notes) and any("clip_sample True" in n for n in pipe.notes)
+    lat = pipe.initial_latents(2, seed=6, size=8)
+    assert (ours_images(pipe, lat, steps=5) - reference_images(tmp_path, lat, steps=5)).abs().max().item() <= TOL
+
+
 def test_safety_checker_entries_are_said_not_run(tmp_path):
     sd_folder(tmp_path)
     idx = json.loads((tmp_path / "model_index.json").read_text())
