@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="the prompt (repeat the flag for several; each gets --n images)")
     sa.add_argument("--negative-prompt", default=None,
                     help="what to steer away from (classifier-free guidance's unconditional input; default empty)")
-    sa.add_argument("--n", type=int, default=8, help="images per prompt")
+    sa.add_argument("--n", type=int, default=None,
+                    help="images per prompt (default 8 for scratchlm's small folders, 1 for Stable Diffusion ones)")
     sa.add_argument("--size", default=None, help="image size WxH or N (pixels; multiples of the VAE's factor, "
                                                  "8 for SD); default: the model's native size")
     sa.add_argument("--steps", type=int, default=25, help="sampling steps")
@@ -138,7 +139,7 @@ def _sample(args: argparse.Namespace) -> int:
     given = list(args.prompts) + list(args.prompt)
     if not given:
         raise ValueError("no prompt: pass it as an argument (`diffusion sample \"a prompt\"`) or with --prompt")
-    if args.n < 1 or args.steps < 1:
+    if (args.n is not None and args.n < 1) or args.steps < 1:
         raise ValueError(f"--n and --steps must be >= 1 (got {args.n}, {args.steps})")
     apply_threads(args.threads)
     t0 = time.perf_counter()
@@ -147,16 +148,17 @@ def _sample(args: argparse.Namespace) -> int:
     for note in pipe.notes:
         print(f"note: {note}", file=sys.stderr)
     size = None if args.size is None else pipe.latent_size_for(parse_size(args.size))
-    prompts = [p for p in given for _ in range(args.n)]
+    n = args.n if args.n is not None else 1 if pipe.is_sd else 8
+    prompts = [p for p in given for _ in range(n)]
     negative = None if args.negative_prompt is None else [args.negative_prompt] * len(prompts)
     with tqdm(total=args.steps, desc="denoising", unit="step") as bar:
         images = pipe(prompts, steps=args.steps, guidance=args.guidance, sampler=args.sampler, seed=args.seed,
                       progress=lambda i: bar.update(1), negative_prompts=negative, size=size,
                       guidance_rescale=args.guidance_rescale)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_png(images, args.out, nrow=args.n)
+    save_png(images, args.out, nrow=n)
     h, w = images.shape[-2:]
-    print(f"wrote {len(prompts)} {w}x{h} images ({len(given)} row(s) of {args.n}) to "
+    print(f"wrote {len(prompts)} {w}x{h} images ({len(given)} row(s) of {n}) to "
           f"{args.out.resolve()} in {time.perf_counter() - t0:.1f} s")
     return 0
 
