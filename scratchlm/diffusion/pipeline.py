@@ -430,7 +430,8 @@ class DiffusionPipeline:
                              f"{unet.config.cross_attention_dim}")
         size = unet.config.sample_size
         made_by = json.loads((path / "unet" / "config.json").read_text()).get("_diffusers_version", "1")
-        if not xl and isinstance(size, int) and size < 64 and _version(made_by) < (0, 9):
+        # (0, 0, 0): what scratchlm's io writes when diffusers is not installed, not an old diffusers
+        if not xl and isinstance(size, int) and size < 64 and (0, 0, 0) < _version(made_by) < (0, 9):
             notes.append(f"{path / 'unet' / 'config.json'}: sample_size {size} from diffusers {made_by} -> 64 (the "
                          "default image size), as diffusers' StableDiffusionPipeline sets it for such old configs")
             size = 64
