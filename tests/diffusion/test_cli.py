@@ -51,3 +51,8 @@ def test_sample_sd_folder_positional_prompt_negative_and_size(tmp_path, capsys):
     assert "multiples of 2" in capsys.readouterr().err
     assert main(["diffusion", "sample", "--model", str(tmp_path / "sd")]) == 2
     assert "no prompt" in capsys.readouterr().err
+
+
+def test_serve_takes_model_as_flag_or_positional_not_two(tmp_path, capsys):
+    rc = main(["diffusion", "serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")])
+    assert rc == 2 and "two models given" in capsys.readouterr().err
