@@ -221,20 +221,22 @@ class DiffusionPipeline:
         x = latents * sch.init_noise_sigma
         g = torch.Generator().manual_seed(seed + 1)
         use_cfg = uncond is not None and guidance != 1.0
-        if use_cfg and added is not None:
-            if added_uncond is None:
-                raise ValueError("added conditions for the prompts but none for the unconditional input")
-            cfg_added = {k: torch.cat([added_uncond[k], added[k]]) for k in added}  # (2B, ...) as [uncond; cond]
+        kw = {} if added is None else {"added_cond_kwargs": added}
+        if use_cfg:
+            ctx = torch.cat([uncond, text])  # (2B, L, d), built once: the same tensor every step
+            if added is not None:
+                if added_uncond is None:
+                    raise ValueError("added conditions for the prompts but none for the unconditional input")
+                kw = {"added_cond_kwargs": {k: torch.cat([added_uncond[k], added[k]]) for k in added}}  # [u; c]
         for i, t in enumerate(sch.timesteps):
             xin = sch.scale_model_input(x, t)
             tt = torch.full((x.shape[0],), float(t))
             if use_cfg:
-                kw = {} if added is None else {"added_cond_kwargs": cfg_added}
-                out = den(torch.cat([xin, xin]), torch.cat([tt, tt]), torch.cat([uncond, text]), **kw)
+                out = den(torch.cat([xin, xin]), torch.cat([tt, tt]), ctx, **kw)
                 out_u, out_c = out.chunk(2)
                 out = rescale_cfg(cfg_combine(out_u, out_c, guidance), out_c, guidance_rescale)
             else:
-                out = den(xin, tt, text, **({} if added is None else {"added_cond_kwargs": added}))
+                out = den(xin, tt, text, **kw)
             x = sch.step(out, t, x, generator=g)
             if progress is not None:
                 progress(i)
