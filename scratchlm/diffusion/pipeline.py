@@ -12,13 +12,19 @@ One `DiffusionPipeline` runs two families of folders, both laid out as diffusers
   DDIM / Euler / DDPM run as configured, PNDM -> DDIM, logged). Weights fp32 or fp16 (`variant="fp16"` picks the
   `*.fp16.safetensors` files); the modules compute in fp32 whatever the stored dtype. `safety_checker`,
   `feature_extractor` and `image_encoder` entries are accepted, present or null, and are **not run**: a load
-  note says so (`pipe.notes`, also logged). `save_pretrained` writes a folder diffusers'
-  `StableDiffusionPipeline.from_pretrained` loads (without those three).
+  note says so (`pipe.notes`, also logged). As diffusers' StableDiffusionPipeline does on load, an SD 1.x / 2.x
+  folder's scheduler gets `steps_offset` 1 and `clip_sample` off, and a pre-0.9 UNet config's `sample_size` < 64
+  becomes 64 (each a note). `save_pretrained` writes a folder diffusers' `StableDiffusionPipeline.from_pretrained`
+  loads (without those three).
+- **SDXL base folders** ("StableDiffusionXLPipeline"): also `text_encoder_2/` (`clip.CLIPTextModelWithProjection`)
+  and `tokenizer_2/`; the text features are both encoders' penultimate hidden states concatenated, the UNet's added
+  conditions the second encoder's projected pooled output and the six time ids (original size, crop (0, 0),
+  target size); `force_zeros_for_empty_prompt` makes the absent negative prompt all zeros.
 
-The loop is diffusers' StableDiffusionPipeline's: prompts and negative prompts (default "") padded to the
-tokenizer's length, CFG on a batch of [negative; prompt] (`guidance_rescale` too), latents scaled by the sampler's
-`init_noise_sigma`, `scale_model_input` before each denoiser call, decode of latents / `scaling_factor`. One
-difference: CFG runs for any guidance != 1 (diffusers switches it off for guidance <= 1).
+The loop is diffusers' StableDiffusionPipeline's (and the XL one's): prompts and negative prompts (default "")
+padded to the tokenizer's length, CFG on a batch of [negative; prompt] (`guidance_rescale` too), latents scaled
+by the sampler's `init_noise_sigma`, `scale_model_input` before each denoiser call, decode of latents /
+`scaling_factor`. One difference: CFG runs for any guidance != 1 (diffusers switches it off for guidance <= 1).
 
 The API the parallel and benchmark code build on stays plain: `encode_prompts(prompts) -> (B, L, d)`,
 `initial_latents`, `denoise(latents, text, uncond, ...)`, `decode(latents)`; `denoiser` is the DiT or the UNet
