@@ -56,3 +56,17 @@ def test_sample_sd_folder_positional_prompt_negative_and_size(tmp_path, capsys):
 def test_serve_takes_model_as_flag_or_positional_not_two(tmp_path, capsys):
     rc = main(["diffusion", "serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")])
     assert rc == 2 and "two models given" in capsys.readouterr().err
+
+
+def test_sample_sdxl_folder(tmp_path, capsys):
+    import pytest
+    from PIL import Image
+
+    pytest.importorskip("diffusers")
+    from tests.diffusion.helpers import sdxl_folder
+
+    sdxl_folder(tmp_path / "xl")
+    out = tmp_path / "xl.png"
+    rc = main(["diffusion", "sample", "--model", str(tmp_path / "xl"), "a dog", "--steps", "2", "--threads", "1",
+               "--out", str(out)])
+    assert rc == 0 and Image.open(out).size == (16 + 2, 16 + 2)  # --n defaults to 1 for SD folders
