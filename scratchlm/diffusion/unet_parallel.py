@@ -19,8 +19,9 @@ latent rows (`band_rows`; a latent that cannot be split so is a clear error).
 
 Two modes (`BandOps(mode=...)`):
 
-- **exact**: halos exchanged point to point before each conv, GroupNorm statistics all-reduced
-  (float64 sums of x and x^2 from a local two-pass var_mean), K/V all-gathered. Equal to one rank up
+- **exact**: halos exchanged point to point before each conv, every band's GroupNorm statistics (its
+  mean and variance per (sample, group), from torch's own group-norm kernel) all-gathered and pooled
+  (no E[x^2] - E[x]^2 cancellation), K/V all-gathered. Equal to one rank up
   to float rounding (tests/diffusion/test_unet_parallel.py: <= 1e-5 on the UNet output and on a whole
   sampling run).
 - **displaced** (DistriFusion, Li et al. 2024, "displaced patch parallelism"): the first `warmup`
@@ -46,8 +47,7 @@ counted in `RankContext.bytes_received` per kind ("halo"/"halo_async", "gn_stats
 
 - halo: per conv with C_in input channels at width W_l: (rows from above if rank > 0 + rows from below
   if rank < P-1) * B' * C_in * W_l * 4 (a 3x3 conv: one row each side; a stride-2 one: only from above);
-- GroupNorm: exact, the all-reduced payload 3 * B' * G * 8 per norm; displaced, the all-gather of every
-  band's (sum x, sum x^2, count): (P-1) * 3 * B' * G * 8 per norm;
+- GroupNorm: the all-gather of every band's (mean, variance): (P-1) * 2 * B' * G * 4 per norm;
 - K/V: (P-1) * 2 * B' * max_band_tokens_l * C_l * 4 per self-attention layer;
 - the final latent gather: (P-1) * B * C * max_band_rows * W * 4 once per sampling run.
 """
@@ -107,6 +107,7 @@ class BandOps(SpatialOps):
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         self.ctx, self.rows, self.mode, self.warmup, self.chunks = ctx, rows, mode, warmup, chunks
+        self.share = torch.tensor(rows, dtype=torch.float64) / sum(rows)  # every band's share of the pixels
         self.step = 0
         self.tags: dict[str, int] = {}  # conv name -> its halo exchange's tag base (same order on every rank)
         self.order: list[str] = []  # the hooked calls of a step, in order (recorded by the first step)
@@ -274,41 +275,32 @@ class BandOps(SpatialOps):
     def group_norm(self, name: str, gn: nn.GroupNorm, x: Tensor) -> Tensor:
         ctx = self.ctx
         i = self._enter(name)
-        b, c, _, _ = x.shape
-        xg = x.reshape(b, gn.num_groups, -1)  # (B, G, C/G * h_band * W)
-        n = xg.shape[-1]
-        var, mean = torch.var_mean(xg, dim=-1, correction=0)  # (B, G) each, two-pass: no cancellation
-        mean, var = mean.double(), var.double()
-        local = torch.stack([n * mean, n * (var + mean.square()), torch.full_like(mean, n)])  # (3, B, G) sums
-        if self.mode == "exact":
-            t = time.perf_counter()
-            dist.all_reduce(local, group=ctx.group)
-            ctx.bytes_received["gn_stats"] += local.numel() * local.element_size()
-            ctx.seconds["gn_stats"] += time.perf_counter() - t
-            mean = local[0] / local[2]
-            var = local[1] / local[2] - mean.square()
-        elif self.synchronous:
+        b, c, h, w = x.shape
+        g = gn.num_groups
+        _, mean, rstd = torch.native_group_norm(x, None, None, b, c, h * w, g, 0.0)  # the band's (B, G) statistics
+        local = torch.stack([mean, rstd.pow(-2)])  # (2, B, G): the band's mean and biased variance
+        if self.synchronous:
             parts = ctx.all_gather(local, "gn_stats")
-            self.stale[name] = parts
-            tot = sum(parts)
-            mean = tot[0] / tot[2]
-            var = tot[1] / tot[2] - mean.square()
+            if self.mode == "displaced":
+                self.stale[name] = parts
+            mean, var = _combine(parts, self.share)
         else:
             parts = self.stale.pop(name)
-            stale, own = sum(parts), parts[ctx.rank]
+            stale_mean, stale_var = _combine(parts, self.share)
+            own, fresh = parts[ctx.rank].double(), local.double()
             # E_t(image) ~= E_{t-1}(image) - E_{t-1}(band) + E_t(band), for x and x^2
-            ex = stale[0] / stale[2] - own[0] / own[2] + mean
-            ex2 = stale[1] / stale[2] - own[1] / own[2] + local[1] / n
-            v = ex2 - ex.square()
-            mean, var = ex, torch.where(v < 0, var, v)  # a negative estimate: the band's own variance
+            mean = stale_mean - own[0] + fresh[0]
+            ex2 = stale_var + stale_mean.square() - own[1] - own[0].square() + fresh[1] + fresh[0].square()
+            var = ex2 - mean.square()
+            var = torch.where(var < 0, fresh[1], var)  # a negative estimate: the band's own variance
             self._stage(i, "gn", name, [local])
-        rstd = torch.rsqrt(var.clamp_min(0.0) + gn.eps)  # (B, G)
-        per = c // gn.num_groups
-        weight = gn.weight if gn.affine else torch.ones(c, dtype=x.dtype, device=x.device)
-        bias = gn.bias if gn.affine else torch.zeros(c, dtype=x.dtype, device=x.device)
-        scale = rstd.repeat_interleave(per, dim=1) * weight  # (B, C) float64
-        shift = bias - (mean * rstd).repeat_interleave(per, dim=1) * weight
-        return torch.addcmul(shift.to(x.dtype)[:, :, None, None], x, scale.to(x.dtype)[:, :, None, None])
+        rstd = torch.rsqrt(var + gn.eps).to(x.dtype)  # (B, G)
+        weight = gn.weight.view(g, -1) if gn.affine else x.new_ones(g, c // g)
+        scale = (rstd[:, :, None] * weight).view(b, c)  # (B, G, C/G) -> (B, C)
+        shift = -(mean.to(x.dtype)[:, :, None] * scale.view(b, g, -1)).view(b, c)
+        if gn.affine:
+            shift = shift + gn.bias
+        return torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
 
     # --- self-attention: K/V ------------------------------------------------------------------------
     def self_kv(self, name: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -332,6 +324,15 @@ class BandOps(SpatialOps):
             self._stage(i, "kv", name, [padded])
         full = torch.cat([p[:, :, :m] for p, m in zip(parts, tokens)], dim=2)  # (2, B, N_image, H, D)
         return full[0], full[1]
+
+
+def _combine(parts: list[Tensor], share: Tensor) -> tuple[Tensor, Tensor]:
+    """Every band's (mean, biased variance) (2, B, G) and its share of the pixels -> the image's mean and variance
+    (B, G), float64: mean = sum_r s_r m_r, var = sum_r s_r (v_r + (m_r - mean)^2) (no E[x^2] - E[x]^2 cancellation)."""
+    st = torch.stack(parts).double()  # (P, 2, B, G)
+    s = share.view(-1, 1, 1)
+    mean = (s * st[:, 0]).sum(0)
+    return mean, (s * (st[:, 1] + (st[:, 0] - mean).square())).sum(0)
 
 
 def _pack(tensors: list[Tensor]) -> Tensor:

@@ -99,7 +99,7 @@ def test_exact_unet_output_p2_uneven_equals_one_rank(tmp_path):
     n_norms = 3 + 2 + 5 + 4 + 6 + 1  # down 0 (ResNet + transformer), down 1, mid, up 0, up 1, conv_norm_out
     kv = 1 * 2 * b * (3 * 6 * 6 * 16 + 1 * 3 * 3 * 32) * 4  # 3 self-attentions at level 0, 1 at level 1, max bands
     for rank, halo in ((0, from_below), (1, from_above)):
-        assert res[rank]["bytes_received"] == {"halo": halo, "gn_stats": n_norms * 24 * b * g, "kv_all_gather": kv,
+        assert res[rank]["bytes_received"] == {"halo": halo, "gn_stats": n_norms * 2 * b * g * 4, "kv_all_gather": kv,
                                                "output_all_gather": 1 * b * 4 * 6 * 6 * 4}
 
 
