@@ -12,7 +12,7 @@ serve the images API with its page.
 
 Without `--model`, sample and serve use the trained pipeline shipped with the package and say so. A Stable
 Diffusion folder (diffusers layout) runs with its own scheduler unless `--sampler` picks another; what loading
-maps or leaves out (PNDM run as DDIM, the safety checker not run) is printed.
+maps or leaves out (the safety checker not run, ...) is printed.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ One `DiffusionPipeline` runs two families of folders, both laid out as diffusers
 - **Stable Diffusion folders** as diffusers ships them (`_class_name` "StableDiffusionPipeline"): `unet/`
   (`unet.UNet2DConditionModel`), `vae/`, `text_encoder/` (`clip.CLIPTextModel`), `tokenizer/`
   (`clip_tokenizer.CLIPTokenizer`), `scheduler/scheduler_config.json` (`schedulers.schedule_from_diffusers`:
-  DDIM / Euler / DDPM run as configured, PNDM -> DDIM, logged). Weights fp32 or fp16 (`variant="fp16"` picks the
+  DDIM / Euler / DDPM / PNDM run as configured). Weights fp32 or fp16 (`variant="fp16"` picks the
   `*.fp16.safetensors` files); the modules compute in fp32 whatever the stored dtype. `safety_checker`,
   `feature_extractor` and `image_encoder` entries are accepted, present or null, and are **not run**: a load
   note says so (`pipe.notes`, also logged). As diffusers' StableDiffusionPipeline does on load, an SD 1.x / 2.x
@@ -47,6 +47,7 @@ from scratchlm import atomic
 from scratchlm.diffusion.dit import DiT
 from scratchlm.diffusion.schedulers import (
     SAMPLERS,
+    SCHEDULER_CLASSES,
     ScheduleConfig,
     cfg_combine,
     make_sampler,
@@ -74,8 +75,7 @@ SD_COMPONENTS = {
     "vae": {("diffusers", "AutoencoderKL")},
     "text_encoder": {("transformers", "CLIPTextModel")},
     "tokenizer": {("transformers", "CLIPTokenizer"), ("transformers", "CLIPTokenizerFast")},
-    "scheduler": {("diffusers", c) for c in ("DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
-                                              "PNDMScheduler")},
+    "scheduler": {("diffusers", c) for c in SCHEDULER_CLASSES},
 }
 # SDXL adds a second tokenizer and a second text encoder, whose projected pooled output conditions the UNet
 SDXL_COMPONENTS = {**SD_COMPONENTS, "tokenizer_2": SD_COMPONENTS["tokenizer"],

@@ -1,20 +1,21 @@
-"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler samplers.
+"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / PNDM (PLMS) samplers.
 
-Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMScheduler.step` and
-`EulerDiscreteScheduler.step` on the same inputs, checked in tests/diffusion/test_schedulers.py):
+Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMScheduler.step`,
+`EulerDiscreteScheduler.step` and `PNDMScheduler.step` on the same inputs, checked in
+tests/diffusion/test_schedulers.py):
 
 - a schedule of T training steps: betas (linear, scaled_linear or squaredcos_cap_v2), alpha_bar_t =
   prod(1 - beta); the forward process x_t = sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) eps;
 - prediction types: "epsilon" (the model predicts eps) and "v_prediction" (v = sqrt(alpha_bar) eps -
   sqrt(1 - alpha_bar) x_0, Salimans & Ho 2022);
 - samplers share one interface: `set_timesteps(n)`, `.timesteps`, `init_noise_sigma`,
-  `scale_model_input(x, t)`, `step(model_output, t, x, noise=None) -> x_prev`;
+  `scale_model_input(x, t)`, `step(model_output, t, x, noise=None) -> x_prev`; one model call per entry of
+  `.timesteps`, in order (multistep samplers keep a history: a fresh `set_timesteps` resets it; PNDM's
+  `.timesteps` repeats one timestep, so it has more entries than steps);
 - a diffusers `scheduler_config.json` is read by `schedule_from_diffusers` (the field defaults of its class,
   `steps_offset`, `set_alpha_to_one`, `clip_sample`, ...). Every field is either used, required to have the value
-  our samplers implement (else a ValueError naming it), or inert and listed in `_INERT` with the reason. Policy for
-  classes we do not implement: `PNDMScheduler` (Stable Diffusion 1.x's default, PLMS with `skip_prk_steps`) is
-  *mapped*: its noise schedule (betas, spacing, `steps_offset`, `set_alpha_to_one`) runs with the DDIM sampler,
-  and the loader says so in a log line; any other class is refused by name.
+  our samplers implement (else a ValueError naming it), or inert and listed in `_INERT` with the reason. A class
+  we do not implement is refused by name (`PNDMScheduler`, Stable Diffusion 1.x's default, runs as itself).
 
 Classifier-free guidance: eps = eps_uncond + w (eps_cond - eps_uncond) (`cfg_combine`).
 """
@@ -45,6 +46,9 @@ class ScheduleConfig:
     clip_sample: bool = field(default=False, metadata={
         "help": "DDIM / DDPM clamp the predicted x_0 to [-clip_sample_range, clip_sample_range]"})
     clip_sample_range: float = field(default=1.0, metadata={"help": "the clamp of clip_sample"})
+    skip_prk_steps: bool = field(default=True, metadata={
+        "help": "PNDM only: start with PLMS's own low-order steps (True, what Stable Diffusion ships) instead of "
+                "12 pseudo Runge-Kutta evaluations (False, the paper's PNDM)"})
 
     def __post_init__(self):
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -236,7 +240,96 @@ class EulerSampler(_Sampler):
         return (x + (x - x0) / s * (s_next - s)).to(out.dtype)
 
 
-SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler}
+class PNDMSampler(_Sampler):
+    """PNDM (Liu et al. 2022, "Pseudo Numerical Methods for Diffusion Models"), diffusers' PNDMScheduler.
+
+    Each step moves x along the DDIM-like transfer x_prev = sqrt(ab'/ab) x - (ab' - ab) eps / (ab sqrt(1 - ab') +
+    sqrt(ab (1 - ab) ab')) (the paper's eq. 9) with eps a linear multistep combination of the model's recent outputs
+    (PLMS: Adams-Bashforth orders 1..4, 55/-59/37/-9 over 24 once four are known). `skip_prk_steps` True (what SD
+    ships): the first step is taken twice, so its timestep appears twice in `.timesteps` (25 steps -> 26 model
+    calls): once with eps, then again from the same x with the mean of eps and the new output (a Heun-like
+    start). False: the first three steps are 12 pseudo Runge-Kutta evaluations (at t, t - stride/2 twice and
+    t - stride), then PLMS. Stateful: `set_timesteps` resets the history, and the steps must come in `.timesteps`
+    order. x_0 is never clipped (clip_sample is not read, as in diffusers); the last step lands on alpha_bar = 1 or,
+    with set_alpha_to_one False (SD), on alpha_bar_0."""
+
+    def set_timesteps(self, n: int, device=None) -> None:
+        self.num_inference_steps = n
+        up = _spacing(self.config, n)[::-1].copy()  # ascending
+        if self.config.skip_prk_steps:
+            self._prk = np.zeros(0, dtype=np.int64)
+            plms = np.concatenate([up[:-1], up[-2:-1], up[-1:]])[::-1]  # the second-highest timestep twice
+        else:
+            # the top four timesteps and their midpoints, each evaluated as RK4 needs: t, t-h/2, t-h/2, t-h
+            prk = up[-4:].repeat(2) + np.tile(np.array([0, self._stride() // 2]), 4)
+            self._prk = prk[:-1].repeat(2)[1:-1][::-1].copy()
+            plms = up[:-3][::-1]
+        self.timesteps = torch.from_numpy(np.concatenate([self._prk, plms]).astype(np.int64)).to(device)
+        self._ets: list[Tensor] = []  # the model outputs PLMS combines, oldest first
+        self._counter = 0
+        self._rk_sum: Tensor | float = 0.0  # RK4's running weighted sum of the four evaluations
+        self._x_start: Tensor | None = None  # the sample a multi-evaluation step started from
+
+    def _final_ab(self) -> Tensor:
+        return torch.tensor(1.0) if self.config.set_alpha_to_one else self.alphas_cumprod[0]
+
+    def _transfer(self, x: Tensor, t: int, prev: int, eps: Tensor) -> Tensor:
+        ab = self.alphas_cumprod[t]
+        ab_prev = self.alphas_cumprod[prev] if prev >= 0 else self._final_ab()
+        b, b_prev = 1 - ab, 1 - ab_prev
+        if self.config.prediction_type == "v_prediction":
+            eps = ab**0.5 * eps + b**0.5 * x
+        denom = ab * b_prev**0.5 + (ab * b * ab_prev) ** 0.5
+        return (ab_prev / ab) ** 0.5 * x - (ab_prev - ab) * eps / denom
+
+    def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
+        t = int(t)
+        if self._counter < len(self._prk):
+            prev = self._step_prk(out, t, x)
+        else:
+            prev = self._step_plms(out, t, x)
+        self._counter += 1
+        return prev
+
+    def _step_prk(self, out: Tensor, t: int, x: Tensor) -> Tensor:
+        c = self._counter
+        prev = t - (0 if c % 2 else self._stride() // 2)
+        t = int(self._prk[c // 4 * 4])  # every evaluation of one RK step moves from its start
+        if c % 4 == 0:
+            self._rk_sum = self._rk_sum + 1 / 6 * out
+            self._ets.append(out)
+            self._x_start = x
+        elif c % 4 in (1, 2):
+            self._rk_sum = self._rk_sum + 1 / 3 * out
+        else:
+            out = self._rk_sum + 1 / 6 * out
+            self._rk_sum = 0.0
+        start = self._x_start if self._x_start is not None else x
+        return self._transfer(start, t, prev, out)
+
+    def _step_plms(self, out: Tensor, t: int, x: Tensor) -> Tensor:
+        stride = self._stride()
+        prev = t - stride
+        if self._counter != 1:
+            self._ets = self._ets[-3:] + [out]
+        else:  # the repeated first step: again from its start, from t + stride to t
+            prev, t = t, t + stride
+        e = self._ets
+        if len(e) == 1 and self._counter == 0:
+            self._x_start = x
+        elif len(e) == 1 and self._counter == 1:
+            out = (out + e[-1]) / 2
+            x, self._x_start = self._x_start, None
+        elif len(e) == 2:
+            out = (3 * e[-1] - e[-2]) / 2
+        elif len(e) == 3:
+            out = (23 * e[-1] - 16 * e[-2] + 5 * e[-3]) / 12
+        else:
+            out = (1 / 24) * (55 * e[-1] - 59 * e[-2] + 37 * e[-3] - 9 * e[-4])
+        return self._transfer(x, t, prev, out)
+
+
+SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler, "pndm": PNDMSampler}
 
 
 def make_sampler(name: str, cfg: ScheduleConfig) -> _Sampler:
@@ -258,8 +351,7 @@ SCHEDULER_CLASSES: dict[str, tuple[str, dict]] = {
     "DDIMScheduler": ("ddim", {**_BASE, "set_alpha_to_one": True, "clip_sample": True, "clip_sample_range": 1.0}),
     "DDPMScheduler": ("ddpm", {**_BASE, "clip_sample": True, "clip_sample_range": 1.0}),
     "EulerDiscreteScheduler": ("euler", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
-    # not implemented: mapped onto DDIM (its schedule and spacing; PNDM never clips), said in a log line
-    "PNDMScheduler": ("ddim", {**_BASE, "set_alpha_to_one": False, "clip_sample": False}),
+    "PNDMScheduler": ("pndm", {**_BASE, "set_alpha_to_one": False, "clip_sample": False, "skip_prk_steps": False}),
 }
 # fields our samplers implement only at one value (diffusers' default); any other value is refused by name
 _REQUIRED = {"trained_betas": None, "thresholding": False, "rescale_betas_zero_snr": False,
@@ -269,20 +361,20 @@ _REQUIRED = {"trained_betas": None, "thresholding": False, "rescale_betas_zero_s
 # fields that change nothing in what we run, and why
 _INERT = {"_class_name": "metadata", "_diffusers_version": "metadata", "_name_or_path": "metadata",
           "dynamic_thresholding_ratio": "used only with thresholding, which must be off",
-          "sample_max_value": "used only with thresholding, which must be off",
-          "skip_prk_steps": "a PNDM setting; PNDM itself is not run (mapped onto DDIM)"}
+          "sample_max_value": "used only with thresholding, which must be off"}
 
 
 def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> tuple[ScheduleConfig, str, str | None]:
-    """(ScheduleConfig, sampler name, note) from a diffusers scheduler config dict. `note` says what runs instead
-    when the class is not implemented (PNDMScheduler -> DDIM); the caller logs it. Unknown fields and
+    """(ScheduleConfig, sampler name, note) from a diffusers scheduler config dict. `note` would say what runs
+    instead of a class that is only mapped (the caller logs it); every supported class runs as itself, so it is
+    None. Unknown fields and
     unsupported values raise ValueError naming `where` and the field. Fields of other classes that diffusers
     writes into a config (SDXL's Euler config carries DDIM's set_alpha_to_one) are read: they matter if a
     different sampler is chosen at run time."""
     name = cfg.get("_class_name")
     if name not in SCHEDULER_CLASSES:
         raise ValueError(f"{where}: scheduler class {name!r} is not supported; supported: "
-                         f"{sorted(SCHEDULER_CLASSES)} (PNDMScheduler runs as DDIM)")
+                         f"{sorted(SCHEDULER_CLASSES)}")
     sampler, defaults = SCHEDULER_CLASSES[name]
     ours = set(ScheduleConfig.__dataclass_fields__)
     kw = {k: v for k, v in defaults.items()}
@@ -298,17 +390,13 @@ def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> 
     if kw["prediction_type"] not in ("epsilon", "v_prediction"):
         raise ValueError(f"{where}: prediction_type={kw['prediction_type']!r} is not supported "
                          "(epsilon or v_prediction)")
-    note = None
-    if name == "PNDMScheduler":
-        note = (f"{where}: PNDMScheduler (PLMS) is not implemented; its noise schedule ({kw['beta_schedule']} betas "
-                f"{kw['beta_start']}..{kw['beta_end']}, {kw['timestep_spacing']} spacing, steps_offset "
-                f"{kw['steps_offset']}) runs with the DDIM sampler (eta 0): images differ from diffusers' PNDM")
-    return ScheduleConfig(**kw), sampler, note
+    return ScheduleConfig(**kw), sampler, None
 
 
 def scheduler_class_for(sampler: str) -> str:
     """The diffusers scheduler class that runs `sampler` with the same numerics (for export)."""
-    return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler"}[sampler]
+    return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler",
+            "pndm": "PNDMScheduler"}[sampler]
 
 
 def rescale_cfg(guided: Tensor, out_cond: Tensor, rescale: float) -> Tensor:

@@ -14,6 +14,7 @@ from scratchlm.diffusion.schedulers import (  # noqa: E402
     DDPMSampler,
     EulerSampler,
     NoiseSchedule,
+    PNDMSampler,
     ScheduleConfig,
     cfg_combine,
 )
@@ -23,11 +24,13 @@ PAIRS = [(DDPMSampler, "DDPMScheduler"), (DDIMSampler, "DDIMScheduler"), (EulerS
 
 def _reference(name: str, cfg: ScheduleConfig):
     kw = cfg.diffusers_config()
-    if name != "DDIMScheduler":
+    if name not in ("DDIMScheduler", "PNDMScheduler"):
         kw.pop("set_alpha_to_one")
-    if name == "EulerDiscreteScheduler":
+    if name in ("EulerDiscreteScheduler", "PNDMScheduler"):
         kw.pop("clip_sample")
         kw.pop("clip_sample_range")
+    if name == "PNDMScheduler":
+        kw["skip_prk_steps"] = cfg.skip_prk_steps
     return getattr(diffusers, name)(**kw)
 
 
@@ -51,6 +54,31 @@ def test_steps_match_diffusers(ours_cls, ref_name, prediction, spacing, beta):
         got = ours.step(out, t, x, generator=torch.Generator().manual_seed(i))
         assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
         x = want
+
+
+@pytest.mark.parametrize("skip_prk", [True, False])
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("spacing,beta,alpha_one", [("leading", "scaled_linear", False), ("trailing", "linear", True),
+                                                    ("linspace", "squaredcos_cap_v2", False)])
+def test_pndm_steps_match_diffusers(skip_prk, prediction, spacing, beta, alpha_one):
+    """PLMS (and PRK + PLMS): its repeated timestep, the multistep history, the last step to alpha_bar_0 or 1."""
+    cfg = ScheduleConfig(prediction_type=prediction, timestep_spacing=spacing, beta_schedule=beta,
+                         set_alpha_to_one=alpha_one, skip_prk_steps=skip_prk, steps_offset=1 if alpha_one else 0)
+    ref, ours = _reference("PNDMScheduler", cfg), PNDMSampler(cfg)
+    for n in (25, 7):  # set_timesteps again resets the history
+        ref.set_timesteps(n)
+        ours.set_timesteps(n)
+        assert torch.equal(ref.timesteps, ours.timesteps)
+        assert len(ours.timesteps) == (n + 1 if skip_prk else n + 9)
+        torch.manual_seed(n)
+        x = torch.randn(2, 4, 5, 5)
+        for t in ref.timesteps:
+            out = torch.randn(2, 4, 5, 5)
+            assert torch.equal(ours.scale_model_input(x, t), x)
+            want = ref.step(out, t, x).prev_sample
+            got = ours.step(out, t, x)
+            assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+            x = want
 
 
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
@@ -99,6 +127,7 @@ def _saved_config(tmp_path, sched) -> dict:
 
 
 def _same_trajectory(ref, ours, steps: int = 25):
+    kw = {} if isinstance(ref, diffusers.PNDMScheduler) else {"generator": None}  # PNDM takes no generator
     ref.set_timesteps(steps)
     ours.set_timesteps(steps)
     assert torch.equal(ref.timesteps.float(), ours.timesteps.float())
@@ -108,7 +137,9 @@ def _same_trajectory(ref, ours, steps: int = 25):
     for i, t in enumerate(ref.timesteps):
         out = torch.randn(2, 4, 5, 5) * 3  # large enough that clip_sample clamps
         assert (ref.scale_model_input(x, t) - ours.scale_model_input(x, t)).abs().max() <= 1e-5
-        want = ref.step(out, t, x, generator=torch.Generator().manual_seed(i)).prev_sample
+        if kw:
+            kw["generator"] = torch.Generator().manual_seed(i)
+        want = ref.step(out, t, x, **kw).prev_sample
         got = ours.step(out, t, x, generator=torch.Generator().manual_seed(i))
         assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
         x = want
@@ -121,6 +152,8 @@ def _same_trajectory(ref, ours, steps: int = 25):
     ("EulerDiscreteScheduler", SDXL_EULER, "euler"),                          # SDXL's, with DDIM / PNDM keys in it
     ("EulerDiscreteScheduler", {"prediction_type": "v_prediction"}, "euler"),  # default spacing: linspace
     ("DDPMScheduler", {"steps_offset": 1, "beta_schedule": "scaled_linear"}, "ddpm"),  # clip_sample on
+    ("PNDMScheduler", SD15_PNDM, "pndm"),                                     # SD 1.5's: PLMS, alpha_0 last
+    ("PNDMScheduler", {"prediction_type": "v_prediction"}, "pndm"),           # class default: PRK steps first
 ])
 def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sampler):
     from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers
@@ -130,16 +163,6 @@ def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sa
     cfg, name, note = schedule_from_diffusers(_saved_config(tmp_path, ref) | {k: v for k, v in kw.items()})
     assert name == sampler and note is None
     _same_trajectory(ref, make_sampler(name, cfg))
-
-
-def test_pndm_runs_as_ddim_and_says_so():
-    from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers
-
-    cfg, name, note = schedule_from_diffusers(SD15_PNDM, "sd15/scheduler/scheduler_config.json")
-    assert name == "ddim" and "PNDMScheduler" in note and "DDIM" in note and "sd15/scheduler" in note
-    assert cfg.steps_offset == 1 and not cfg.set_alpha_to_one and cfg.timestep_spacing == "leading"
-    # what runs is exactly diffusers' DDIM built from the same config (SD 1.5's own mapping in diffusers' docs)
-    _same_trajectory(diffusers.DDIMScheduler.from_config(SD15_PNDM), make_sampler(name, cfg))
 
 
 @pytest.mark.parametrize("change,match", [

@@ -106,19 +106,21 @@ def test_fp16_variant_folder_and_export_round_trip(tmp_path):
     assert torch.equal(ours_images(again, lat, steps=8), ours)  # fp16 -> fp32 -> fp16 is lossless
 
 
-def test_pndm_folder_runs_as_ddim_and_says_so(tmp_path, caplog):
-    sd_folder(tmp_path, "PNDMScheduler")
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_pndm_folder_25_step_run_equals_stable_diffusion_pipeline(tmp_path, caplog, prediction):
+    """SD 1.5's own scheduler (PNDMScheduler, PLMS with skip_prk_steps) runs as itself: diffusers' default image."""
+    sd_folder(tmp_path, "PNDMScheduler", prediction=prediction)
     with caplog.at_level("WARNING"):
         pipe = DiffusionPipeline.from_pretrained(tmp_path)
-    assert pipe.sampler == "ddim" and any("PNDMScheduler" in n and "DDIM" in n for n in pipe.notes)
-    assert "PNDMScheduler" in caplog.text
-    ref = diffusers.StableDiffusionPipeline.from_pretrained(tmp_path)
-    # what the note says runs: DDIM on PNDM's schedule, never clipping x_0 (PNDM does not; DDIM's default would)
-    ref.scheduler = diffusers.DDIMScheduler.from_config(ref.scheduler.config, clip_sample=False)
+    assert pipe.sampler == "pndm" and pipe.notes == [] and "PNDM" not in caplog.text
     lat = pipe.initial_latents(2, seed=4)
-    with torch.no_grad():
-        want = ref(PROMPTS, latents=lat.clone(), num_inference_steps=10, guidance_scale=5.0, output_type="pt").images
-    assert (ours_images(pipe, lat, steps=10, guidance=5.0) - want).abs().max().item() <= TOL
+    want = reference_images(tmp_path, lat, negative=NEGATIVE)
+    got = ours_images(pipe, lat, negative=NEGATIVE)
+    err = (got - want).abs().max().item()
+    print(f"PNDMScheduler ({prediction}): max |ours - diffusers| over the 25-step image = {err:.2e}")
+    assert err <= TOL
+    # and it is not DDIM on the same schedule (what used to run): the equality above says something about PLMS
+    assert (ours_images(pipe, lat, negative=NEGATIVE, sampler="ddim") - got).abs().max().item() > 10 * TOL
 
 
 def test_long_prompt_is_cut_at_77_and_said(tmp_path, caplog):
