@@ -12,7 +12,7 @@ Request: `prompt` (required), `n` (1..16), `size` ("WxH" in pixels: each side a 
 for SD, up to 4x the native side; default the native size, which maps to the model's latent size), `response_format`
 ("b64_json"; "url" is refused: this server stores no files), `model` (optional, must match), `user` (accepted,
 changes nothing), and the scratchlm extensions `negative_prompt`, `steps` (1..1000, default 25), `guidance_scale`
-(default 7.5 for SD folders, 3 otherwise), `guidance_rescale` (0..1), `sampler` (a name in `schedulers.SAMPLERS`; default the
+(default 7.5 for SD folders, 3 otherwise), `guidance_rescale` (0..1), `sampler` (one of `SAMPLERS`; default the
 folder's scheduler), `seed`. Unknown fields, and OpenAI's `quality` / `style` set to anything but null, are a 400
 naming the field (nothing is silently ignored). Response: `{"created": ..., "data": [{"b64_json": PNG,
 "revised_prompt": null}]}`.
