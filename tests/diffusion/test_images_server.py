@@ -118,6 +118,6 @@ def test_openai_images_on_a_stable_diffusion_folder(tmp_path):
             prompt="a dog", extra_body={"steps": 1}).data[0].b64_json))).size == (16, 16)  # native: 8x8 latents
         for kw, field in [({"size": "15x16"}, "size"), ({"size": "256x256"}, "size"), ({"quality": "hd"}, "quality"),
                           ({"extra_body": {"made_up": 1}}, "made_up"),
-                          ({"extra_body": {"sampler": "pndm"}}, "sampler")]:
+                          ({"extra_body": {"sampler": "no_such_sampler"}}, "sampler")]:
             with pytest.raises(openai.BadRequestError, match=field):
                 client.images.generate(prompt="a dog", **kw)
