@@ -9,7 +9,7 @@ One `DiffusionPipeline` runs two families of folders, both laid out as diffusers
 - **Stable Diffusion folders** as diffusers ships them (`_class_name` "StableDiffusionPipeline"): `unet/`
   (`unet.UNet2DConditionModel`), `vae/`, `text_encoder/` (`clip.CLIPTextModel`), `tokenizer/`
   (`clip_tokenizer.CLIPTokenizer`), `scheduler/scheduler_config.json` (`schedulers.schedule_from_diffusers`:
-  DDIM / Euler / DDPM / PNDM run as configured). Weights fp32 or fp16 (`variant="fp16"` picks the
+  DDIM / Euler / DDPM / PNDM / DPM-Solver++ run as configured). Weights fp32 or fp16 (`variant="fp16"` picks the
   `*.fp16.safetensors` files); the modules compute in fp32 whatever the stored dtype. `safety_checker`,
   `feature_extractor` and `image_encoder` entries are accepted, present or null, and are **not run**: a load
   note says so (`pipe.notes`, also logged). As diffusers' StableDiffusionPipeline does on load, an SD 1.x / 2.x
@@ -311,7 +311,7 @@ class DiffusionPipeline:
     def _scheduler_json(self) -> dict:
         if self.scheduler_config is not None:
             return self.scheduler_config
-        return {"_class_name": scheduler_class_for(self.sampler), **self.schedule.diffusers_config()}
+        return {"_class_name": scheduler_class_for(self.sampler), **self.schedule.diffusers_config(self.sampler)}
 
     def _save_scheduler(self, path: Path) -> None:
         (path / "scheduler").mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
-"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / PNDM (PLMS) samplers.
+"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / PNDM (PLMS) / DPM-Solver++
+samplers.
 
 Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMScheduler.step`,
-`EulerDiscreteScheduler.step` and `PNDMScheduler.step` on the same inputs, checked in
-tests/diffusion/test_schedulers.py):
+`EulerDiscreteScheduler.step`, `PNDMScheduler.step` and `DPMSolverMultistepScheduler.step` (dpmsolver++) on the
+same inputs, checked in tests/diffusion/test_schedulers.py):
 
 - a schedule of T training steps: betas (linear, scaled_linear or squaredcos_cap_v2), alpha_bar_t =
   prod(1 - beta); the forward process x_t = sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) eps;
@@ -49,6 +50,19 @@ class ScheduleConfig:
     skip_prk_steps: bool = field(default=True, metadata={
         "help": "PNDM only: start with PLMS's own low-order steps (True, what Stable Diffusion ships) instead of "
                 "12 pseudo Runge-Kutta evaluations (False, the paper's PNDM)"})
+    # DPM-Solver++ (multistep) settings, diffusers' DPMSolverMultistepScheduler names
+    solver_order: int = field(default=2, metadata={"help": "DPM-Solver++: 1 (DDIM-like) or 2 (2M, multistep)"})
+    algorithm_type: str = field(default="dpmsolver++", metadata={
+        "help": "DPM-Solver: only dpmsolver++ (data prediction, deterministic) is implemented"})
+    solver_type: str = field(default="midpoint", metadata={"help": "DPM-Solver++ 2nd order: midpoint | heun"})
+    lower_order_final: bool = field(default=True, metadata={
+        "help": "DPM-Solver++: first order for the last step when there are fewer than 15 steps"})
+    euler_at_final: bool = field(default=False, metadata={"help": "DPM-Solver++: first order for the last step"})
+    final_sigmas_type: str = field(default="zero", metadata={
+        "help": "DPM-Solver++: the last step goes to sigma 0 ('zero', always first order) or to sigma_min of the "
+                "training schedule ('sigma_min')"})
+    use_karras_sigmas: bool = field(default=False, metadata={
+        "help": "DPM-Solver++: Karras et al. (2022)'s rho = 7 sigma spacing, timesteps from the sigmas"})
 
     def __post_init__(self):
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -58,13 +72,22 @@ class ScheduleConfig:
                              f"got {self.beta_schedule!r}")
         if self.timestep_spacing not in ("leading", "trailing", "linspace"):
             raise ValueError(f"timestep_spacing must be leading, trailing or linspace, got {self.timestep_spacing!r}")
+        for key, allowed in (("solver_order", (1, 2)), ("algorithm_type", ("dpmsolver++",)),
+                             ("solver_type", ("midpoint", "heun")), ("final_sigmas_type", ("zero", "sigma_min"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not supported (one of {list(allowed)})")
 
-    def diffusers_config(self) -> dict:
-        return dict(num_train_timesteps=self.num_train_timesteps, beta_start=self.beta_start, beta_end=self.beta_end,
-                    beta_schedule=self.beta_schedule, prediction_type=self.prediction_type,
-                    timestep_spacing=self.timestep_spacing, clip_sample=self.clip_sample,
-                    clip_sample_range=self.clip_sample_range, set_alpha_to_one=self.set_alpha_to_one,
-                    steps_offset=self.steps_offset)
+    def diffusers_config(self, sampler: str | None = None) -> dict:
+        """The shared diffusers scheduler fields, plus the settings only `sampler`'s class reads (pndm, dpmpp)."""
+        out = dict(num_train_timesteps=self.num_train_timesteps, beta_start=self.beta_start, beta_end=self.beta_end,
+                   beta_schedule=self.beta_schedule, prediction_type=self.prediction_type,
+                   timestep_spacing=self.timestep_spacing, clip_sample=self.clip_sample,
+                   clip_sample_range=self.clip_sample_range, set_alpha_to_one=self.set_alpha_to_one,
+                   steps_offset=self.steps_offset)
+        own = {"pndm": ("skip_prk_steps",),
+               "dpmpp": ("solver_order", "algorithm_type", "solver_type", "lower_order_final", "euler_at_final",
+                         "final_sigmas_type", "use_karras_sigmas")}.get(sampler, ())
+        return out | {k: getattr(self, k) for k in own}
 
 
 def make_betas(cfg: ScheduleConfig) -> Tensor:
@@ -205,7 +228,14 @@ class DDIMSampler(_Sampler):
 
 class EulerSampler(_Sampler):
     """Euler on the probability-flow ODE in sigma = sqrt((1 - ab) / ab) (Karras et al. 2022; diffusers'
-    EulerDiscreteScheduler with s_churn = 0). Samples live at scale sqrt(1 + sigma^2)."""
+    EulerDiscreteScheduler with s_churn = 0). Samples live at scale sqrt(1 + sigma^2). Karras sigmas and a
+    sigma_min final sigma are not implemented here (refused by name)."""
+
+    def __init__(self, cfg: ScheduleConfig):
+        super().__init__(cfg)
+        if cfg.use_karras_sigmas or cfg.final_sigmas_type != "zero":
+            raise ValueError(f"the euler sampler runs use_karras_sigmas=False and final_sigmas_type='zero' only, got "
+                             f"{cfg.use_karras_sigmas!r} and {cfg.final_sigmas_type!r}")
 
     def set_timesteps(self, n: int, device=None) -> None:
         self.num_inference_steps = n
@@ -329,7 +359,95 @@ class PNDMSampler(_Sampler):
         return self._transfer(x, t, prev, out)
 
 
-SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler, "pndm": PNDMSampler}
+def _sigma_to_t(sigma: float, log_sigmas: np.ndarray) -> float:
+    """The (fractional) training timestep whose sigma is `sigma`: linear interpolation in log sigma."""
+    log_sigma = np.log(np.maximum(sigma, 1e-10))
+    dists = log_sigma - log_sigmas[:, np.newaxis]  # (T, 1)
+    low = int(np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=log_sigmas.shape[0] - 2)[0])
+    w = np.clip((log_sigmas[low] - log_sigma) / (log_sigmas[low] - log_sigmas[low + 1]), 0, 1)
+    return float((1 - w) * low + w * (low + 1))
+
+
+class DPMSolverSampler(_Sampler):
+    """DPM-Solver++ multistep (Lu et al. 2022, "DPM-Solver++"), diffusers' DPMSolverMultistepScheduler with
+    algorithm_type "dpmsolver++": solver_order 2 is the "DPM++ 2M" sampler. In sigma = sqrt((1 - ab) / ab) with
+    alpha_t = 1 / sqrt(1 + sigma^2), sigma_t = sigma alpha_t and lambda = log(alpha_t / sigma_t), the model output is
+    turned into a data prediction x_0 and the step from s to t (h = lambda_t - lambda_s) is
+    x_t = (sigma_t / sigma_s) x - alpha_t (e^-h - 1) D, with D = x_0 (first order) or, second order, x_0 plus a
+    correction from the previous x_0 (midpoint: D1 / 2; heun: D1 (1 + (e^-h - 1) / h) / -(e^-h - 1)), where
+    D1 = (x_0 - x_0') h / h'. The first step is first order; so is the last one when final_sigmas_type is 'zero',
+    euler_at_final is set, or lower_order_final with fewer than 15 steps. Timesteps: its own 'linspace' and
+    'leading' spacings (n + 1 points, the lowest dropped: never t = 0), or Karras sigmas. Deterministic (no noise);
+    `init_noise_sigma` 1, `scale_model_input` the identity. Stateful: the steps come in `.timesteps` order."""
+
+    def set_timesteps(self, n: int, device=None) -> None:
+        cfg, t_train = self.config, self.config.num_train_timesteps
+        if n > t_train:
+            raise ValueError(f"{n} sampling steps exceed the {t_train} training timesteps")
+        if cfg.timestep_spacing == "linspace":
+            ts = np.linspace(0, t_train - 1, n + 1).round()[::-1][:-1].copy().astype(np.int64)
+        elif cfg.timestep_spacing == "leading":
+            ts = (np.arange(0, n + 1) * (t_train // (n + 1))).round()[::-1][:-1].copy().astype(np.int64)
+            ts += cfg.steps_offset
+        else:
+            ts = np.arange(t_train, 0, -t_train / n).round().copy().astype(np.int64) - 1
+        sig = (((1 - self.alphas_cumprod) / self.alphas_cumprod) ** 0.5).numpy()  # (T,) float32, rising in t
+        log_sig = np.log(sig)
+        if cfg.use_karras_sigmas:  # rho = 7 spacing between the training schedule's extreme sigmas
+            lo, hi = float(sig[0]), float(sig[-1])
+            ramp = np.linspace(0, 1, n)
+            sig = (hi ** (1 / 7) + ramp * (lo ** (1 / 7) - hi ** (1 / 7))) ** 7
+            ts = np.array([_sigma_to_t(s, log_sig) for s in sig])
+            if cfg.beta_schedule != "squaredcos_cap_v2":
+                ts = ts.round()
+            if (ts.astype(np.int64) == int(ts[0])).sum() > 1:  # diffusers would start at the repeat and overrun
+                raise ValueError(f"use_karras_sigmas with the {cfg.beta_schedule} betas gives the first timestep "
+                                 f"{int(ts[0])} more than once at {n} steps; diffusers' DPMSolverMultistepScheduler "
+                                 "fails on it (IndexError) and it is not supported")
+        else:
+            sig = np.interp(ts, np.arange(0, len(sig)), sig)
+        last = float(((1 - self.alphas_cumprod[0]) / self.alphas_cumprod[0]) ** 0.5)
+        last = last if cfg.final_sigmas_type == "sigma_min" else 0.0
+        self.sigmas = torch.from_numpy(np.concatenate([sig, [last]]).astype(np.float32))  # (n + 1,)
+        self.timesteps = torch.from_numpy(ts).to(device=device, dtype=torch.int64)
+        self.num_inference_steps = len(ts)
+        self._x0s: list[Tensor] = []  # the data predictions of the previous steps, oldest first
+        self._i = 0
+
+    def _alpha_sigma_lambda(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        s = self.sigmas[i]
+        alpha = 1 / ((s**2 + 1) ** 0.5)
+        sigma = s * alpha
+        return alpha, sigma, torch.log(alpha) - torch.log(sigma)  # sigma 0: lambda = inf, e^-h = 0
+
+    def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
+        cfg, i, n = self.config, self._i, len(self.timesteps)
+        last = i == n - 1
+        first_order = (cfg.solver_order == 1 or not self._x0s
+                       or (last and (cfg.euler_at_final or (cfg.lower_order_final and n < 15)
+                                     or cfg.final_sigmas_type == "zero")))
+        a_s, s_s, l_s = self._alpha_sigma_lambda(i)
+        x0 = (x - s_s * out) / a_s if cfg.prediction_type == "epsilon" else a_s * x - s_s * out
+        self._x0s = (self._x0s + [x0])[-cfg.solver_order:]
+        a_t, s_t, l_t = self._alpha_sigma_lambda(i + 1)
+        x = x.float()
+        h = l_t - l_s
+        if first_order:
+            prev = (s_t / s_s) * x - (a_t * (torch.exp(-h) - 1.0)) * x0
+        else:
+            h0 = l_s - self._alpha_sigma_lambda(i - 1)[2]
+            d1 = (1.0 / (h0 / h)) * (x0 - self._x0s[-2])
+            prev = (s_t / s_s) * x - (a_t * (torch.exp(-h) - 1.0)) * x0
+            if cfg.solver_type == "midpoint":
+                prev = prev - 0.5 * (a_t * (torch.exp(-h) - 1.0)) * d1
+            else:
+                prev = prev + (a_t * ((torch.exp(-h) - 1.0) / h + 1.0)) * d1
+        self._i += 1
+        return prev.to(out.dtype)
+
+
+SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler, "pndm": PNDMSampler,
+            "dpmpp": DPMSolverSampler}
 
 
 def make_sampler(name: str, cfg: ScheduleConfig) -> _Sampler:
@@ -351,38 +469,46 @@ SCHEDULER_CLASSES: dict[str, tuple[str, dict]] = {
     "DDIMScheduler": ("ddim", {**_BASE, "set_alpha_to_one": True, "clip_sample": True, "clip_sample_range": 1.0}),
     "DDPMScheduler": ("ddpm", {**_BASE, "clip_sample": True, "clip_sample_range": 1.0}),
     "EulerDiscreteScheduler": ("euler", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
+    "DPMSolverMultistepScheduler": ("dpmpp", {**_BASE, "timestep_spacing": "linspace", "solver_order": 2,
+                                              "algorithm_type": "dpmsolver++", "solver_type": "midpoint",
+                                              "lower_order_final": True, "euler_at_final": False,
+                                              "final_sigmas_type": "zero", "use_karras_sigmas": False}),
     "PNDMScheduler": ("pndm", {**_BASE, "set_alpha_to_one": False, "clip_sample": False, "skip_prk_steps": False}),
 }
 # fields our samplers implement only at one value (diffusers' default); any other value is refused by name
 _REQUIRED = {"trained_betas": None, "thresholding": False, "rescale_betas_zero_snr": False,
-             "variance_type": "fixed_small", "interpolation_type": "linear", "use_karras_sigmas": False,
+             "variance_type": "fixed_small", "interpolation_type": "linear",
              "use_exponential_sigmas": False, "use_beta_sigmas": False, "sigma_min": None, "sigma_max": None,
-             "timestep_type": "discrete", "final_sigmas_type": "zero"}
+             "timestep_type": "discrete", "lambda_min_clipped": -math.inf, "use_lu_lambdas": False,
+             "use_flow_sigmas": False, "use_dynamic_shifting": False}
+_REQUIRED_BY_CLASS = {"DPMSolverMultistepScheduler": {"variance_type": None}}  # (its default; DDPM's differs)
 # fields that change nothing in what we run, and why
 _INERT = {"_class_name": "metadata", "_diffusers_version": "metadata", "_name_or_path": "metadata",
           "dynamic_thresholding_ratio": "used only with thresholding, which must be off",
-          "sample_max_value": "used only with thresholding, which must be off"}
+          "sample_max_value": "used only with thresholding, which must be off",
+          "flow_shift": "used only with use_flow_sigmas / use_dynamic_shifting, which must be off",
+          "time_shift_type": "used only with use_dynamic_shifting, which must be off"}
 
 
 def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> tuple[ScheduleConfig, str, str | None]:
     """(ScheduleConfig, sampler name, note) from a diffusers scheduler config dict. `note` would say what runs
     instead of a class that is only mapped (the caller logs it); every supported class runs as itself, so it is
-    None. Unknown fields and
-    unsupported values raise ValueError naming `where` and the field. Fields of other classes that diffusers
-    writes into a config (SDXL's Euler config carries DDIM's set_alpha_to_one) are read: they matter if a
-    different sampler is chosen at run time."""
+    None. Unknown fields and unsupported values raise ValueError naming `where` and the field. Fields of other
+    classes that diffusers writes into a config (SDXL's Euler config carries DDIM's set_alpha_to_one) are read:
+    they matter if a different sampler is chosen at run time."""
     name = cfg.get("_class_name")
     if name not in SCHEDULER_CLASSES:
         raise ValueError(f"{where}: scheduler class {name!r} is not supported; supported: "
                          f"{sorted(SCHEDULER_CLASSES)}")
     sampler, defaults = SCHEDULER_CLASSES[name]
     ours = set(ScheduleConfig.__dataclass_fields__)
+    required = {**_REQUIRED, **_REQUIRED_BY_CLASS.get(name, {})}
     kw = {k: v for k, v in defaults.items()}
     for key, value in cfg.items():
         if key in ours:
             kw[key] = value
-        elif key in _REQUIRED:
-            want = _REQUIRED[key]
+        elif key in required:
+            want = required[key]
             if value != want and not (want is False and value is None):
                 raise ValueError(f"{where}: {key}={value!r} is not supported (only {want!r})")
         elif key not in _INERT:
@@ -390,13 +516,18 @@ def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> 
     if kw["prediction_type"] not in ("epsilon", "v_prediction"):
         raise ValueError(f"{where}: prediction_type={kw['prediction_type']!r} is not supported "
                          "(epsilon or v_prediction)")
-    return ScheduleConfig(**kw), sampler, None
+    try:
+        schedule = ScheduleConfig(**kw)
+        make_sampler(sampler, schedule)  # the folder's own sampler accepts its settings
+    except ValueError as e:
+        raise ValueError(f"{where} ({name}): {e}") from None
+    return schedule, sampler, None
 
 
 def scheduler_class_for(sampler: str) -> str:
     """The diffusers scheduler class that runs `sampler` with the same numerics (for export)."""
     return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler",
-            "pndm": "PNDMScheduler"}[sampler]
+            "pndm": "PNDMScheduler", "dpmpp": "DPMSolverMultistepScheduler"}[sampler]
 
 
 def rescale_cfg(guided: Tensor, out_cond: Tensor, rescale: float) -> Tensor:

@@ -12,6 +12,7 @@ diffusers = pytest.importorskip("diffusers")
 from scratchlm.diffusion.schedulers import (  # noqa: E402
     DDIMSampler,
     DDPMSampler,
+    DPMSolverSampler,
     EulerSampler,
     NoiseSchedule,
     PNDMSampler,
@@ -75,6 +76,46 @@ def test_pndm_steps_match_diffusers(skip_prk, prediction, spacing, beta, alpha_o
         for t in ref.timesteps:
             out = torch.randn(2, 4, 5, 5)
             assert torch.equal(ours.scale_model_input(x, t), x)
+            want = ref.step(out, t, x).prev_sample
+            got = ours.step(out, t, x)
+            assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+            x = want
+
+
+@pytest.mark.parametrize("order,solver,karras,final", [
+    (2, "midpoint", False, "zero"), (2, "heun", False, "sigma_min"), (2, "midpoint", True, "zero"),
+    (1, "midpoint", False, "zero"), (2, "midpoint", True, "sigma_min")])
+@pytest.mark.parametrize("prediction,spacing,beta", [("epsilon", "linspace", "scaled_linear"),
+                                                     ("v_prediction", "leading", "linear"),
+                                                     ("epsilon", "trailing", "squaredcos_cap_v2")])
+def test_dpmsolver_steps_match_diffusers(order, solver, karras, final, prediction, spacing, beta):
+    """DPM-Solver++ (2M and 1S): timesteps, sigmas (Karras too), the first / last lower-order steps, every step."""
+    cfg = ScheduleConfig(prediction_type=prediction, timestep_spacing=spacing, beta_schedule=beta, steps_offset=1,
+                         solver_order=order, solver_type=solver, use_karras_sigmas=karras, final_sigmas_type=final)
+    ref = diffusers.DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, beta_start=cfg.beta_start, beta_end=cfg.beta_end, beta_schedule=beta,
+        prediction_type=prediction, timestep_spacing=spacing, steps_offset=1, solver_order=order, solver_type=solver,
+        use_karras_sigmas=karras, final_sigmas_type=final)
+    ours = DPMSolverSampler(cfg)
+    if karras and beta == "squaredcos_cap_v2":  # its huge top sigma repeats the first (truncated) timestep
+        ref.set_timesteps(25)
+        with pytest.raises(ValueError, match="first timestep"):
+            ours.set_timesteps(25)
+        with pytest.raises(IndexError):  # diffusers starts at the repeat and runs past its sigmas
+            x = torch.zeros(1, 4, 2, 2)
+            for t in ref.timesteps:
+                x = ref.step(x, t, x).prev_sample
+        return
+    for n in (25, 10):  # under 15 steps, lower_order_final makes the last step first order; a reset in between
+        ref.set_timesteps(n)
+        ours.set_timesteps(n)
+        assert torch.equal(ref.timesteps, ours.timesteps)
+        assert torch.equal(ref.sigmas, ours.sigmas)
+        torch.manual_seed(n)
+        x = torch.randn(2, 4, 5, 5)
+        for t in ref.timesteps:
+            out = torch.randn(2, 4, 5, 5)
+            assert torch.equal(ours.scale_model_input(x, t), ref.scale_model_input(x, t))
             want = ref.step(out, t, x).prev_sample
             got = ours.step(out, t, x)
             assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
@@ -154,6 +195,8 @@ def _same_trajectory(ref, ours, steps: int = 25):
     ("DDPMScheduler", {"steps_offset": 1, "beta_schedule": "scaled_linear"}, "ddpm"),  # clip_sample on
     ("PNDMScheduler", SD15_PNDM, "pndm"),                                     # SD 1.5's: PLMS, alpha_0 last
     ("PNDMScheduler", {"prediction_type": "v_prediction"}, "pndm"),           # class default: PRK steps first
+    ("DPMSolverMultistepScheduler", {**SD15_PNDM, "use_karras_sigmas": True}, "dpmpp"),  # "DPM++ 2M Karras" on SD
+    ("DPMSolverMultistepScheduler", {"prediction_type": "v_prediction", "solver_order": 1}, "dpmpp"),
 ])
 def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sampler):
     from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers
@@ -165,6 +208,22 @@ def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sa
     _same_trajectory(ref, make_sampler(name, cfg))
 
 
+@pytest.mark.parametrize("sampler,kw", [("pndm", {"skip_prk_steps": False}), ("dpmpp", {"use_karras_sigmas": True}),
+                                        ("dpmpp", {"solver_type": "heun", "final_sigmas_type": "sigma_min"})])
+def test_export_config_reads_back_into_diffusers_and_us(tmp_path, sampler, kw):
+    """What a pipeline without a folder config writes (diffusers_config(sampler)) keeps the sampler's own settings."""
+    from scratchlm.diffusion.schedulers import make_sampler, schedule_from_diffusers, scheduler_class_for
+
+    cfg = ScheduleConfig(beta_schedule="scaled_linear", prediction_type="v_prediction", **kw)
+    written = {"_class_name": scheduler_class_for(sampler), **cfg.diffusers_config(sampler)}
+    (tmp_path / "scheduler_config.json").write_text(json.dumps(written))
+    ref = getattr(diffusers, written["_class_name"]).from_pretrained(tmp_path)
+    assert all(ref.config[k] == v for k, v in kw.items())
+    back, name, _ = schedule_from_diffusers(written)
+    assert name == sampler and back == cfg
+    _same_trajectory(ref, make_sampler(name, back))
+
+
 @pytest.mark.parametrize("change,match", [
     ({"_class_name": "LMSDiscreteScheduler"}, "LMSDiscreteScheduler"),
     ({"use_karras_sigmas": True}, "use_karras_sigmas"),
@@ -173,6 +232,11 @@ def test_scheduler_config_reads_into_the_same_sampler(tmp_path, cls_name, kw, sa
     ({"prediction_type": "sample"}, "prediction_type"),
     ({"timestep_spacing": "karras"}, "timestep_spacing"),
     ({"made_up_field": 1}, "made_up_field"),
+    ({"final_sigmas_type": "sigma_min"}, "final_sigmas_type"),                   # Euler's is not implemented
+    ({"_class_name": "DPMSolverMultistepScheduler", "algorithm_type": "sde-dpmsolver++"}, "algorithm_type"),
+    ({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, "solver_order"),
+    ({"_class_name": "DPMSolverMultistepScheduler", "lambda_min_clipped": -5.1}, "lambda_min_clipped"),
+    ({"_class_name": "DPMSolverMultistepScheduler", "variance_type": "learned_range"}, "variance_type"),
 ])
 def test_unsupported_scheduler_fields_are_named(change, match):
     from scratchlm.diffusion.schedulers import schedule_from_diffusers

@@ -123,6 +123,23 @@ def test_pndm_folder_25_step_run_equals_stable_diffusion_pipeline(tmp_path, capl
     assert (ours_images(pipe, lat, negative=NEGATIVE, sampler="ddim") - got).abs().max().item() > 10 * TOL
 
 
+@pytest.mark.parametrize("settings", [{}, {"use_karras_sigmas": True, "prediction_type": "v_prediction"}])
+def test_dpmsolver_folder_25_step_run_equals_stable_diffusion_pipeline(tmp_path, settings):
+    """DPM-Solver++ 2M (and "2M Karras" on a v-prediction model) as a folder's scheduler: diffusers' image."""
+    sd_folder(tmp_path, "DPMSolverMultistepScheduler", prediction=settings.get("prediction_type", "epsilon"))
+    sch = tmp_path / "scheduler" / "scheduler_config.json"
+    sch.write_text(json.dumps(json.loads(sch.read_text()) | settings))
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.sampler == "dpmpp" and pipe.notes == [] and pipe.schedule.use_karras_sigmas == bool(settings)
+    lat = pipe.initial_latents(2, seed=5)
+    want = reference_images(tmp_path, lat, negative=NEGATIVE)
+    got = ours_images(pipe, lat, negative=NEGATIVE)
+    err = (got - want).abs().max().item()
+    print(f"DPMSolverMultistepScheduler {settings}: max |ours - diffusers| over the 25-step image = {err:.2e}")
+    assert err <= TOL
+    assert (ours_images(pipe, lat, negative=NEGATIVE, sampler="ddim") - got).abs().max().item() > 10 * TOL
+
+
 def test_long_prompt_is_cut_at_77_and_said(tmp_path, caplog):
     sd_folder(tmp_path)
     pipe = DiffusionPipeline.from_pretrained(tmp_path)
