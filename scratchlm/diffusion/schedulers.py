@@ -154,7 +154,13 @@ def _clip(cfg: ScheduleConfig, x0: Tensor) -> Tensor:
 
 
 class _Sampler:
+    # whether the sampler runs use_karras_sigmas / final_sigmas_type; the others refuse a non-default value
+    runs_sigma_settings = False
+
     def __init__(self, cfg: ScheduleConfig):
+        if not self.runs_sigma_settings and (cfg.use_karras_sigmas or cfg.final_sigmas_type != "zero"):
+            raise ValueError(f"the {type(self).__name__} runs use_karras_sigmas=False and final_sigmas_type='zero' "
+                             f"only, got {cfg.use_karras_sigmas!r} and {cfg.final_sigmas_type!r}")
         self.config = cfg
         self.schedule = NoiseSchedule(cfg)
         self.alphas_cumprod = self.schedule.alphas_cumprod
@@ -230,12 +236,6 @@ class EulerSampler(_Sampler):
     """Euler on the probability-flow ODE in sigma = sqrt((1 - ab) / ab) (Karras et al. 2022; diffusers'
     EulerDiscreteScheduler with s_churn = 0). Samples live at scale sqrt(1 + sigma^2). Karras sigmas and a
     sigma_min final sigma are not implemented here (refused by name)."""
-
-    def __init__(self, cfg: ScheduleConfig):
-        super().__init__(cfg)
-        if cfg.use_karras_sigmas or cfg.final_sigmas_type != "zero":
-            raise ValueError(f"the euler sampler runs use_karras_sigmas=False and final_sigmas_type='zero' only, got "
-                             f"{cfg.use_karras_sigmas!r} and {cfg.final_sigmas_type!r}")
 
     def set_timesteps(self, n: int, device=None) -> None:
         self.num_inference_steps = n
@@ -379,6 +379,8 @@ class DPMSolverSampler(_Sampler):
     euler_at_final is set, or lower_order_final with fewer than 15 steps. Timesteps: its own 'linspace' and
     'leading' spacings (n + 1 points, the lowest dropped: never t = 0), or Karras sigmas. Deterministic (no noise);
     `init_noise_sigma` 1, `scale_model_input` the identity. Stateful: the steps come in `.timesteps` order."""
+
+    runs_sigma_settings = True
 
     def set_timesteps(self, n: int, device=None) -> None:
         cfg, t_train = self.config, self.config.num_train_timesteps

@@ -117,7 +117,7 @@ def _latent_size(pipe, size: str) -> tuple[int, int]:
 def create_images_app(path: str | Path, config: ServerConfig | None = None, model_name: str | None = None) -> FastAPI:
     """The images-only app around the pipeline folder at `path`."""
     from scratchlm.diffusion.pipeline import DiffusionPipeline
-    from scratchlm.diffusion.schedulers import SAMPLERS
+    from scratchlm.diffusion.schedulers import SAMPLERS, make_sampler
 
     config = config or ServerConfig()
     path = Path(path)
@@ -178,6 +178,11 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
             return error_response(400, f"{e} (this model's native size is {native})", param="size")
         if req.sampler is not None and req.sampler not in SAMPLERS:
             return error_response(400, f"sampler {req.sampler!r} is not one of {sorted(SAMPLERS)}", param="sampler")
+        if req.sampler is not None:
+            try:  # e.g. ddim on a folder whose schedule has Karras sigmas
+                make_sampler(req.sampler, pipe.schedule)
+            except ValueError as e:
+                return error_response(400, f"sampler {req.sampler!r}: {e}", param="sampler")
         seed = req.seed if req.seed is not None else int(time.time_ns() % (2**31))
 
         def work():
