@@ -1,9 +1,10 @@
-"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / PNDM (PLMS) / DPM-Solver++
-samplers.
+"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / Euler ancestral / PNDM (PLMS) /
+DPM-Solver++ samplers.
 
 Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMScheduler.step`,
-`EulerDiscreteScheduler.step`, `PNDMScheduler.step` and `DPMSolverMultistepScheduler.step` (dpmsolver++) on the
-same inputs, checked in tests/diffusion/test_schedulers.py):
+`EulerDiscreteScheduler.step`, `EulerAncestralDiscreteScheduler.step`, `PNDMScheduler.step` and
+`DPMSolverMultistepScheduler.step` (dpmsolver++) on the same inputs and generator, checked in
+tests/diffusion/test_schedulers.py):
 
 - a schedule of T training steps: betas (linear, scaled_linear or squaredcos_cap_v2), alpha_bar_t =
   prod(1 - beta); the forward process x_t = sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) eps;
@@ -359,6 +360,31 @@ class PNDMSampler(_Sampler):
         return self._transfer(x, t, prev, out)
 
 
+class EulerAncestralSampler(EulerSampler):
+    """Euler ancestral (k-diffusion's sample_euler_ancestral; diffusers' EulerAncestralDiscreteScheduler): the
+    Euler sampler's sigmas, scaling and x_0, but each step goes deterministically down to sigma_down and adds fresh
+    noise of std sigma_up, with sigma_up^2 = sigma_next^2 (sigma^2 - sigma_next^2) / sigma^2 and sigma_down^2 =
+    sigma_next^2 - sigma_up^2 (eta 1). The noise is `noise` when given, else torch.randn(x.shape,
+    generator=generator, dtype=model_output.dtype): the same draw as diffusers' step with that generator, so a
+    pipeline run equals diffusers' image when both get the same generator (ours: `denoise(seed=s)` draws from
+    torch.Generator().manual_seed(s + 1); pass that generator, and the latents, to StableDiffusionPipeline)."""
+
+    def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
+        i = self._index(t)
+        s, s_next = self.sigmas[i], self.sigmas[i + 1]
+        x = x.float()
+        if self.config.prediction_type == "epsilon":
+            x0 = x - s * out
+        else:
+            x0 = out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        s_up = (s_next**2 * (s**2 - s_next**2) / s**2) ** 0.5
+        s_down = (s_next**2 - s_up**2) ** 0.5
+        prev = x + (x - x0) / s * (s_down - s)
+        if noise is None:
+            noise = torch.randn(out.shape, generator=generator, dtype=out.dtype, device=out.device)
+        return (prev + noise * s_up).to(out.dtype)
+
+
 def _sigma_to_t(sigma: float, log_sigmas: np.ndarray) -> float:
     """The (fractional) training timestep whose sigma is `sigma`: linear interpolation in log sigma."""
     log_sigma = np.log(np.maximum(sigma, 1e-10))
@@ -449,7 +475,7 @@ class DPMSolverSampler(_Sampler):
 
 
 SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler, "pndm": PNDMSampler,
-            "dpmpp": DPMSolverSampler}
+            "dpmpp": DPMSolverSampler, "euler_a": EulerAncestralSampler}
 
 
 def make_sampler(name: str, cfg: ScheduleConfig) -> _Sampler:
@@ -475,6 +501,7 @@ SCHEDULER_CLASSES: dict[str, tuple[str, dict]] = {
                                               "algorithm_type": "dpmsolver++", "solver_type": "midpoint",
                                               "lower_order_final": True, "euler_at_final": False,
                                               "final_sigmas_type": "zero", "use_karras_sigmas": False}),
+    "EulerAncestralDiscreteScheduler": ("euler_a", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
     "PNDMScheduler": ("pndm", {**_BASE, "set_alpha_to_one": False, "clip_sample": False, "skip_prk_steps": False}),
 }
 # fields our samplers implement only at one value (diffusers' default); any other value is refused by name
@@ -529,7 +556,8 @@ def schedule_from_diffusers(cfg: dict, where: str = "scheduler_config.json") -> 
 def scheduler_class_for(sampler: str) -> str:
     """The diffusers scheduler class that runs `sampler` with the same numerics (for export)."""
     return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler",
-            "pndm": "PNDMScheduler", "dpmpp": "DPMSolverMultistepScheduler"}[sampler]
+            "pndm": "PNDMScheduler", "dpmpp": "DPMSolverMultistepScheduler",
+            "euler_a": "EulerAncestralDiscreteScheduler"}[sampler]
 
 
 def rescale_cfg(guided: Tensor, out_cond: Tensor, rescale: float) -> Tensor:

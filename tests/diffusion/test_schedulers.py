@@ -13,6 +13,7 @@ from scratchlm.diffusion.schedulers import (  # noqa: E402
     DDIMSampler,
     DDPMSampler,
     DPMSolverSampler,
+    EulerAncestralSampler,
     EulerSampler,
     NoiseSchedule,
     PNDMSampler,
@@ -20,14 +21,15 @@ from scratchlm.diffusion.schedulers import (  # noqa: E402
     cfg_combine,
 )
 
-PAIRS = [(DDPMSampler, "DDPMScheduler"), (DDIMSampler, "DDIMScheduler"), (EulerSampler, "EulerDiscreteScheduler")]
+PAIRS = [(DDPMSampler, "DDPMScheduler"), (DDIMSampler, "DDIMScheduler"), (EulerSampler, "EulerDiscreteScheduler"),
+         (EulerAncestralSampler, "EulerAncestralDiscreteScheduler")]  # ancestral: the same generator, same noise
 
 
 def _reference(name: str, cfg: ScheduleConfig):
     kw = cfg.diffusers_config()
     if name not in ("DDIMScheduler", "PNDMScheduler"):
         kw.pop("set_alpha_to_one")
-    if name in ("EulerDiscreteScheduler", "PNDMScheduler"):
+    if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "PNDMScheduler"):
         kw.pop("clip_sample")
         kw.pop("clip_sample_range")
     if name == "PNDMScheduler":
@@ -193,6 +195,7 @@ def _same_trajectory(ref, ours, steps: int = 25):
     ("EulerDiscreteScheduler", SDXL_EULER, "euler"),                          # SDXL's, with DDIM / PNDM keys in it
     ("EulerDiscreteScheduler", {"prediction_type": "v_prediction"}, "euler"),  # default spacing: linspace
     ("DDPMScheduler", {"steps_offset": 1, "beta_schedule": "scaled_linear"}, "ddpm"),  # clip_sample on
+    ("EulerAncestralDiscreteScheduler", SDXL_EULER, "euler_a"),
     ("PNDMScheduler", SD15_PNDM, "pndm"),                                     # SD 1.5's: PLMS, alpha_0 last
     ("PNDMScheduler", {"prediction_type": "v_prediction"}, "pndm"),           # class default: PRK steps first
     ("DPMSolverMultistepScheduler", {**SD15_PNDM, "use_karras_sigmas": True}, "dpmpp"),  # "DPM++ 2M Karras" on SD

@@ -145,6 +145,21 @@ def test_dpmsolver_folder_25_step_run_equals_stable_diffusion_pipeline(tmp_path,
     assert (ours_images(pipe, lat, negative=NEGATIVE, **other) - got).abs().max().item() > 10 * TOL
 
 
+def test_euler_ancestral_folder_25_step_run_equals_stable_diffusion_pipeline(tmp_path):
+    """Euler ancestral adds fresh noise every step: ours draws it from torch.Generator().manual_seed(seed + 1), so
+    diffusers given that generator (and the same latents) draws the same noise and makes the same image."""
+    sd_folder(tmp_path, "EulerAncestralDiscreteScheduler")
+    pipe = DiffusionPipeline.from_pretrained(tmp_path)
+    assert pipe.sampler == "euler_a" and pipe.notes == []
+    lat = pipe.initial_latents(2, seed=6)
+    want = reference_images(tmp_path, lat, negative=NEGATIVE, generator=torch.Generator().manual_seed(7 + 1))
+    got = ours_images(pipe, lat, negative=NEGATIVE, seed=7)
+    err = (got - want).abs().max().item()
+    print(f"EulerAncestralDiscreteScheduler: max |ours - diffusers| over the 25-step image = {err:.2e}")
+    assert err <= TOL
+    assert (ours_images(pipe, lat, negative=NEGATIVE, seed=8) - got).abs().max().item() > 10 * TOL  # noise matters
+
+
 def test_long_prompt_is_cut_at_77_and_said(tmp_path, caplog):
     sd_folder(tmp_path)
     pipe = DiffusionPipeline.from_pretrained(tmp_path)
