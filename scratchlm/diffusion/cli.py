@@ -33,6 +33,8 @@ judge CNN on 300 samples (200 in the 98.5 % row), 25 DDIM steps, guidance 3 (doc
   1,215 + 5,493     26 min 52 s wall on 2 quiet cores, 2 threads           98.5 %    32.9     clean
   566 + 9,958       2,183 CPU-s at 2 threads                               100 %     31.3     clean
   915 + 10,007      1,524 CPU-s at 1 thread                                100 %     37.2     clean
+  SD-shaped (recipes/diffusion_sd_mnist.toml: CLIP + SD UNet on the shipped VAE, 32x32):
+  0 + 5,396         1,142 CPU-s at 1 thread (44 min wall, load ~7)         99.7 %    16.7     clean
 (the 2-thread rows were scored by an earlier judge: compare their Frechet distances only with each other)
 On a busy machine two threads mostly wait for each other (a VAE step cost ~1 CPU-s, 0.07 with one):
 pass --threads 1, --dit-max-steps 5000 and a --dit-time-s large enough not to end the run first.
