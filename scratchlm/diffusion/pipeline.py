@@ -150,6 +150,12 @@ class DiffusionPipeline:
         recipe)."""
         return 5.0 if self.is_sdxl else 7.5 if self.is_sd else 3.0
 
+    @property
+    def example_prompt(self) -> str:
+        """A prompt the model is made for (the images page starts with it): a digit caption for scratchlm's MNIST
+        pipelines, diffusers' own example prompt for Stable Diffusion folders."""
+        return "a photo of an astronaut riding a horse on mars" if self.is_sd else "a handwritten seven"
+
     def latent_size_for(self, image_hw: tuple[int, int]) -> tuple[int, int]:
         """The latent (h, w) of an image (height, width) in pixels; each must be a multiple of the VAE's
         downsampling factor (times the DiT's patch), else a ValueError saying which multiples work."""

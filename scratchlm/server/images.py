@@ -18,8 +18,9 @@ naming the field (nothing is silently ignored). Response: `{"created": ..., "dat
 "revised_prompt": null}]}`.
 
 Also served: `/` (static/images.html: a prompt box, with a negative prompt, that posts to
-`/v1/images/generations` and shows the PNGs; its guidance field starts at the model's default, which `/v1/models`
-gives as the extension `default_guidance_scale`), `/favicon.svg`, `/health`, `/v1/models` and `/metrics`
+`/v1/images/generations` and shows the PNGs; its guidance field and prompt start at the model's default and
+example, which `/v1/models` gives as the extensions `default_guidance_scale` and `example_prompt`),
+`/favicon.svg`, `/health`, `/v1/models` and `/metrics`
 (Prometheus text: requests, images, generation seconds), so the start-up line of `scratchlm serve` ("playground
 at /, metrics at /metrics") holds for this app too.
 """
@@ -160,9 +161,10 @@ def create_images_app(path: str | Path, config: ServerConfig | None = None, mode
 
     @app.get("/v1/models")
     async def models() -> dict:
-        # default_guidance_scale and size: scratchlm extensions (the page at / sets its guidance field from them)
+        # default_guidance_scale, size, example_prompt: scratchlm extensions (the page at / starts from them)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "scratchlm",
-                                            "default_guidance_scale": pipe.default_guidance, "size": native}]}
+                                            "default_guidance_scale": pipe.default_guidance, "size": native,
+                                            "example_prompt": pipe.example_prompt}]}
 
     @app.post("/v1/images/generations")
     async def generations(req: ImageRequest):

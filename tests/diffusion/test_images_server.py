@@ -74,7 +74,9 @@ def test_diffusion_serve_page_and_its_fetch_targets(tmp_path):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         targets = set(re.findall(r'fetch\("([^"]+)"', page.text))
         assert targets == {"/v1/models", "/v1/images/generations"}, targets
-        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "digits"
+        card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        assert card["id"] == "digits" and card["example_prompt"] == "a handwritten seven"
+        assert "example_prompt" in page.text and 'value="a handwritten seven"' not in page.text  # from the model
         body = {"prompt": "a handwritten seven", "n": 2, "steps": 5, "guidance_scale": 3, "seed": 1,
                 "response_format": "b64_json"}  # the fields the page sends
         res = httpx.post(url + "/v1/images/generations", json=body, timeout=60)
@@ -107,6 +109,7 @@ def test_openai_images_on_a_stable_diffusion_folder(tmp_path):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         card = client.models.list().data[0]
         assert card.default_guidance_scale == 7.5 and card.size == "16x16"  # the page's defaults
+        assert "seven" not in card.example_prompt and card.example_prompt == pipe.example_prompt  # not MNIST's
         res = client.images.generate(prompt="a red fox", size="24x16", response_format="b64_json",
                                      extra_body={"steps": 3, "seed": 7, "negative_prompt": "blurry"})
         img = np.array(Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))))
