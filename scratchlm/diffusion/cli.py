@@ -137,6 +137,7 @@ def _sample(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from scratchlm.diffusion.pipeline import DiffusionPipeline, parse_size, save_png
+    from scratchlm.diffusion.schedulers import make_sampler
 
     given = list(args.prompts) + list(args.prompt)
     if not given:
@@ -153,7 +154,9 @@ def _sample(args: argparse.Namespace) -> int:
     n = args.n if args.n is not None else 1 if pipe.is_sd else 8
     prompts = [p for p in given for _ in range(n)]
     negative = None if args.negative_prompt is None else [args.negative_prompt] * len(prompts)
-    with tqdm(total=args.steps, desc="denoising", unit="step") as bar:
+    sch = make_sampler(args.sampler or pipe.sampler, pipe.schedule)  # refuses a sampler the schedule cannot run
+    sch.set_timesteps(args.steps)
+    with tqdm(total=len(sch.timesteps), desc="denoising", unit="step") as bar:  # model calls: PNDM makes steps + 1
         images = pipe(prompts, steps=args.steps, guidance=args.guidance, sampler=args.sampler, seed=args.seed,
                       progress=lambda i: bar.update(1), negative_prompts=negative, size=size,
                       guidance_rescale=args.guidance_rescale)

@@ -1,8 +1,9 @@
-"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / Euler ancestral / PNDM (PLMS) /
-DPM-Solver++ samplers.
+"""Noise schedules, the DDPM training objective, and the DDPM / DDIM / Euler / Euler ancestral / LMS / PNDM
+(PLMS) / DPM-Solver++ samplers.
 
 Conventions follow diffusers (so a step equals `DDPMScheduler.step`, `DDIMScheduler.step`,
-`EulerDiscreteScheduler.step`, `EulerAncestralDiscreteScheduler.step`, `PNDMScheduler.step` and
+`EulerDiscreteScheduler.step`, `EulerAncestralDiscreteScheduler.step`, `LMSDiscreteScheduler.step`,
+`PNDMScheduler.step` and
 `DPMSolverMultistepScheduler.step` (dpmsolver++) on the same inputs and generator, checked in
 tests/diffusion/test_schedulers.py):
 
@@ -385,6 +386,42 @@ class EulerAncestralSampler(EulerSampler):
         return (prev + noise * s_up).to(out.dtype)
 
 
+class LMSSampler(EulerSampler):
+    """Linear multistep in sigma (Karras et al. 2022's k-diffusion sample_lms; diffusers' LMSDiscreteScheduler,
+    order 4): the Euler sampler's sigmas and scaling; the ODE's derivative d = (x - x_0) / sigma is kept for the
+    last four steps and x moves by sum_j c_j d_j, c_j the integral from sigma_i to sigma_{i+1} of the Lagrange
+    basis polynomial through the sigmas of those steps (exact polynomial integration; diffusers integrates the
+    same polynomial numerically with scipy's quad, equal to float32 rounding). Orders 1, 2, 3 for the first steps.
+    Stateful: the steps come in `.timesteps` order."""
+
+    order = 4
+
+    def set_timesteps(self, n: int, device=None) -> None:
+        super().set_timesteps(n, device)
+        self._derivs: list[Tensor] = []  # the last `order` derivatives, oldest first
+
+    def _coeff(self, order: int, i: int, j: int) -> float:
+        nodes = [float(self.sigmas[i - k]) for k in range(order)]  # this step's sigma and the previous ones
+        basis = np.poly1d([1.0])
+        for k in range(order):
+            if k != j:
+                basis = basis * np.poly1d([1.0, -nodes[k]]) / (nodes[j] - nodes[k])
+        integral = basis.integ()
+        return float(integral(float(self.sigmas[i + 1])) - integral(float(self.sigmas[i])))
+
+    def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
+        i = self._index(t)
+        s = self.sigmas[i]
+        if self.config.prediction_type == "epsilon":
+            x0 = x - s * out
+        else:
+            x0 = out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        self._derivs = (self._derivs + [(x - x0) / s])[-self.order:]
+        order = min(i + 1, self.order)
+        coeffs = [self._coeff(order, i, j) for j in range(order)]
+        return x + sum(c * d for c, d in zip(coeffs, reversed(self._derivs)))
+
+
 def _sigma_to_t(sigma: float, log_sigmas: np.ndarray) -> float:
     """The (fractional) training timestep whose sigma is `sigma`: linear interpolation in log sigma."""
     log_sigma = np.log(np.maximum(sigma, 1e-10))
@@ -475,7 +512,7 @@ class DPMSolverSampler(_Sampler):
 
 
 SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "euler": EulerSampler, "pndm": PNDMSampler,
-            "dpmpp": DPMSolverSampler, "euler_a": EulerAncestralSampler}
+            "dpmpp": DPMSolverSampler, "euler_a": EulerAncestralSampler, "lms": LMSSampler}
 
 
 def make_sampler(name: str, cfg: ScheduleConfig) -> _Sampler:
@@ -502,6 +539,7 @@ SCHEDULER_CLASSES: dict[str, tuple[str, dict]] = {
                                               "lower_order_final": True, "euler_at_final": False,
                                               "final_sigmas_type": "zero", "use_karras_sigmas": False}),
     "EulerAncestralDiscreteScheduler": ("euler_a", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
+    "LMSDiscreteScheduler": ("lms", {**_BASE, "timestep_spacing": "linspace", "clip_sample": False}),
     "PNDMScheduler": ("pndm", {**_BASE, "set_alpha_to_one": False, "clip_sample": False, "skip_prk_steps": False}),
 }
 # fields our samplers implement only at one value (diffusers' default); any other value is refused by name
@@ -557,7 +595,7 @@ def scheduler_class_for(sampler: str) -> str:
     """The diffusers scheduler class that runs `sampler` with the same numerics (for export)."""
     return {"ddim": "DDIMScheduler", "ddpm": "DDPMScheduler", "euler": "EulerDiscreteScheduler",
             "pndm": "PNDMScheduler", "dpmpp": "DPMSolverMultistepScheduler",
-            "euler_a": "EulerAncestralDiscreteScheduler"}[sampler]
+            "euler_a": "EulerAncestralDiscreteScheduler", "lms": "LMSDiscreteScheduler"}[sampler]
 
 
 def rescale_cfg(guided: Tensor, out_cond: Tensor, rescale: float) -> Tensor:

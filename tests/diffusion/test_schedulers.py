@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from inspect import signature
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from scratchlm.diffusion.schedulers import (  # noqa: E402
     DPMSolverSampler,
     EulerAncestralSampler,
     EulerSampler,
+    LMSSampler,
     NoiseSchedule,
     PNDMSampler,
     ScheduleConfig,
@@ -22,14 +24,20 @@ from scratchlm.diffusion.schedulers import (  # noqa: E402
 )
 
 PAIRS = [(DDPMSampler, "DDPMScheduler"), (DDIMSampler, "DDIMScheduler"), (EulerSampler, "EulerDiscreteScheduler"),
-         (EulerAncestralSampler, "EulerAncestralDiscreteScheduler")]  # ancestral: the same generator, same noise
+         (EulerAncestralSampler, "EulerAncestralDiscreteScheduler"),  # ancestral: the same generator, same noise
+         (LMSSampler, "LMSDiscreteScheduler")]
+
+
+def _gen(ref, i: int) -> dict:
+    """generator= for the schedulers whose step draws noise (PNDM's and LMS's step take none)."""
+    return {"generator": torch.Generator().manual_seed(i)} if "generator" in signature(ref.step).parameters else {}
 
 
 def _reference(name: str, cfg: ScheduleConfig):
     kw = cfg.diffusers_config()
     if name not in ("DDIMScheduler", "PNDMScheduler"):
         kw.pop("set_alpha_to_one")
-    if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "PNDMScheduler"):
+    if name in ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler", "PNDMScheduler"):
         kw.pop("clip_sample")
         kw.pop("clip_sample_range")
     if name == "PNDMScheduler":
@@ -53,7 +61,7 @@ def test_steps_match_diffusers(ours_cls, ref_name, prediction, spacing, beta):
     for i, t in enumerate(ref.timesteps):  # every step of a whole trajectory, from the same state
         out = torch.randn(2, 4, 7, 7)
         assert (ref.scale_model_input(x, t) - ours.scale_model_input(x, t)).abs().max() <= 1e-5
-        want = ref.step(out, t, x, generator=torch.Generator().manual_seed(i)).prev_sample
+        want = ref.step(out, t, x, **_gen(ref, i)).prev_sample
         got = ours.step(out, t, x, generator=torch.Generator().manual_seed(i))
         assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
         x = want
@@ -170,7 +178,6 @@ def _saved_config(tmp_path, sched) -> dict:
 
 
 def _same_trajectory(ref, ours, steps: int = 25):
-    kw = {} if isinstance(ref, diffusers.PNDMScheduler) else {"generator": None}  # PNDM takes no generator
     ref.set_timesteps(steps)
     ours.set_timesteps(steps)
     assert torch.equal(ref.timesteps.float(), ours.timesteps.float())
@@ -180,9 +187,7 @@ def _same_trajectory(ref, ours, steps: int = 25):
     for i, t in enumerate(ref.timesteps):
         out = torch.randn(2, 4, 5, 5) * 3  # large enough that clip_sample clamps
         assert (ref.scale_model_input(x, t) - ours.scale_model_input(x, t)).abs().max() <= 1e-5
-        if kw:
-            kw["generator"] = torch.Generator().manual_seed(i)
-        want = ref.step(out, t, x, **kw).prev_sample
+        want = ref.step(out, t, x, **_gen(ref, i)).prev_sample
         got = ours.step(out, t, x, generator=torch.Generator().manual_seed(i))
         assert (want - got).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
         x = want
@@ -196,6 +201,7 @@ def _same_trajectory(ref, ours, steps: int = 25):
     ("EulerDiscreteScheduler", {"prediction_type": "v_prediction"}, "euler"),  # default spacing: linspace
     ("DDPMScheduler", {"steps_offset": 1, "beta_schedule": "scaled_linear"}, "ddpm"),  # clip_sample on
     ("EulerAncestralDiscreteScheduler", SDXL_EULER, "euler_a"),
+    ("LMSDiscreteScheduler", SD15_PNDM, "lms"),
     ("PNDMScheduler", SD15_PNDM, "pndm"),                                     # SD 1.5's: PLMS, alpha_0 last
     ("PNDMScheduler", {"prediction_type": "v_prediction"}, "pndm"),           # class default: PRK steps first
     ("DPMSolverMultistepScheduler", {**SD15_PNDM, "use_karras_sigmas": True}, "dpmpp"),  # "DPM++ 2M Karras" on SD
@@ -228,7 +234,7 @@ def test_export_config_reads_back_into_diffusers_and_us(tmp_path, sampler, kw):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"_class_name": "LMSDiscreteScheduler"}, "LMSDiscreteScheduler"),
+    ({"_class_name": "HeunDiscreteScheduler"}, "HeunDiscreteScheduler"),
     ({"use_karras_sigmas": True}, "use_karras_sigmas"),
     ({"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
     ({"trained_betas": [0.1, 0.2]}, "trained_betas"),

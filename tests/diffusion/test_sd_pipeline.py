@@ -44,13 +44,15 @@ def ours_images(pipe, latents, steps=25, guidance=7.5, negative=None, **kw) -> t
 
 
 @pytest.mark.parametrize("scheduler,prediction", [("DDIMScheduler", "epsilon"),
-                                                  ("EulerDiscreteScheduler", "v_prediction")])
+                                                  ("EulerDiscreteScheduler", "v_prediction"),
+                                                  ("LMSDiscreteScheduler", "epsilon")])
 def test_25_step_run_equals_stable_diffusion_pipeline(tmp_path, scheduler, prediction):
     sd_folder(tmp_path, scheduler, prediction=prediction)
     assert is_pipeline_dir(tmp_path)
     pipe = DiffusionPipeline.from_pretrained(tmp_path)
     assert pipe.is_sd and pipe.unet is not None and pipe.transformer is None
-    assert pipe.sampler == {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler"}[scheduler]
+    assert pipe.sampler == {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler",
+                            "LMSDiscreteScheduler": "lms"}[scheduler]
     assert pipe.image_hw == (16, 16) and pipe.notes == []
     lat = pipe.initial_latents(2, seed=3)
     want = reference_images(tmp_path, lat, negative=NEGATIVE)
