@@ -158,6 +158,9 @@ def _clip(cfg: ScheduleConfig, x0: Tensor) -> Tensor:
 class _Sampler:
     # whether the sampler runs use_karras_sigmas / final_sigmas_type; the others refuse a non-default value
     runs_sigma_settings = False
+    # whether step() adds fresh noise (x.shape, from `generator` unless `noise` is given): a caller that steps
+    # pieces of x (patch parallel) must pass the pieces of one full-size draw as `noise`
+    draws_noise = False
 
     def __init__(self, cfg: ScheduleConfig):
         if not self.runs_sigma_settings and (cfg.use_karras_sigmas or cfg.final_sigmas_type != "zero"):
@@ -189,6 +192,8 @@ class _Sampler:
 class DDPMSampler(_Sampler):
     """Ancestral DDPM (Ho et al. 2020) with "fixed_small" variance, on a (possibly strided) timestep grid."""
 
+    draws_noise = True
+
     def _prev(self, t: int) -> int:
         ts = self.timesteps.tolist()
         i = ts.index(t)
@@ -216,6 +221,7 @@ class DDIMSampler(_Sampler):
     def __init__(self, cfg: ScheduleConfig, eta: float = 0.0):
         super().__init__(cfg)
         self.eta = eta
+        self.draws_noise = eta > 0
 
     def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
         t = int(t)
@@ -369,6 +375,8 @@ class EulerAncestralSampler(EulerSampler):
     generator=generator, dtype=model_output.dtype): the same draw as diffusers' step with that generator, so a
     pipeline run equals diffusers' image when both get the same generator (ours: `denoise(seed=s)` draws from
     torch.Generator().manual_seed(s + 1); pass that generator, and the latents, to StableDiffusionPipeline)."""
+
+    draws_noise = True
 
     def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
         i = self._index(t)

@@ -252,3 +252,19 @@ def test_unsupported_scheduler_fields_are_named(change, match):
 
     with pytest.raises(ValueError, match=match):
         schedule_from_diffusers(SDXL_EULER | change, "x/scheduler_config.json")
+
+
+def test_draws_noise_says_which_samplers_add_noise():
+    """Callers that step pieces of x (patch parallel) key their full-size noise draw on it."""
+    from scratchlm.diffusion.schedulers import SAMPLERS
+
+    noisy = {name for name, cls in SAMPLERS.items() if cls(ScheduleConfig()).draws_noise}
+    assert noisy == {"ddpm", "euler_a"} and DDIMSampler(ScheduleConfig(), eta=0.5).draws_noise
+    x, out = torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3)
+    for name, cls in SAMPLERS.items():  # the others are deterministic: no generator, the same step twice
+        if name not in noisy:
+            a, b = cls(ScheduleConfig()), cls(ScheduleConfig())
+            a.set_timesteps(5)
+            b.set_timesteps(5)
+            t = a.timesteps[0]
+            assert torch.equal(a.step(out, t, x), b.step(out, t, x, generator=torch.Generator().manual_seed(3)))
