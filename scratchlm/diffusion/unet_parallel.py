@@ -41,7 +41,7 @@ Two modes (`BandOps(mode=...)`):
   starts in the next step (one exchange per layer costs ~1-3 ms of gloo overhead each on a busy CPU,
   ~130 per SD step; batching moves no data in time, so the result is bit-identical for any `chunks`).
 
-Bytes received per rank and UNet call (B' = the CFG batch, fp32 activations, float64 statistics),
+Bytes received per rank and UNet call (B' = the CFG batch, fp32 activations and statistics),
 counted in `RankContext.bytes_received` per kind ("halo"/"halo_async", "gn_stats"/"gn_async",
 "kv_all_gather"/"kv_async"):
 
