@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     base_cpu = statistics.median(cpus["one rank, 1 thread"])
     ref = last["one rank, 1 thread"][0]["latents"]
     rows = []
-    for name in contenders:
+    for name in [n for n in contenders if times[n]]:  # (the 2-thread reference may not have run)
         med, res = statistics.median(times[name]), last[name]
         comm = max(_comm_seconds(x) for x in res)
         wall = max(x["seconds"] for x in res)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"displaced step; latent scale: mean abs "
                          f"{ref.abs().mean().item():.2f}")
     splits = []
-    for name in contenders:
+    for name in last:
         for rank, x in enumerate(last[name]):
             if "comm_seconds" in x:
                 kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["comm_seconds"].items()) if v >= 0.005)

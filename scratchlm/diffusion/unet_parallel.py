@@ -94,7 +94,9 @@ class BandOps(SpatialOps):
     Displaced steps batch their exchanges: the step's hooked calls (in the order the first step made them)
     are cut into `chunks` consecutive groups, and each group's halo rows, GroupNorm statistics and K/V
     leave in one all-gather (statistics, K/V) and one message per neighbour (halos), launched as the
-    group's last call finishes and waited for at the group's first call of the next step."""
+    group's last call finishes and waited for at the group's first call of the next step. The price: a rank
+    tolerates a neighbour lagging by (1 - 1/chunks) of a step instead of a whole one (`chunks` large: one
+    exchange per call, as the paper describes it)."""
 
     def __init__(self, ctx: RankContext, rows: list[int], mode: str = "exact", warmup: int = 1, chunks: int = 4):
         if mode not in ("exact", "displaced"):
