@@ -8,6 +8,10 @@ folder; random weights, written by diffusers). The queue: `--requests` requests 
 prompts and seeds, CFG with guidance 7.5, `--steps` DDIM steps, all queued at t = 0 (a closed queue: throughput =
 requests / makespan; latency = queued -> decoded, so it includes the wait in the queue).
 
+Every spawned process gets OMP_WAIT_POLICY (`--omp-wait-policy`, default PASSIVE): with libgomp's default, threads
+spin at every barrier, and a 2-thread process on 2 cores that other processes also use runs 20-30x slower (its two
+threads wait for each other while descheduled); above the core count libgomp throttles the spinning by itself.
+
 Configurations (`--configs`), each a fresh set of spawned processes, run interleaved round by round (the order
 rotates every round) after one warm-up run of each that is not counted:
 
@@ -18,12 +22,14 @@ rotates every round) after one warm-up run of each that is not counted:
 - dp-3: 3 ranks, text+VAE | UNet | UNet (two UNet ranks data-parallel over requests, round robin), 1 thread each.
 
 Reported: per configuration the medians over rounds of the makespan, throughput, latency p50 / p95, and the
-throughput ratio against each serial run; per stage its busy time, utilisation (busy / makespan), fill, bubbles and
-drain; the images of every run against the first serial run's (max abs difference); the load average around each
-run. A serial run at 1 thread (`serial-1t`, once, on the queue's first `--ideal-requests`) gives each stage's
-time alone, from which the ideal speed-ups on dedicated cores (one machine per rank) follow: sum / max of the stage
-times for pipe-3, sum / max(UNet / 2, text + VAE) for dp-3.
-"""
+throughput ratio against each serial run; the CPU seconds per request (every process's CPU time, all threads: on a
+machine whose cores other jobs share, the wall clock also measures how much of the cores the scheduler gave each
+configuration — a process's runnable threads, not its idle ones, compete — while CPU seconds measure the work); per
+stage its busy time, utilisation (busy / makespan), fill, bubbles and drain; the images of every run against the
+first serial run's (max abs difference); the load average around each run. A serial run at 1 thread (`serial-1t`,
+once, on the queue's first `--ideal-requests`) gives each stage's time alone, from which the ideal speed-ups on
+dedicated cores (one machine per rank) follow: sum / max of the stage times for pipe-3, sum / max(UNet / 2, text +
+VAE) for dp-3. """
 
 from __future__ import annotations
 
@@ -83,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ideal-requests", type=int, default=4,
                     help="requests of the serial-1t run that times each stage alone (0: skip it)")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "default"),
+                    help="OMP_WAIT_POLICY of every spawned process. PASSIVE: on a shared machine libgomp's default "
+                         "spinning at barriers makes a 2-thread process on 2 busy cores 20-30x slower (see the doc)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.omp_wait_policy != "default":  # inherited by the spawned ranks (libgomp reads it at start-up)
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     names = [c for c in args.configs.split(",") if c]
     bad = set(names) - set(CONFIGS)
     if bad:
@@ -124,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                "rps": statistics.median(x["throughput_rps"] for x in rs),
                "p50": statistics.median(x["latency_s"]["p50"] for x in rs),
                "p95": statistics.median(x["latency_s"]["p95"] for x in rs),
+               "cpu": statistics.median(x["cpu_s"] for x in rs) / args.requests,
                "load": statistics.mean(sum(x["load"]) / 2 for x in rs)} for n, rs in runs.items()}
     serials = [n for n in names if n.startswith("serial")]
     rows = []
@@ -133,15 +145,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([n, layout, threads if isinstance(threads, int) else "+".join(map(str, threads)),
                      _fmt_s(m["makespan"]), f"{m['rps'] * 60:.2f}",
                      *[f"{m['rps'] / med[s]['rps']:.2f}x" for s in serials],
-                     _fmt_s(m["p50"]), _fmt_s(m["p95"]), f"{m['load']:.1f}"])
+                     _fmt_s(m["p50"]), _fmt_s(m["p95"]), f"{m['cpu']:.2f} s",
+                     *[f"{med[s]['cpu'] / m['cpu']:.2f}x" for s in serials], f"{m['load']:.1f}"])
     side = args.size
     report.add(f"Model: {_describe()}. Queue: {args.requests} requests x {args.batch} image(s), {side}x{side} "
                f"latent ({args.size * 8}x{args.size * 8} px), {args.steps} DDIM steps, CFG {args.guidance}, all queued "
                f"at t = 0. {args.rounds} counted round(s), configurations interleaved (order rotated each round), "
-               f"medians.")
+               f"medians. OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} in every process.")
     report.table(["config", "layout", "threads", "makespan", "throughput (req/min)",
-                  *[f"vs {s}" for s in serials], "latency p50", "latency p95", "load avg"], rows,
-                 caption="Throughput of the queue")
+                  *[f"vs {s}" for s in serials], "latency p50", "latency p95", "CPU s per request",
+                  *[f"CPU efficiency vs {s}" for s in serials], "load avg"], rows,
+                 caption="Throughput of the queue (wall clock) and its CPU cost (all processes' CPU seconds / "
+                         "requests; efficiency = the serial run's CPU s per request / this one's)")
     report.add(f"Images: every run's against {ref_name}'s first run, max abs difference {worst:.1e} (images in "
                f"[-1, 1]); request ids in queue order in every run: {'yes' if ids_ok else 'NO'}.")
 

@@ -13,10 +13,13 @@ Policy:
   the light text encoder and VAE decoder share the third. The text encoder and the VAE sit on one rank each,
   the denoiser on one or more ranks that do nothing else.
 - **Scheduling.** Requests go to the denoiser ranks round robin by queue position, so every receiver knows its
-  sender and order is kept (no work stealing: a request with more steps holds its rank up). A text-only rank
-  encodes every request as soon as it arrives; a rank that also decodes prefers decoding (a finished request's
-  latency) and encodes at most `lookahead` requests per denoiser rank ahead of the decoded ones. After the last
-  request the text rank sends each denoiser rank a stop message, which it forwards to the VAE rank, so no rank
+  sender and order is kept (no work stealing: a request with more steps holds its rank up). Sends are flow
+  controlled: at most `lookahead` messages in flight per destination (a send completes when the peer takes the
+  message, i.e. starts on that request), so a stage runs at most that far ahead of its consumer and requests wait
+  in the queue, not as embeddings in memory. A rank that also decodes prefers decoding (a finished request's
+  latency) and encodes at most `lookahead` requests per denoiser rank ahead of the decoded ones; it receives on an
+  inbox thread (a gloo receive only completes inside `wait`, so it cannot be polled between encodings). After the
+  last request the text rank sends each denoiser rank a stop message, which it forwards to the VAE rank, so no rank
   needs the queue's length: the queue may be any iterable (a generator fed by a server).
 - **Same images as the serial run.** `serial_service` runs the same three stage functions (`Stages`) one after
   another on one process; each request's initial latents come from its own seed, never from the rank running it,
@@ -26,13 +29,15 @@ Policy:
   other ranks and names the one that died. A hung peer: the rest of a message once its header came, and every
   send, wait at most the step timeout (`timeout_s`); the wait for a message to *start* is bounded by `idle_s`
   instead (default an hour: a service's queue may sit empty, and a request may denoise for long).
-- **Timing.** Every rank's clock starts after a common barrier, so times compare across ranks (to the barrier's
-  skew) without synchronised clocks. Per stage: its busy intervals, from which `summarize` derives utilisation
-  (busy / makespan), fill (idle before its first request), bubbles (idle between its first start and last end) and
-  drain (idle after its last end), and the queue's throughput and latency percentiles.
+- **Timing.** Each rank's CPU seconds (its process, all threads) are counted too. Every rank's clock starts after a
+  common barrier, so times compare across ranks (to the barrier's skew) without synchronised clocks. Per stage: its
+  busy intervals, from which `summarize` derives utilisation (busy / makespan), fill (idle before its first
+  request), bubbles (idle between its first start and last end) and drain (idle after its last end), and the queue's
+  throughput and latency percentiles.
 - Messages: a JSON header (the request, stage times, tensor shapes and dtypes; never a pickle) then the tensors.
   CPU ranks (gloo) only: CUDA ranks are a clear error (the stages would need device placement and NCCL p2p).
-- The pipeline's plain API is all it uses: `encode_prompts`, `initial_latents`, `denoise`, `decode`.
+- The pipeline's public API is all it uses (`encode_prompts_pooled`, `initial_latents`, `denoise`, `decode`, and
+  SDXL's `sdxl_time_ids`), the way the pipeline's own `__call__` uses it (`Stages.reference` is that call).
 """
 
 from __future__ import annotations
@@ -310,7 +315,7 @@ def serve_components(ctx: RankContext, stages: Stages, requests: Iterable[ImageR
     names = rank_names(layout)
     peer = _Peer(ctx, names[ctx.rank], names, idle_s, lookahead)
     dist.barrier(group=ctx.group)
-    clock = _Clock()
+    clock, cpu0 = _Clock(), time.process_time()
     busy: dict[str, list[tuple[float, float]]] = {r: [] for r in ranks[ctx.rank]}
     out = {"rank": ctx.rank, "roles": names[ctx.rank], "busy": busy}
     if "denoise" in ranks[ctx.rank]:
@@ -318,7 +323,7 @@ def serve_components(ctx: RankContext, stages: Stages, requests: Iterable[ImageR
     else:
         out["results"] = _edge_rank(peer, stages, ranks, requests, clock, busy, die)
     peer.flush()
-    out["end_s"] = clock.now()
+    out["end_s"], out["cpu_s"] = clock.now(), time.process_time() - cpu0
     return out
 
 
@@ -415,7 +420,7 @@ def _decode(stages: Stages, meta: dict, z: Tensor, clock: _Clock, busy, die) -> 
 def serial_service(stages: Stages, requests: Iterable[ImageRequest]) -> dict:
     """The reference: one process running the three stages one after another, request by request (same
     arrival times, same result fields; `serve_components`' output format with every role on rank 0)."""
-    clock = _Clock()
+    clock, cpu0 = _Clock(), time.process_time()
     busy: dict[str, list[tuple[float, float]]] = {r: [] for r in ROLES}
     results = []
     for k, req in enumerate(requests):
@@ -433,7 +438,8 @@ def serial_service(stages: Stages, requests: Iterable[ImageRequest]) -> dict:
             spans[stage] = busy[stage][-1]
         results.append({"id": req.id, "index": k, "images": images, "arrival_s": req.arrival_s,
                         "latency_s": spans["vae"][1] - req.arrival_s, "stages": spans, "denoise_rank": 0})
-    return {"rank": 0, "roles": "+".join(ROLES), "busy": busy, "results": results, "end_s": clock.now()}
+    return {"rank": 0, "roles": "+".join(ROLES), "busy": busy, "results": results, "end_s": clock.now(),
+            "cpu_s": time.process_time() - cpu0}
 
 
 # --- summaries --------------------------------------------------------------------------------------------
@@ -463,6 +469,9 @@ def summarize(rank_outputs: list[dict]) -> dict:
                            "fill_s": first, "bubbles_s": (last - first) - b, "drain_s": makespan - last,
                            "mean_s": b / max(1, len(spans))}
     return {"results": results, "n": len(results), "makespan_s": makespan,
+            # CPU seconds of every rank's process (all its threads), start to end: the work, whatever the share of
+            # the cores the scheduler gave each configuration
+            "cpu_s": sum(o["cpu_s"] for o in rank_outputs),
             "throughput_rps": len(results) / makespan,
             # the steady state, without the fill: completions per second between the first and the last
             "steady_rps": (len(done) - 1) / (done[-1] - done[0]) if len(done) > 1 and done[-1] > done[0] else None,
