@@ -114,6 +114,8 @@ BENCHES: dict[str, Bench] = {
     "tokenizer_train": Bench(full=("--repeats", "2"), why="trains BPE on the corpora (minutes)"),
     "train_tinystories": Bench(why="a training run with a time budget (30 minutes by default)"),
     "diffusion": Bench(why="samples the trained pipeline and measures parallel variants with real processes (minutes)"),
+    "diffusion_components": Bench(full=("--rounds", "3", "--tag", "full"),
+                                  why="spawns four process layouts per round over a 16-request queue (minutes)"),
     "fold": Bench(why="Pairformer blocks against Boltz at Boltz-2 widths, memory in fresh processes (minutes)"),
     "threads": Bench(why="measures torch threads against deliberately spinning neighbour processes"),
     "moe_step": Bench(full=("--repeats", "5"),
