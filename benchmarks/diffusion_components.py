@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Report
-from benchmarks.sd_pipeline import _describe, make_folder
 from scratchlm.diffusion import components as cp
 
 CONFIGS = {  # name -> (layout, threads per rank)
@@ -103,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv if argv is not None else sys.argv[1:]
     report = Report("diffusion_components" + (f"_{args.tag}" if args.tag else ""),
                     "Component pipelining (text encoder / UNet / VAE decoder ranks) over a request queue", argv)
+    # the one-image benchmark's SD-1.5-shaped folder (benchmarks/sd_pipeline.py, landed with the sdperf work)
+    from benchmarks.sd_pipeline import _describe, make_folder
+
     path = args.model or str(make_folder(Path(tempfile.mkdtemp()) / "sd15"))
     reqs = make_queue(args.requests, args.batch, args.steps, args.size, args.guidance)
     t_all = time.perf_counter()
