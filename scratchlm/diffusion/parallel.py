@@ -317,7 +317,7 @@ def patch_parallel_denoise(ctx: RankContext, pipe: DiffusionPipeline, latents: T
         else:
             out = runner(xin, tt, text, row0, grid_h)
         noise = None
-        if sampler == "ddpm":  # the same full-size noise as one rank, sliced to the band
+        if sch.draws_noise:  # the same full-size noise as one rank (ddpm, euler_a, ...), sliced to the band
             noise = torch.randn(x_full.shape, generator=g)[:, :, rows]
         x = sch.step(out, t, x, noise=noise)
     runner.finish()
