@@ -415,7 +415,7 @@ def unet_patch_denoise(ctx: RankContext, unet: UNet2DConditionModel, schedule: S
             out = unet(xin, tt, emb, added_cond_kwargs, ops=ops)
         ops.next_step()
         noise = None
-        if sampler == "ddpm":  # the same full-size noise as one rank, sliced to the band
+        if sch.draws_noise:  # the same full-size noise as one rank, sliced to the band
             noise = torch.randn(x_full.shape, generator=g)[:, :, band].to(x.device)
         x = sch.step(out, t, x, noise=noise)
     ops.finish()

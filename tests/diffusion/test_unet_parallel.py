@@ -128,7 +128,7 @@ def test_exact_unet_output_other_configs(tmp_path, kw):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sampler", ["ddim", "euler", "ddpm"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "ddpm", "euler_a", "dpmpp"])  # ddpm, euler_a draw noise
 def test_exact_sampling_run_equals_one_rank(tmp_path, sampler):
     unet = _unet_dir(tmp_path, SD1)
     lat, text, uncond = _inputs(SD1, 8, 8, b=1)
