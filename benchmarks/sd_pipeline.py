@@ -16,11 +16,10 @@ Parts (comma-separated `--parts`):
   runs) on the UNet's attention shapes (CFG batch 2, 8 heads), one thread, interleaved, thread CPU time.
 - pipeline: one image, prompt + negative prompt "" (CFG, guidance 7.5), 25 DDIM steps, the same latents, at each
   latent size of `--sizes`; scratchlm's `DiffusionPipeline` and diffusers' `StableDiffusionPipeline` each in its
-  own process (1 thread pinned to one core, then 2 threads), the two interleaved round by round (a warm-up round
-  dropped). Reported: wall and process CPU seconds, their ratio, and the split (text encoder / UNet over the 25
-  steps / VAE decoder / the rest) in process CPU seconds, timed by forward hooks on the three modules (the same
-  hooks on both sides);
-  the max abs difference between the two images; the load average.
+  own process (1 thread pinned to one core, then 2 threads), one warm-up image of the smallest size each, then
+  the two interleaved round by round. Reported: wall and process CPU seconds, their ratio, and the split (text
+  encoder / UNet over the 25 steps / VAE decoder / the rest) in process CPU seconds, timed by forward hooks on the
+  three modules (the same hooks on both sides); the max abs difference between the two images; the load average.
 - memory: peak memory (peak RSS over the resident baseline, a fresh process per point) of the UNet's top-level
   self-attention (one call, CFG batch 2, 8 heads, head dim 8) and of a whole UNet forward at 64x64 and 128x128
   latents, with the attention fused (scratchlm's kernel; torch's SDPA) or materialised (whole; in query chunks);
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO_ROOT, Report, interleaved_clients, set_threads
+from benchmarks.common import REPO_ROOT, Report, set_threads
 
 PARTS = ("attention", "pipeline", "memory")
 PROMPT = "a photo of an astronaut riding a horse on the moon"
@@ -215,6 +215,36 @@ def _client(conn, which: str, folder: str, threads: int, pin: int | None, steps:
         conn.send(res)
 
 
+def _interleaved(target, client_args: dict[str, tuple], sizes: list[str], repeats: int) -> dict:
+    """One process per contender (`target(conn, *args)`); a single warm-up image of the smallest size each (kernel
+    builds, allocator), then `repeats` rounds per size with the contenders interleaved. {name: {size: [result]}}"""
+    ctx = mp.get_context("spawn")
+    clients = {}
+    try:
+        for name, cargs in client_args.items():
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(child, *cargs))
+            proc.start()
+            clients[name] = (proc, parent)
+            print(f"{name}: {parent.recv()}", file=sys.stderr)
+        warm = min(sizes, key=int)
+        for name, (_, conn) in clients.items():
+            conn.send(warm)
+            print(f"  warm-up {warm}: {name} {conn.recv()['wall']:.1f} s", file=sys.stderr)
+        out: dict = {n: {s: [] for s in sizes} for n in client_args}
+        for s in sizes:
+            for r in range(repeats):
+                for name, (_, conn) in clients.items():
+                    conn.send(s)
+                    out[name][s].append(conn.recv())
+                    print(f"  {s} round {r + 1}: {name} {out[name][s][-1]['wall']:.1f} s", file=sys.stderr)
+        return out
+    finally:
+        for proc, conn in clients.values():
+            conn.send(None)
+            proc.join(120)
+
+
 def part_pipeline(report: Report, args) -> None:
     folder = make_folder(Path(args.folder))
     sizes = [s for s in args.sizes.split(",") if s]
@@ -224,8 +254,8 @@ def part_pipeline(report: Report, args) -> None:
     names = ("diffusers", "scratchlm")
     for label, threads, pin_to in configs:
         load0 = os.getloadavg()
-        res = interleaved_clients(_client, {n: (n, str(folder), threads, pin_to, args.steps, args.guidance)
-                                            for n in names}, sizes, args.repeats, join_timeout=120)
+        res = _interleaved(_client, {n: (n, str(folder), threads, pin_to, args.steps, args.guidance)
+                                     for n in names}, sizes, args.repeats)
         load1 = os.getloadavg()
         rows = []
         for s in sizes:
@@ -250,8 +280,9 @@ def part_pipeline(report: Report, args) -> None:
                       "UNet, 25 steps (CPU)", "VAE decoder (CPU)", "rest (CPU)", "max abs(image diff), [-1, 1]",
                       "walls per round"],
                      rows, caption=f"One image, {label}: {args.steps} DDIM steps, CFG guidance {args.guidance}, "
-                                   f"{args.repeats} interleaved rounds after a warm-up (medians); load average "
-                                   f"{load0[0]:.1f} before, {load1[0]:.1f} after")
+                                   f"{args.repeats} interleaved round(s) after one warm-up image (medians); load "
+                                   f"average {load0[0]:.1f} before, {load1[0]:.1f} after")
+        report.write()  # the tables so far: a long run that is stopped leaves them
 
 
 # ------------------------------------------------------------------------------------ memory part
@@ -364,8 +395,8 @@ def part_memory(report: Report, args) -> None:
         vrows.append([f"{s}x{s} -> {s * 8} px", _cell(full), _cell(tiled), seam, ratio])
         print(vrows[-1], file=sys.stderr)
     report.table(["latent -> image", "whole: peak / time", f"tiled ({args.vae_tile}x{args.vae_tile} latent tiles, "
-                  "overlap 4)", "seam error (images in [-1, 1])", "memory whole / tiled"], vrows,
-                 caption="The SD VAE decoder (reduced width) whole vs tiled, 2 threads")
+                  "overlap 4)", "seam error (decoder output, unclamped)", "memory whole / tiled"], vrows,
+                 caption="The SD VAE decoder (reduced width, random weights) whole vs tiled, 2 threads")
 
 
 def main(argv: list[str] | None = None) -> int:
