@@ -7,10 +7,10 @@ fallback is logged once per reason (a warning; at info level while training, whe
 `prepare()` builds the kernel ahead (multi-process launchers call it before starting ranks).
 Both are exact attention: they differ by float rounding only (~1e-7 relative; the kernel sums in another order).
 
-Why a kernel: at a UNet's top level (thousands of tokens, head dim 8-40) torch's flash kernel spends most of its
+Why a kernel: at a UNet's top level (thousands of tokens, head dim 8 at reduced width) torch's flash kernel spends its
 time outside the arithmetic (GEMM calls with K = head dim, separate max / exp / rescale passes); the kernel keeps a
-(batch, head)'s K and V transposed in L2 and each query tile's scores in L1 (keys in lanes), 2-5x faster there
-(benchmarks/sd_pipeline.py --parts attention). Like SDPA it never holds the (T, S) score matrix: R x S floats.
+(batch, head)'s K and V transposed in L2 and each query tile's scores in L1 (keys in lanes), 1.5-2.7x faster there
+(benchmarks/sd_pipeline.py --parts attention). Like SDPA it never holds the (T, S) score matrix: 8 x 512 floats.
 """
 
 from __future__ import annotations

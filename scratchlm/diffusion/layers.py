@@ -5,7 +5,7 @@
   queries (the memory wall: the (T, S) score matrix is the term that grows with the square of the
   latent's token count; chunking bounds it at (chunk, S) for the price of more, smaller GEMMs).
   Three implementations (`attention_impl`): "fused" (the default: scratchlm's C++ kernel,
-  `fused_attention.py`, for head dims 8 and 16 where it beats torch's; torch's SDPA for the others),
+  `fused_attention.py`, where it beats torch's (`fused_kernel_pays`); torch's SDPA for the others),
   "sdpa" (torch's fused kernel always), "math" (the scores materialised). All exact up to float rounding.
 - sinusoidal timestep and 2-D position embeddings, bit-for-bit the formulas diffusers uses
   (`get_timestep_embedding`, `get_2d_sincos_pos_embed`), so weights move between the two.
@@ -23,15 +23,19 @@ from scratchlm.model.layers import Linear
 
 # Query rows per attention chunk (None: the whole score matrix at once). Set by `chunked_attention`.
 ATTENTION_CHUNK: int | None = None
-# "fused": scratchlm's kernel (fused_attention.py) for head dims in FUSED_HEAD_DIMS, torch's SDPA otherwise;
+# "fused": scratchlm's kernel (fused_attention.py) where `fused_kernel_pays`, torch's SDPA otherwise;
 # "sdpa": torch's fused scaled_dot_product_attention (on CPU a flash-style kernel that never holds the
 # (T, S) scores); "math": scores materialised, softmax, then @ V (what a plain implementation, or
 # diffusers' AttnProcessor, holds in memory). Set by `attention_impl`.
 ATTENTION_IMPL: str = "fused"
 IMPLS = ("fused", "sdpa", "math")
-# Head dims where scratchlm's kernel is faster than torch's SDPA on this CPU (1.5-2.7x at 8; about equal at 16,
-# slower from 32: there torch's GEMM-based kernel wins; benchmarks/sd_pipeline.py --parts attention).
-FUSED_HEAD_DIMS = (8, 16)
+
+
+def fused_kernel_pays(head_dim: int, keys: int) -> bool:
+    """Where scratchlm's kernel beats torch's SDPA on this CPU (benchmarks/sd_pipeline.py --parts attention): head
+    dim 8 (1.5-2.7x); 16 over short key sets (cross-attention to 77 text tokens ~1.8x, but 0.7-0.9x over 1024 keys);
+    from 32 on torch's GEMM-based kernel wins."""
+    return head_dim == 8 or (head_dim == 16 and keys <= 512)
 
 
 class BiasLinear(Linear):
@@ -54,7 +58,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, chunk: int | None = None) -> Tens
     score matrix held at once is (B, H, chunk, S) instead of (B, H, T, S). Exact either way.
     """
     chunk = chunk if chunk is not None else ATTENTION_CHUNK
-    if ATTENTION_IMPL == "fused" and q.shape[-1] in FUSED_HEAD_DIMS:
+    if ATTENTION_IMPL == "fused" and fused_kernel_pays(q.shape[-1], k.shape[1]):
         from scratchlm.diffusion.fused_attention import attention as fused
 
         return fused(q, k, v)  # holds 8 rows of scores at a time: already chunked, finer than any `chunk`

@@ -8,12 +8,13 @@
 // the work per score is a handful of FMAs and one exp, and torch's flash kernel (GEMM calls with K = D, then
 // separate max / exp / rescale passes over a (32 x 512) block) spends most of its time outside arithmetic. Here
 // one work item is one (batch, head): its K and V are transposed once into D x S panels (keys in lanes), then
-// each tile of R = 4 query rows
-//   pass 1: s[r, j..j+16] = sum_d q[r, d] * Kt[d, j..j+16]  (one Kt load feeds R FMAs), times scale, the row
-//           maxima on the way, into an L1/L2 buffer of R x S floats;
-//   pass 2: p = exp(s - max) in place, row sums (16 lanes at a time, a masked tail, never exp of padding);
-//   pass 3: out[r, d] = sum_j p[r, j] Vt[d, j] / sum_r with 16-lane accumulators (d in groups of 8, 2 rows a time),
-//           reduced across lanes at the end.
+// each tile of R = 8 query rows runs over the keys in blocks of KEY_BLOCK = 512 (online softmax across blocks):
+//   pass 1: s[r, j..j+16] = sum_d q[r, d] * Kt[d, j..j+16]  (one Kt load feeds R FMAs), times scale, the block's
+//           row maxima on the way, into an L1 buffer of R x 512 floats;
+//   pass 2: p = exp(s - max) in place, row sums (16 lanes at a time, a masked tail, never exp of padding); the
+//           earlier blocks' sums and outputs rescaled by exp(old max - new max);
+//   pass 3: o[r, d] += sum_j p[r, j] Vt[d, j] with 16-lane accumulators (d in groups of 8, 2 rows a time), reduced
+//           across lanes per block; out = o / sum at the end.
 // Exact attention (no approximation beyond float rounding: exp is a ~1-ulp polynomial, Cephes' expf), the sums
 // in a different order than torch's, so results differ from sdpa by float rounding (~1e-7 relative).
 // AVX-512F only; callers check `supported()` (and $SCRATCHLM_ISA, scratchlm.isa) and use torch's sdpa otherwise.
@@ -71,44 +72,50 @@ F512 void transpose_panel(const float* src, int64_t stride, int64_t S, int64_t D
     for (int64_t j = S; j < Sp; ++j) dst[d * Sp + j] = 0.f;
 }
 
-// Scores of R rows (pass 1) into buf (R x Sp), returning the row maxima in mx.
+// Keys per block: a tile's scores (ROWS x KEY_BLOCK floats) and the block's slices of the K/V panels stay in L1/L2
+// however long the sequence (16k tokens at a 128x128 latent); the row maxima, sums and outputs carry across blocks
+// with the online-softmax rescaling.
+constexpr int64_t KEY_BLOCK = 512;
+
+// Scores of R rows against keys [j0, j0 + n) (pass 1) into buf (R x KEY_BLOCK), the row maxima into mx.
 template <int R>
-F512 void scores(const Item& it, const float* Kt, int64_t t0, float* buf, float* mx) {
-  const int64_t S = it.S, D = it.D, Sp = it.Sp;
+F512 void scores(const Item& it, const float* Kt, int64_t t0, int64_t j0, int64_t n, float* buf, float* mx) {
+  const int64_t D = it.D, Sp = it.Sp;
   const float* q[R];
   for (int r = 0; r < R; ++r) q[r] = it.q + (t0 + r) * it.qs;
   __m512 m[R];
   for (int r = 0; r < R; ++r) m[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 sc = _mm512_set1_ps(it.scale);
-  for (int64_t j = 0; j < Sp; j += 16) {
+  for (int64_t j = 0; j < n; j += 16) {
     __m512 s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      const __m512 kt = _mm512_loadu_ps(Kt + d * Sp + j);
+      const __m512 kt = _mm512_loadu_ps(Kt + d * Sp + j0 + j);
       for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), kt, s[r]);
     }
-    const __mmask16 valid = j + 16 <= S ? (__mmask16)0xFFFF : (__mmask16)((1u << (S - j)) - 1u);
+    const __mmask16 valid = j + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
     for (int r = 0; r < R; ++r) {
       s[r] = _mm512_mul_ps(s[r], sc);
-      _mm512_storeu_ps(buf + r * Sp + j, s[r]);
+      _mm512_storeu_ps(buf + r * KEY_BLOCK + j, s[r]);
       m[r] = _mm512_mask_max_ps(m[r], valid, m[r], s[r]);
     }
   }
   for (int r = 0; r < R; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
 }
 
-// p = 2^(s - max) = e^(score - max score) in place (s: scores times log2 e; padding lanes set to 0); returns the sum.
-F512 float exp_row(float* s, int64_t S, int64_t Sp, float mx) {
+// p = 2^(s - max) = e^(score - max score) in place for n scores (s: scores times log2 e; the padding lanes of the
+// last vector set to 0); returns their sum.
+F512 float exp_row(float* s, int64_t n, float mx) {
   const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   int64_t j = 0;
-  for (; j + 16 <= S; j += 16) {
+  for (; j + 16 <= n; j += 16) {
     const __m512 p = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
     _mm512_storeu_ps(s + j, p);
     acc = _mm512_add_ps(acc, p);
   }
-  if (j < Sp) {
-    const __mmask16 valid = (__mmask16)((1u << (S - j)) - 1u);
+  if (j < n) {
+    const __mmask16 valid = (__mmask16)((1u << (n - j)) - 1u);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
     _mm512_storeu_ps(s + j, p);
     acc = _mm512_add_ps(acc, p);
@@ -116,51 +123,67 @@ F512 float exp_row(float* s, int64_t S, int64_t Sp, float mx) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// out rows += P (R2 rows of buf) @ V for the 8 head features d0..d0+8, divided by the row sums.
+// o (R2 rows of D floats) += P (R2 rows of buf, keys [j0, j0 + n)) @ V, for the head features d0..d0+8.
 template <int R2>
-F512 void values8(const Item& it, const float* Vt, const float* buf, int64_t t0, int64_t d0, const float* inv) {
+F512 void values8(const Item& it, const float* Vt, const float* buf, int64_t j0, int64_t n, int64_t d0, float* o) {
   const int64_t Sp = it.Sp;
   const int nd = (int)std::min<int64_t>(8, it.D - d0);
   __m512 acc[R2][8];
   for (int r = 0; r < R2; ++r)
     for (int d = 0; d < 8; ++d) acc[r][d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < Sp; j += 16) {
+  for (int64_t j = 0; j < n; j += 16) {
     __m512 p[R2];
-    for (int r = 0; r < R2; ++r) p[r] = _mm512_loadu_ps(buf + r * Sp + j);
+    for (int r = 0; r < R2; ++r) p[r] = _mm512_loadu_ps(buf + r * KEY_BLOCK + j);
     for (int d = 0; d < nd; ++d) {
-      const __m512 vt = _mm512_loadu_ps(Vt + (d0 + d) * Sp + j);
+      const __m512 vt = _mm512_loadu_ps(Vt + (d0 + d) * Sp + j0 + j);
       for (int r = 0; r < R2; ++r) acc[r][d] = _mm512_fmadd_ps(p[r], vt, acc[r][d]);
     }
   }
-  for (int r = 0; r < R2; ++r) {
-    float* o = it.out + (t0 + r) * it.os + d0;
-    for (int d = 0; d < nd; ++d) o[d] = _mm512_reduce_add_ps(acc[r][d]) * inv[r];
-  }
+  for (int r = 0; r < R2; ++r)
+    for (int d = 0; d < nd; ++d) o[r * it.D + d0 + d] += _mm512_reduce_add_ps(acc[r][d]);
 }
 
 template <int R>
-F512 void tile(const Item& it, const float* Kt, const float* Vt, int64_t t0, float* buf) {
-  float mx[R], inv[R];
-  scores<R>(it, Kt, t0, buf, mx);
-  for (int r = 0; r < R; ++r) inv[r] = 1.f / exp_row(buf + r * it.Sp, it.S, it.Sp, mx[r]);
-  for (int64_t d0 = 0; d0 < it.D; d0 += 8) {
-    int r = 0;
-    for (; r + 2 <= R; r += 2) values8<2>(it, Vt, buf + r * it.Sp, t0 + r, d0, inv + r);
-    for (; r < R; ++r) values8<1>(it, Vt, buf + r * it.Sp, t0 + r, d0, inv + r);
+F512 void tile(const Item& it, const float* Kt, const float* Vt, int64_t t0, float* buf, float* o) {
+  const int64_t D = it.D;
+  float m[R], l[R], bm[R];
+  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+  std::fill(o, o + R * D, 0.f);
+  for (int64_t j0 = 0; j0 < it.S; j0 += KEY_BLOCK) {
+    const int64_t n = std::min(KEY_BLOCK, it.S - j0);
+    scores<R>(it, Kt, t0, j0, n, buf, bm);
+    for (int r = 0; r < R; ++r) {
+      const float mn = std::max(m[r], bm[r]);
+      const float f = j0 ? std::exp2(m[r] - mn) : 0.f;  // rescales what the earlier blocks summed
+      if (j0)
+        for (int64_t d = 0; d < D; ++d) o[r * D + d] *= f;
+      l[r] = l[r] * f + exp_row(buf + r * KEY_BLOCK, n, mn);
+      m[r] = mn;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      int r = 0;
+      for (; r + 2 <= R; r += 2) values8<2>(it, Vt, buf + r * KEY_BLOCK, j0, n, d0, o + r * D);
+      for (; r < R; ++r) values8<1>(it, Vt, buf + r * KEY_BLOCK, j0, n, d0, o + r * D);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = it.out + (t0 + r) * it.os;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[d] = o[r * D + d] * inv;
   }
 }
 
 constexpr int ROWS = 8;
 
 F512 void run_item(const Item& it) {
-  std::vector<float> panels(2 * it.D * it.Sp), buf(ROWS * it.Sp);
+  std::vector<float> panels(2 * it.D * it.Sp), buf(ROWS * KEY_BLOCK), o(ROWS * it.D);
   float* Kt = panels.data();
   float* Vt = Kt + it.D * it.Sp;
   transpose_panel(it.k, it.ks, it.S, it.D, it.Sp, Kt);
   transpose_panel(it.v, it.vs, it.S, it.D, it.Sp, Vt);
   int64_t t = 0;
-  for (; t + ROWS <= it.T; t += ROWS) tile<ROWS>(it, Kt, Vt, t, buf.data());
-  for (; t < it.T; ++t) tile<1>(it, Kt, Vt, t, buf.data());
+  for (; t + ROWS <= it.T; t += ROWS) tile<ROWS>(it, Kt, Vt, t, buf.data(), o.data());
+  for (; t < it.T; ++t) tile<1>(it, Kt, Vt, t, buf.data(), o.data());
 }
 
 bool cpu_ok() {
