@@ -159,7 +159,8 @@ def test_diffusion_pipeline_refuses(tmp_path):
 
     marker = tmp_path / "MARKER"
     pipe = tmp_path / "pipe"
-    (pipe / "tokenizer").mkdir(parents=True)
+    for sub in ("tokenizer", "text_encoder", "transformer", "vae"):  # the loader checks the folders first
+        (pipe / sub).mkdir(parents=True)
     (pipe / "model_index.json").write_text(json.dumps({"_class_name": "scratchlm.DiffusionPipeline"}))
     bad = pipe / "tokenizer" / "tokenizer.pt"
     torch.save({"tokenizer": _Payload(marker), "max_len": 8}, bad)
