@@ -377,3 +377,11 @@ class Report:
         print(f"[written to {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}]",
               file=sys.stderr)
         return path
+
+
+def rss_kb(field: str) -> int:
+    """A memory field of this process from /proc/self/status in KiB ("VmRSS:", "VmHWM:"); 0 where absent."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, shared_data_dir
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Report, rss_kb, shared_data_dir
 from scratchlm.diffusion.judge import SHIPPED_JUDGE
 
 PARTS = ("accuracy", "quality", "memory", "speed", "vae_patch")
@@ -209,12 +209,6 @@ def _measure_child(spec: dict) -> dict:
     """Run in a fresh process: peak RSS over the baseline and time of one forward."""
     torch.set_num_threads(1)
     from scratchlm.diffusion.layers import attention_impl, chunked_attention
-
-    def rss_kb(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1])
-        return 0
 
     torch.manual_seed(0)
     if spec["kind"] == "dit":

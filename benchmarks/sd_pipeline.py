@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO_ROOT, Report, set_threads
+from benchmarks.common import REPO_ROOT, Report, rss_kb, set_threads
+from scratchlm.tokenizer.formats import bytes_to_unicode
 
 PARTS = ("attention", "pipeline", "memory")
 PROMPT = "a photo of an astronaut riding a horse on the moon"
@@ -59,21 +60,9 @@ WORDS = ("a", "photo", "of", "an", "astronaut", "riding", "horse", "on", "the", 
 
 
 # ------------------------------------------------------------------------------------ the model folder
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character table (CLIP's byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
 def _clip_vocab(path: Path) -> None:
     """A small CLIP BPE vocabulary (bytes, bytes + </w>, merges spelling WORDS, the two specials)."""
-    chars = _bytes_to_unicode()
+    chars = list(bytes_to_unicode().values())  # GPT-2's byte -> printable character table, CLIP's alphabet
     vocab, merges = chars + [c + "</w>" for c in chars], []
     for w in WORDS:
         toks = list(w[:-1]) + [w[-1] + "</w>"]
@@ -286,13 +275,6 @@ def part_pipeline(report: Report, args) -> None:
 
 
 # ------------------------------------------------------------------------------------ memory part
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
-
-
 def _measure_child(spec: dict) -> dict:
     """In a fresh process: peak RSS over the resident baseline, and the time, of one call."""
     set_threads(spec.get("threads", 2))
@@ -326,11 +308,11 @@ def _measure_child(spec: dict) -> dict:
         if spec.get("warmup", True):
             fn()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM)
-        base = _rss_kb("VmRSS:")
+        base = rss_kb("VmRSS:")
         t0 = time.perf_counter()
         out = fn()
         seconds = time.perf_counter() - t0
-        peak = _rss_kb("VmHWM:")
+        peak = rss_kb("VmHWM:")
     res = {"peak_mb": (peak - base) / 1024, "seconds": seconds}
     if spec["kind"] == "vae" and spec.get("tile"):
         with torch.no_grad():
