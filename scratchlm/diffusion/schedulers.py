@@ -267,14 +267,17 @@ class EulerSampler(_Sampler):
         s = self.sigmas[self._index(t)]
         return x / ((s**2 + 1) ** 0.5)
 
+    def _x0(self, out: Tensor, x: Tensor, s) -> Tensor:
+        """x_0 from the model output at sigma s (x in sigma scaling, float32)."""
+        if self.config.prediction_type == "epsilon":
+            return x - s * out
+        return out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+
     def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
         i = self._index(t)
         s, s_next = self.sigmas[i], self.sigmas[i + 1]
         x = x.float()
-        if self.config.prediction_type == "epsilon":
-            x0 = x - s * out
-        else:
-            x0 = out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        x0 = self._x0(out, x, s)
         return (x + (x - x0) / s * (s_next - s)).to(out.dtype)
 
 
@@ -382,10 +385,7 @@ class EulerAncestralSampler(EulerSampler):
         i = self._index(t)
         s, s_next = self.sigmas[i], self.sigmas[i + 1]
         x = x.float()
-        if self.config.prediction_type == "epsilon":
-            x0 = x - s * out
-        else:
-            x0 = out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        x0 = self._x0(out, x, s)
         s_up = (s_next**2 * (s**2 - s_next**2) / s**2) ** 0.5
         s_down = (s_next**2 - s_up**2) ** 0.5
         prev = x + (x - x0) / s * (s_down - s)
@@ -420,10 +420,7 @@ class LMSSampler(EulerSampler):
     def step(self, out: Tensor, t, x: Tensor, noise: Tensor | None = None, generator=None) -> Tensor:
         i = self._index(t)
         s = self.sigmas[i]
-        if self.config.prediction_type == "epsilon":
-            x0 = x - s * out
-        else:
-            x0 = out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+        x0 = self._x0(out, x, s)
         self._derivs = (self._derivs + [(x - x0) / s])[-self.order:]
         order = min(i + 1, self.order)
         coeffs = [self._coeff(order, i, j) for j in range(order)]
